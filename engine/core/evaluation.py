@@ -1,0 +1,301 @@
+"""The decision core of one evaluation: rule states in, actions out.
+
+No asyncio, no simpy, no clock, no I/O. The live runtime (`engine.runtime`) and the
+simulator (`sim`) feed it the same inputs (a snapshot read from Redis, agent outcomes,
+delayed retries coming due, a cancel) and carry out the actions it returns, so a bug
+here is a bug in both, and neither shell can drift into testing another engine.
+
+The rules it keeps, each a guarantee the checker proves on real histories:
+1. A rule runs only when every dependency succeeded; at most `max_parallel` at once.
+2. A rule with a result (in memory or loaded from Redis) is never run again.
+3. Retry levels: a failed call is retried at once `immediate_retries` times (level 1);
+   then `failed_attempt_N` is persisted and a delayed retry scheduled on tier N (level 2);
+   attempt `max_attempts` failing is `permanently_failed` (level 3).
+4. A permanent failure skips exactly its transitive dependents; every other rule goes on.
+5. Attempt numbers only grow; a retry whose attempt is not the next one is stale.
+6. A pass result is published once, when all its rules are terminal; `Finish` once.
+7. After a cancel no rule starts and no retry fires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from engine.core.actions import (
+    AckRetry,
+    Action,
+    Finish,
+    Park,
+    PersistResult,
+    PersistStatus,
+    PublishPassResult,
+    Recovered,
+    RunRule,
+    ScheduleRetry,
+    SkipRules,
+)
+from engine.core.recovery import Recovery, Snapshot, classify
+from engine.core.results import RuleResult
+from engine.core.states import (
+    PERMANENTLY_FAILED,
+    RULE_TRANSITIONS,
+    TERMINAL_RULE_STATES,
+    EvaluationStatus,
+    RuleState,
+    failed_attempt,
+)
+from engine.plan import Plan
+from engine.policy import RetryPolicy
+
+
+class ProtocolError(RuntimeError):
+    """The shell fed the core an input its state does not allow: a shell bug."""
+
+
+class Evaluation:
+    """One evaluation (`attemptId`) of a plan, rebuilt from what Redis remembers."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        attempt_id: str,
+        policy: RetryPolicy | None = None,
+        *,
+        snapshot: Snapshot | None = None,
+        due: Mapping[str, int] | None = None,
+        max_parallel: int = 4,
+    ) -> None:
+        if max_parallel < 1:
+            raise ValueError("max_parallel must be >= 1")
+        self.plan = plan
+        self.attempt_id = attempt_id
+        self.policy = policy or RetryPolicy()
+        self.max_parallel = max_parallel
+        self.snapshot = snapshot or Snapshot()
+        self.status = EvaluationStatus.RUNNING
+        self.state: dict[str, RuleState] = {}
+        self.attempt: dict[str, int] = {}  # the attempt running or next to run
+        self.tries: dict[str, int] = {}  # calls made in the current attempt
+        self.results: dict[str, RuleResult] = {}
+        self._retry_tokens: dict[str, int] = {}  # rule -> attempt a retry message asked for
+        self._published: set[str] = set(self.snapshot.published_passes)
+        self._started = False
+        self._finished = False
+        self._parked = False
+        self._classification = classify(plan, self.snapshot)
+        due = dict(due or {})
+        for rid, (kind, n) in self._classification.items():
+            self.tries[rid] = 0
+            if kind is Recovery.LOADED:
+                self.state[rid] = RuleState.SUCCEEDED
+                self.results[rid] = self.snapshot.results[rid]
+                self.attempt[rid] = self.results[rid].attempt
+            elif kind is Recovery.FAILED:
+                self.state[rid] = RuleState.PERMANENTLY_FAILED
+                self.attempt[rid] = self.max_attempts(rid)
+            elif kind is Recovery.RETRYING:
+                self.attempt[rid] = n + 1
+                if due.get(rid) == n + 1:
+                    self.state[rid] = RuleState.PENDING
+                    self._retry_tokens[rid] = n + 1
+                else:
+                    self.state[rid] = RuleState.WAITING_RETRY
+            else:
+                self.state[rid] = RuleState.PENDING
+                self.attempt[rid] = 1
+
+    # --- queries --------------------------------------------------------------------------
+
+    def max_attempts(self, rule_id: str) -> int:
+        return self.plan.rules[rule_id].max_attempts or self.policy.max_attempts
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    def rules_in(self, *states: RuleState) -> list[str]:
+        return [rid for rid in self.plan.order if self.state[rid] in states]
+
+    # --- inputs ---------------------------------------------------------------------------
+
+    def start(self) -> list[Action]:
+        """First actions after (re)delivery: what was recovered, then what runs now."""
+        if self._started:
+            raise ProtocolError("start() called twice")
+        self._started = True
+        actions: list[Action] = []
+        if not self.snapshot.empty:
+            by_kind: dict[Recovery, list[str]] = {k: [] for k in Recovery}
+            for rid, (kind, _) in self._classification.items():
+                by_kind[kind].append(rid)
+            actions.append(
+                Recovered(
+                    loaded=tuple(by_kind[Recovery.LOADED]),
+                    retrying={r: self._classification[r][1] for r in by_kind[Recovery.RETRYING]},
+                    failed=tuple(by_kind[Recovery.FAILED]),
+                    fresh=tuple(by_kind[Recovery.FRESH]),
+                )
+            )
+        failed = self.rules_in(RuleState.PERMANENTLY_FAILED)
+        if failed:
+            actions.extend(self._skip_dependents(failed))
+        actions.extend(self._advance())
+        return actions
+
+    def rule_succeeded(self, rule_id: str, result: RuleResult) -> list[Action]:
+        self._expect(rule_id, RuleState.RUNNING)
+        self._move(rule_id, RuleState.SUCCEEDED)
+        self.results[rule_id] = result
+        actions: list[Action] = [PersistResult(rule_id, result)]
+        actions.extend(self._ack_token(rule_id))
+        actions.extend(self._advance())
+        return actions
+
+    def rule_failed(self, rule_id: str, error: str, *, retryable: bool = True) -> list[Action]:
+        """An agent call failed. Retry now, later, or give up: the three levels."""
+        self._expect(rule_id, RuleState.RUNNING)
+        if self.status is EvaluationStatus.CANCELLED:
+            self._move(rule_id, RuleState.PENDING)
+            return self._ack_token(rule_id)
+        attempt = self.attempt[rule_id]
+        if retryable and self.tries[rule_id] <= self.policy.immediate_retries:
+            self.tries[rule_id] += 1
+            self._move(rule_id, RuleState.RUNNING)
+            return [RunRule(rule_id, attempt, self.tries[rule_id])]
+        actions: list[Action] = []
+        if retryable and attempt < self.max_attempts(rule_id):
+            tier = self.policy.tier_for(attempt)
+            bucket = self.policy.bucket_for(self.attempt_id, rule_id, attempt)
+            delay = self.policy.delay_ms(tier, bucket)
+            self._move(rule_id, RuleState.WAITING_RETRY)
+            self.attempt[rule_id] = attempt + 1
+            self.tries[rule_id] = 0
+            actions.append(PersistStatus(rule_id, failed_attempt(attempt), error, delay))
+            actions.append(ScheduleRetry(rule_id, attempt + 1, tier, bucket, delay))
+            actions.extend(self._ack_token(rule_id))
+        else:
+            self._move(rule_id, RuleState.PERMANENTLY_FAILED)
+            actions.append(PersistStatus(rule_id, PERMANENTLY_FAILED, error))
+            actions.extend(self._ack_token(rule_id))
+            actions.extend(self._skip_dependents([rule_id]))
+        actions.extend(self._advance())
+        return actions
+
+    def retry_due(self, rule_id: str, attempt: int) -> list[Action]:
+        """A delayed retry message arrived. A stale or duplicate one is acked and dropped."""
+        if rule_id not in self.state:
+            raise ProtocolError(f"unknown rule {rule_id!r}")
+        fresh = (
+            self.status is EvaluationStatus.RUNNING
+            and self.state[rule_id] is RuleState.WAITING_RETRY
+            and self.attempt[rule_id] == attempt
+        )
+        if not fresh:
+            return [AckRetry(rule_id, attempt)]
+        self._move(rule_id, RuleState.PENDING)
+        self._retry_tokens[rule_id] = attempt
+        self._parked = False
+        return self._advance()
+
+    def cancel(self) -> list[Action]:
+        """`cancelled` is terminal: nothing starts after it, retries that arrive are dropped."""
+        if self._finished:
+            return []
+        self.status = EvaluationStatus.CANCELLED
+        self._finished = True
+        actions: list[Action] = [AckRetry(r, a) for r, a in sorted(self._retry_tokens.items())]
+        self._retry_tokens.clear()
+        actions.append(Finish(EvaluationStatus.CANCELLED, self._verdicts()))
+        return actions
+
+    # --- the rules ------------------------------------------------------------------------
+
+    def _advance(self) -> list[Action]:
+        if self._finished or self.status is not EvaluationStatus.RUNNING:
+            return []
+        actions: list[Action] = []
+        running = len(self.rules_in(RuleState.RUNNING))
+        for rid in self.plan.order:
+            if running >= self.max_parallel:
+                break
+            if self.state[rid] is RuleState.PENDING and self._ready(rid):
+                self._move(rid, RuleState.RUNNING)
+                self.tries[rid] = 1
+                actions.append(RunRule(rid, self.attempt[rid], 1))
+                running += 1
+        for p in self.plan.passes:
+            if p.id in self._published:
+                continue
+            if all(self.state[r] in TERMINAL_RULE_STATES for r in p.rule_ids):
+                self._published.add(p.id)
+                outcome = (
+                    "complete"
+                    if all(self.state[r] is RuleState.SUCCEEDED for r in p.rule_ids)
+                    else "partial"
+                )
+                actions.append(
+                    PublishPassResult(p.id, outcome, {r: self._verdict(r) for r in p.rule_ids})
+                )
+        if all(s in TERMINAL_RULE_STATES for s in self.state.values()):
+            self._finished = True
+            if all(s is RuleState.SUCCEEDED for s in self.state.values()):
+                self.status = EvaluationStatus.COMPLETED
+            elif any(s is RuleState.SUCCEEDED for s in self.state.values()):
+                self.status = EvaluationStatus.PARTIAL
+            else:
+                self.status = EvaluationStatus.FAILED
+            actions.append(Finish(self.status, self._verdicts()))
+        elif not self.rules_in(RuleState.RUNNING, RuleState.PENDING) and not self._parked:
+            self._parked = True
+            actions.append(
+                Park({r: self.attempt[r] for r in self.rules_in(RuleState.WAITING_RETRY)})
+            )
+        return actions
+
+    def _ready(self, rule_id: str) -> bool:
+        return all(
+            self.state[d] is RuleState.SUCCEEDED for d in self.plan.rules[rule_id].depends_on
+        )
+
+    def _skip_dependents(self, failed: list[str]) -> list[Action]:
+        actions: list[Action] = []
+        for rid in failed:
+            doomed = self.plan.transitive_dependents([rid])
+            skipped = tuple(
+                r for r in self.plan.order if r in doomed and self.state[r] is RuleState.PENDING
+            )
+            for r in skipped:
+                self._move(r, RuleState.SKIPPED)
+            if skipped:
+                actions.append(SkipRules(skipped, because_of=rid))
+        return actions
+
+    def _ack_token(self, rule_id: str) -> list[Action]:
+        token = self._retry_tokens.pop(rule_id, None)
+        return [] if token is None else [AckRetry(rule_id, token)]
+
+    def _verdict(self, rule_id: str) -> str:
+        if rule_id in self.results:
+            return self.results[rule_id].verdict
+        return self.state[rule_id].value
+
+    def _verdicts(self) -> dict[str, str]:
+        return {r: self._verdict(r) for r in self.plan.order}
+
+    def _expect(self, rule_id: str, state: RuleState) -> None:
+        if rule_id not in self.state:
+            raise ProtocolError(f"unknown rule {rule_id!r}")
+        if self.state[rule_id] is not state:
+            raise ProtocolError(
+                f"rule {rule_id!r} is {self.state[rule_id].value}, expected {state.value}"
+            )
+
+    def _move(self, rule_id: str, to: RuleState) -> None:
+        here = self.state[rule_id]
+        if to not in RULE_TRANSITIONS[here]:
+            raise ProtocolError(f"rule {rule_id!r}: {here.value} -> {to.value} is not allowed")
+        self.state[rule_id] = to

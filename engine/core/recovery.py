@@ -1,0 +1,55 @@
+"""Recovery classification: what ReEvaluateUseCase makes of the keys Redis kept.
+
+The seed names three categories, and a fourth is implied by level 3:
+- a result is present: the rule is finished; load it, never call the agent again;
+- `failed_attempt_N`: the rule is retrying; it resumes at attempt N+1 when its retry is due;
+- `permanently_failed`: the rule is done, and so are its dependents (skipped);
+- nothing: never ran, or its result was lost in the write window; start from zero.
+A result beats any status: a rule can fail, then succeed on its retry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from engine.core.results import RuleResult
+from engine.core.states import parse_status
+from engine.plan import Plan
+
+
+class Recovery(StrEnum):
+    LOADED = "loaded"
+    RETRYING = "retrying"
+    FAILED = "failed"
+    FRESH = "fresh"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything Redis remembers of one evaluation, read in one round trip."""
+
+    results: Mapping[str, RuleResult] = field(default_factory=dict)
+    statuses: Mapping[str, str] = field(default_factory=dict)
+    published_passes: frozenset[str] = frozenset()
+
+    @property
+    def empty(self) -> bool:
+        return not self.results and not self.statuses
+
+
+def classify(plan: Plan, snapshot: Snapshot) -> dict[str, tuple[Recovery, int]]:
+    """Each rule's category and the number of failed attempts it carries."""
+    out: dict[str, tuple[Recovery, int]] = {}
+    for rid in plan.order:
+        if rid in snapshot.results:
+            out[rid] = (Recovery.LOADED, 0)
+            continue
+        status = snapshot.statuses.get(rid)
+        if status is None:
+            out[rid] = (Recovery.FRESH, 0)
+            continue
+        n = parse_status(status)
+        out[rid] = (Recovery.FAILED, 0) if n is None else (Recovery.RETRYING, n)
+    return out

@@ -1,0 +1,311 @@
+"""Evaluation plans: passes of rules whose `depends_on` edges form a rule-level DAG.
+
+A plan is read once, validated whole, and then frozen: the core only ever sees a `Plan`
+whose dependencies are known to exist, point backwards (to the same or an earlier pass)
+and contain no cycle. Every way a file can be wrong ends in one `PlanError` line naming
+the file, the field path and what was expected, so the CLI never shows a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class PlanError(ValueError):
+    """A plan that cannot be used; the message is one line meant for a human."""
+
+
+# --- the schema, as the file spells it ------------------------------------------------
+
+
+class _RuleSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str = Field(pattern=ID_PATTERN)
+    description: str = ""
+    depends_on: list[str] = Field(default_factory=list)
+    max_attempts: int | None = Field(default=None, ge=1, le=20)
+
+
+class _PassSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str = Field(pattern=ID_PATTERN)
+    description: str = ""
+    rules: list[_RuleSpec] = Field(min_length=1)
+
+
+class _PlanSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    plan: str = Field(pattern=ID_PATTERN)
+    description: str = ""
+    passes: list[_PassSpec] = Field(min_length=1)
+
+
+# --- the frozen plan the core reads ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    id: str
+    pass_id: str
+    depends_on: tuple[str, ...] = ()
+    max_attempts: int | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Pass:
+    id: str
+    rule_ids: tuple[str, ...]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    id: str
+    passes: tuple[Pass, ...]
+    rules: Mapping[str, Rule]
+    description: str = ""
+    _dependents: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def order(self) -> tuple[str, ...]:
+        """Rule ids in a topological order (stable: pass order, then file order)."""
+        return tuple(rid for p in self.passes for rid in _toposort(p.rule_ids, self.rules))
+
+    def dependents(self, rule_id: str) -> tuple[str, ...]:
+        """Direct dependents of a rule."""
+        return self._dependents.get(rule_id, ())
+
+    def transitive_dependents(self, rule_ids: Iterable[str]) -> frozenset[str]:
+        """Every rule that (directly or not) depends on one of `rule_ids`."""
+        seen: set[str] = set()
+        stack = list(rule_ids)
+        while stack:
+            for dep in self.dependents(stack.pop()):
+                if dep not in seen:
+                    seen.add(dep)
+                    stack.append(dep)
+        return frozenset(seen)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as its file would spell it; `plan_from_dict` reads it back."""
+        return {
+            "plan": self.id,
+            "description": self.description,
+            "passes": [
+                {
+                    "id": p.id,
+                    "description": p.description,
+                    "rules": [_rule_dict(self.rules[rid]) for rid in p.rule_ids],
+                }
+                for p in self.passes
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+
+def _rule_dict(rule: Rule) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": rule.id, "depends_on": list(rule.depends_on)}
+    if rule.max_attempts is not None:
+        out["max_attempts"] = rule.max_attempts
+    if rule.description:
+        out["description"] = rule.description
+    return out
+
+
+def _toposort(rule_ids: Iterable[str], rules: Mapping[str, Rule]) -> list[str]:
+    """Order the rules of one pass so that a rule follows its in-pass dependencies."""
+    ids = list(rule_ids)
+    local = set(ids)
+    placed: list[str] = []
+    done: set[str] = set()
+    while len(placed) < len(ids):
+        progressed = False
+        for rid in ids:
+            if rid in done:
+                continue
+            if all(d in done or d not in local for d in rules[rid].depends_on):
+                placed.append(rid)
+                done.add(rid)
+                progressed = True
+        if not progressed:  # pragma: no cover - plans are checked for cycles first
+            raise PlanError("cycle")
+    return placed
+
+
+# --- loading ------------------------------------------------------------------------------
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file (YAML or JSON)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read plan: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise PlanError(f"{path}: not valid YAML{where}: {problem}") from None
+    return plan_from_dict(data, source=str(path))
+
+
+def plan_from_dict(data: Any, source: str = "<plan>") -> Plan:
+    """Validate a decoded plan document and freeze it."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: expected a mapping with 'plan' and 'passes' at the top")
+    try:
+        spec = _PlanSpec.model_validate(data)
+    except ValidationError as exc:
+        raise PlanError(f"{source}: {_describe(exc, data)}") from None
+    return _freeze(spec, source)
+
+
+def _describe(exc: ValidationError, data: Any) -> str:
+    err = exc.errors()[0]
+    loc = err["loc"]
+    parts: list[str] = []
+    node: Any = data
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1] if parts else ''}[{item}]"]
+        else:
+            parts.append(str(item))
+        node = node[item] if isinstance(node, dict | list) and _has(node, item) else None
+    path = ".".join(parts) or "(top)"
+    rule_hint = ""
+    if "rules" in loc:
+        idx = loc.index("rules")
+        rules = _walk(data, loc[: idx + 2])
+        if isinstance(rules, dict) and isinstance(rules.get("id"), str):
+            rule_hint = f" (rule '{rules['id']}')"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    elif err["type"] == "missing":
+        msg = "required field is missing"
+    return f"{path}{rule_hint}: {msg}"
+
+
+def _has(node: Any, key: Any) -> bool:
+    if isinstance(node, dict):
+        return key in node
+    return isinstance(key, int) and 0 <= key < len(node)
+
+
+def _walk(data: Any, loc: tuple[Any, ...]) -> Any:
+    node = data
+    for key in loc:
+        if isinstance(node, dict | list) and _has(node, key):
+            node = node[key]
+        else:
+            return None
+    return node
+
+
+def _freeze(spec: _PlanSpec, source: str) -> Plan:
+    rules: dict[str, Rule] = {}
+    pass_of: dict[str, int] = {}
+    passes: list[Pass] = []
+    pass_ids: set[str] = set()
+    for pi, p in enumerate(spec.passes):
+        if p.id in pass_ids:
+            raise PlanError(f"{source}: passes[{pi}].id: duplicate pass id '{p.id}'")
+        pass_ids.add(p.id)
+        for ri, r in enumerate(p.rules):
+            where = f"passes[{pi}].rules[{ri}]"
+            if r.id in rules:
+                raise PlanError(f"{source}: {where}.id: duplicate rule id '{r.id}'")
+            if len(set(r.depends_on)) != len(r.depends_on):
+                raise PlanError(f"{source}: {where}.depends_on (rule '{r.id}'): listed twice")
+            rules[r.id] = Rule(
+                id=r.id,
+                pass_id=p.id,
+                depends_on=tuple(r.depends_on),
+                max_attempts=r.max_attempts,
+                description=r.description,
+            )
+            pass_of[r.id] = pi
+        passes.append(
+            Pass(id=p.id, rule_ids=tuple(r.id for r in p.rules), description=p.description)
+        )
+
+    for pi, p in enumerate(spec.passes):
+        for ri, r in enumerate(p.rules):
+            where = f"passes[{pi}].rules[{ri}].depends_on (rule '{r.id}')"
+            for dep in r.depends_on:
+                if dep == r.id:
+                    raise PlanError(f"{source}: {where}: a rule cannot depend on itself")
+                if dep not in rules:
+                    raise PlanError(f"{source}: {where}: unknown rule '{dep}'")
+                if pass_of[dep] > pi:
+                    raise PlanError(
+                        f"{source}: {where}: '{dep}' is in a later pass "
+                        f"('{rules[dep].pass_id}'); a rule may depend only on rules of its "
+                        "own or an earlier pass"
+                    )
+    cycle = _find_cycle(rules)
+    if cycle:
+        rid = cycle[0]
+        pi = pass_of[rid]
+        ri = passes[pi].rule_ids.index(rid)
+        raise PlanError(
+            f"{source}: passes[{pi}].rules[{ri}].depends_on (rule '{rid}'): "
+            f"dependency cycle {' -> '.join([*cycle, cycle[0]])}"
+        )
+    dependents: dict[str, list[str]] = {}
+    for rid in (rid for p in passes for rid in p.rule_ids):
+        for dep in rules[rid].depends_on:
+            dependents.setdefault(dep, []).append(rid)
+    return Plan(
+        id=spec.plan,
+        passes=tuple(passes),
+        rules=rules,
+        description=spec.description,
+        _dependents={k: tuple(v) for k, v in dependents.items()},
+    )
+
+
+def _find_cycle(rules: Mapping[str, Rule]) -> list[str] | None:
+    white, grey, black = 0, 1, 2
+    colour = dict.fromkeys(rules, white)
+    for start in rules:
+        if colour[start] != white:
+            continue
+        path: list[str] = []
+        stack: list[tuple[str, int]] = [(start, 0)]
+        while stack:
+            rid, i = stack.pop()
+            if i == 0:
+                colour[rid] = grey
+                path.append(rid)
+            deps = rules[rid].depends_on
+            if i < len(deps):
+                stack.append((rid, i + 1))
+                nxt = deps[i]
+                if colour[nxt] == grey:
+                    return path[path.index(nxt) :]
+                if colour[nxt] == white:
+                    stack.append((nxt, 0))
+            else:
+                colour[rid] = black
+                path.pop()
+    return None
