@@ -84,6 +84,9 @@ class Evaluation:
         self._parked = False
         self._classification = classify(plan, self.snapshot)
         due = dict(due or {})
+        unknown = sorted(set(due) - set(plan.rules))
+        if unknown:
+            raise ProtocolError(f"due names unknown rule(s) {unknown}")
         for rid, (kind, n) in self._classification.items():
             self.tries[rid] = 0
             if kind is Recovery.LOADED:
@@ -103,6 +106,9 @@ class Evaluation:
             else:
                 self.state[rid] = RuleState.PENDING
                 self.attempt[rid] = 1
+        # A retry message that is not the next attempt of a waiting rule is stale: it is
+        # acked at start (or cancel), exactly as `retry_due` acks one, never left unacked.
+        self._stale_due = sorted((r, a) for r, a in due.items() if self._retry_tokens.get(r) != a)
 
     # --- queries --------------------------------------------------------------------------
 
@@ -140,6 +146,7 @@ class Evaluation:
                     fresh=tuple(by_kind[Recovery.FRESH]),
                 )
             )
+        actions.extend(self._ack_stale_due())
         failed = self.rules_in(RuleState.PERMANENTLY_FAILED)
         if failed:
             actions.extend(self._skip_dependents(failed))
@@ -189,6 +196,8 @@ class Evaluation:
         """A delayed retry message arrived. A stale or duplicate one is acked and dropped."""
         if rule_id not in self.state:
             raise ProtocolError(f"unknown rule {rule_id!r}")
+        if not self._started:
+            raise ProtocolError("retry_due() before start()")
         fresh = (
             self.status is EvaluationStatus.RUNNING
             and self.state[rule_id] is RuleState.WAITING_RETRY
@@ -207,7 +216,8 @@ class Evaluation:
             return []
         self.status = EvaluationStatus.CANCELLED
         self._finished = True
-        actions: list[Action] = [AckRetry(r, a) for r, a in sorted(self._retry_tokens.items())]
+        actions: list[Action] = self._ack_stale_due()
+        actions.extend(AckRetry(r, a) for r, a in sorted(self._retry_tokens.items()))
         self._retry_tokens.clear()
         actions.append(Finish(EvaluationStatus.CANCELLED, self._verdicts()))
         return actions
@@ -249,7 +259,9 @@ class Evaluation:
             else:
                 self.status = EvaluationStatus.FAILED
             actions.append(Finish(self.status, self._verdicts()))
-        elif not self.rules_in(RuleState.RUNNING, RuleState.PENDING) and not self._parked:
+        elif not self.rules_in(RuleState.RUNNING) and not self._parked:
+            # Nothing in flight and nothing startable (a ready rule would have started
+            # above): only delayed retries are left, even if dependents of them are pending.
             self._parked = True
             actions.append(
                 Park({r: self.attempt[r] for r in self.rules_in(RuleState.WAITING_RETRY)})
@@ -273,6 +285,10 @@ class Evaluation:
             if skipped:
                 actions.append(SkipRules(skipped, because_of=rid))
         return actions
+
+    def _ack_stale_due(self) -> list[Action]:
+        stale, self._stale_due = self._stale_due, []
+        return [AckRetry(r, a) for r, a in stale]
 
     def _ack_token(self, rule_id: str) -> list[Action]:
         token = self._retry_tokens.pop(rule_id, None)

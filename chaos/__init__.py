@@ -1,0 +1,1 @@
+"""Live fault injection: throwaway services, process kills, the scenario runner and CLI."""

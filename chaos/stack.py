@@ -1,0 +1,841 @@
+"""Throwaway Redis servers and RabbitMQ nodes that tests and the scenario runner may SIGKILL.
+
+Why private instances: a chaos scenario kills and restarts the broker and the store, and the
+shared services on 6379/5672 belong to everybody on this machine. Each instance here runs on
+its own loopback ports, in its own temp dir, in its own session (process group), and every
+process it spawns carries a unique marker in its environment, so a kill reaches the whole tree
+(RabbitMQ's `erl_child_setup` and `inet_gethost` call setsid and escape the process group)
+and no orphan outlives the test run.
+
+`start()` blocks until the service answers (a Redis PING, a full AMQP 0-9-1 handshake), with
+plain sockets and no event loop, so it works from sync tests and, through
+`asyncio.to_thread`, from the async runner.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+__all__ = [
+    "MARKER_ENV",
+    "RabbitNode",
+    "RedisServer",
+    "StackError",
+    "amqp_handshake",
+    "find_epmd",
+    "find_rabbitmq_server",
+    "find_redis_server",
+    "free_port",
+    "free_ports",
+    "marked_pids",
+    "redis_ping",
+    "stop_all",
+]
+
+HOST = "127.0.0.1"
+
+#: Environment variable set on every process this module starts; its value is per instance.
+#: Children inherit it even when they leave the process group, which makes it the reliable
+#: way to find (and kill) a whole service tree.
+MARKER_ENV = "CHAOS_STACK_MARKER"
+
+RABBITMQ_SBIN_DIRS = ("/usr/lib/rabbitmq/bin", "/usr/lib/rabbitmq/sbin", "/usr/sbin")
+
+_LOG_TAIL_LINES = 6
+_LOG_TAIL_CHARS = 700
+
+
+class StackError(RuntimeError):
+    """A service could not be started or stopped; the message is a single line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_one_line(message))
+
+
+# --- ports ------------------------------------------------------------------------------------
+
+_port_lock = threading.Lock()
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing source ports, which we avoid (see `free_ports`)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    """True when nothing listens on (or is bound to) 127.0.0.1:port right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> list[int]:
+    """Reserve `count` distinct free loopback ports, never handed out twice by this process.
+
+    Ports come from below the kernel's ephemeral range when possible: a port picked there
+    can be taken as the source port of any outgoing connection (a client reconnecting
+    during a chaos run) between a kill and the restart that must bind it again.
+    """
+    if count < 1:
+        raise ValueError("count must be >= 1")
+    low, _high = _ephemeral_range()
+    lo, hi = 20000, low - 1
+    picked: list[int] = []
+    with _port_lock:
+        if hi - lo > 1000:
+            rng = random.Random()
+            for _ in range(count * 200):
+                if len(picked) == count:
+                    break
+                port = rng.randint(lo, hi)
+                if port in _handed_out or port in picked or not _bindable(port):
+                    continue
+                picked.append(port)
+        while len(picked) < count:  # fallback: let the kernel choose
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((HOST, 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out and port not in picked:
+                picked.append(port)
+        _handed_out.update(picked)
+    return picked
+
+
+def free_port() -> int:
+    """One free loopback port (see `free_ports` for why it is not simply an ephemeral one)."""
+    return free_ports(1)[0]
+
+
+# --- binaries ---------------------------------------------------------------------------------
+
+
+def _executable(path: str | os.PathLike[str]) -> str | None:
+    p = Path(path)
+    return str(p) if p.is_file() and os.access(p, os.X_OK) else None
+
+
+def find_redis_server() -> str | None:
+    """Path of `redis-server` on PATH, or None: tests skip rather than fail without it."""
+    return shutil.which("redis-server")
+
+
+def find_rabbitmq_server() -> str | None:
+    """Path of `rabbitmq-server`: PATH first, then the Debian layout (not on PATH there)."""
+    found = shutil.which("rabbitmq-server")
+    if found:
+        return found
+    for directory in RABBITMQ_SBIN_DIRS:
+        found = _executable(Path(directory) / "rabbitmq-server")
+        if found:
+            return found
+    return None
+
+
+def find_epmd() -> str | None:
+    """Path of Erlang's `epmd`: we run a private one per node, so a kill takes it too."""
+    found = shutil.which("epmd")
+    if found:
+        return found
+    for candidate in sorted(Path("/usr/lib/erlang").glob("erts-*/bin/epmd"), reverse=True):
+        found = _executable(candidate)
+        if found:
+            return found
+    return None
+
+
+def _rabbitmqctl_for(server: str) -> str | None:
+    """`rabbitmqctl` next to the server script, so both come from the same installation."""
+    return _executable(Path(server).parent / "rabbitmqctl") or shutil.which("rabbitmqctl")
+
+
+# --- probes -----------------------------------------------------------------------------------
+
+
+def redis_ping(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True when Redis answers PING with PONG (not LOADING): it serves data then."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            reply = sock.recv(64)
+    except OSError:
+        return False
+    return reply.startswith(b"+PONG")
+
+
+_FRAME_METHOD = 1
+_FRAME_END = 0xCE
+
+
+def _shortstr(value: bytes) -> bytes:
+    return struct.pack(">B", len(value)) + value
+
+
+def _longstr(value: bytes) -> bytes:
+    return struct.pack(">I", len(value)) + value
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("server closed the connection during the AMQP handshake")
+        data.extend(chunk)
+    return bytes(data)
+
+
+def _recv_method(sock: socket.socket) -> tuple[int, int, bytes]:
+    """Next method frame on channel 0 as (class_id, method_id, arguments); skips heartbeats."""
+    while True:
+        header = _recv_exact(sock, 7)
+        if header.startswith(b"AMQP"):
+            raise ConnectionError(f"server rejected protocol header: {header!r}")
+        frame_type, _channel, size = struct.unpack(">BHI", header)
+        payload = _recv_exact(sock, size)
+        if _recv_exact(sock, 1)[0] != _FRAME_END:
+            raise ConnectionError("malformed AMQP frame")
+        if frame_type != _FRAME_METHOD:
+            continue
+        class_id, method_id = struct.unpack(">HH", payload[:4])
+        args = payload[4:]
+        if (class_id, method_id) == (10, 50):  # connection.close from the server
+            code = struct.unpack(">H", args[:2])[0]
+            text = args[3 : 3 + args[2]].decode(errors="replace")
+            raise ConnectionError(f"server closed the connection: {code} {text}")
+        return class_id, method_id, args
+
+
+def _send_method(sock: socket.socket, class_id: int, method_id: int, args: bytes) -> None:
+    payload = struct.pack(">HH", class_id, method_id) + args
+    sock.sendall(
+        struct.pack(">BHI", _FRAME_METHOD, 0, len(payload)) + payload + bytes([_FRAME_END])
+    )
+
+
+def _expect(sock: socket.socket, class_id: int, method_id: int) -> bytes:
+    got_class, got_method, args = _recv_method(sock)
+    if (got_class, got_method) != (class_id, method_id):
+        raise ConnectionError(
+            f"expected AMQP method {class_id}.{method_id}, got {got_class}.{got_method}"
+        )
+    return args
+
+
+def amqp_handshake(
+    host: str,
+    port: int,
+    user: str = "guest",
+    password: str = "guest",
+    vhost: str = "/",
+    timeout: float = 2.0,
+) -> None:
+    """Open and close one AMQP 0-9-1 connection (PLAIN auth, vhost open); raise on failure.
+
+    Why not aio-pika: this runs from sync code and from inside a running event loop alike, and
+    an open TCP port is not enough (the listener may accept before auth and vhosts are ready).
+    """
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.settimeout(timeout)
+        sock.sendall(b"AMQP\x00\x00\x09\x01")
+        _expect(sock, 10, 10)  # connection.start
+        response = b"\x00" + user.encode() + b"\x00" + password.encode()
+        start_ok = (
+            struct.pack(">I", 0)  # empty client-properties table
+            + _shortstr(b"PLAIN")
+            + _longstr(response)
+            + _shortstr(b"en_US")
+        )
+        _send_method(sock, 10, 11, start_ok)
+        tune = _expect(sock, 10, 30)
+        channel_max, frame_max, _heartbeat = struct.unpack(">HIH", tune[:8])
+        _send_method(sock, 10, 31, struct.pack(">HIH", channel_max, frame_max, 0))
+        _send_method(sock, 10, 40, _shortstr(vhost.encode()) + _shortstr(b"") + b"\x00")
+        _expect(sock, 10, 41)  # connection.open-ok
+        _send_method(sock, 10, 50, struct.pack(">H", 200) + _shortstr(b"probe") + b"\0" * 4)
+        with contextlib.suppress(OSError):
+            _expect(sock, 10, 51)  # connection.close-ok
+
+
+# --- process bookkeeping ------------------------------------------------------------------
+
+
+def _read_proc(pid: int, name: str) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return None
+
+
+def _is_zombie(pid: int) -> bool:
+    stat = _read_proc(pid, "stat")
+    if stat is None:
+        return True  # gone
+    # The state follows the parenthesised command name, which may itself contain ')'.
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries `MARKER_ENV=marker`.
+
+    A /proc scan instead of psutil: no extra dependency, and it sees daemons that left the
+    process group. Processes of other users are unreadable and therefore never matched.
+    """
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found: list[int] = []
+    own = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if pid == own:
+            continue
+        environ = _read_proc(pid, "environ")
+        if environ and needle in environ.split(b"\0") and not _is_zombie(pid):
+            found.append(pid)
+    return found
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _kill_marked(marker: str, timeout: float = 5.0) -> list[int]:
+    """SIGKILL every process carrying the marker until none is left; return the survivors."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = marked_pids(marker)
+        if not pids or time.monotonic() > deadline:
+            return pids
+        for pid in pids:
+            _signal_pid(pid, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def _tail(paths: Sequence[Path], lines: int = _LOG_TAIL_LINES) -> str:
+    """The last non-blank lines of the first non-empty log, joined into one line."""
+    for path in paths:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        kept = [line.strip() for line in text.splitlines() if line.strip()]
+        if kept:
+            joined = " | ".join(kept[-lines:])
+            return joined if len(joined) <= _LOG_TAIL_CHARS else "..." + joined[-_LOG_TAIL_CHARS:]
+    return "(log empty)"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+_registry_lock = threading.Lock()
+_registry: dict[int, _Service] = {}
+
+
+def stop_all() -> None:
+    """Kill every service this process started and delete their temp dirs (also at exit)."""
+    with _registry_lock:
+        services = list(_registry.values())
+    for service in services:
+        with contextlib.suppress(Exception):
+            service.stop(graceful=False)
+
+
+atexit.register(stop_all)
+
+
+# --- services -----------------------------------------------------------------------------
+
+
+class _Service:
+    """Shared life cycle: temp dir, marked processes in own sessions, registry, waits."""
+
+    kind = "service"
+
+    def __init__(
+        self,
+        *,
+        port: int | None,
+        start_timeout: float,
+        tmp_root: str | os.PathLike[str] | None,
+    ) -> None:
+        self.port: int = port if port is not None else free_port()
+        self.host: str = HOST
+        self.start_timeout = start_timeout
+        self.marker: str = uuid.uuid4().hex
+        self.startup_seconds: float | None = None
+        self._tmp_root = tmp_root
+        self._dir: Path | None = None
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+        self._lock = threading.RLock()
+
+    # -- what subclasses provide
+
+    def _launch(self) -> None:
+        raise NotImplementedError
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def _log_paths(self) -> list[Path]:
+        raise NotImplementedError
+
+    def _main(self) -> subprocess.Popen[bytes] | None:
+        """The process whose exit means the service died."""
+        return self._procs[-1] if self._procs else None
+
+    # -- public surface
+
+    @property
+    def dir(self) -> Path | None:
+        """The instance's temp dir (data and logs); None before start and after stop."""
+        return self._dir
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the main process (leader of its own process group), None when not running."""
+        main = self._main()
+        return main.pid if main is not None and main.poll() is None else None
+
+    @property
+    def alive(self) -> bool:
+        """True while the main process runs (it may still be booting)."""
+        return self.pid is not None
+
+    def start(self) -> Self:
+        """Start and block until the service answers, or raise StackError (one line)."""
+        with self._lock:
+            if self.alive:
+                return self
+            fresh = self._dir is None
+            if fresh:
+                root = self._tmp_root
+                self._dir = Path(tempfile.mkdtemp(prefix=f"chaos-{self.kind}-", dir=root))
+                with _registry_lock:
+                    _registry[id(self)] = self
+            began = time.monotonic()
+            try:
+                self._launch()
+                self._wait_ready(began)
+            except BaseException:
+                self._kill_all()
+                if fresh:
+                    self._cleanup()
+                raise
+            self.startup_seconds = time.monotonic() - began
+            return self
+
+    def kill(self) -> None:
+        """SIGKILL the whole tree (a crash: no shutdown hook runs); keep data and ports."""
+        with self._lock:
+            self._kill_all()
+
+    def restart(self, graceful: bool = False) -> Self:
+        """Kill (or stop cleanly) if running, then start again on the same ports and data."""
+        with self._lock:
+            if self.alive:
+                if graceful:
+                    self._terminate(self.start_timeout)
+                self._kill_all()
+            return self.start()
+
+    def stop(self, graceful: bool = True, timeout: float = 30.0) -> None:
+        """Stop (SIGTERM, then SIGKILL after `timeout`), kill leftovers, delete the temp dir."""
+        with self._lock:
+            try:
+                if graceful and self.alive:
+                    self._terminate(timeout)
+                self._kill_all()
+            finally:
+                self._cleanup()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid={self.pid}" if self.alive else "stopped"
+        return f"<{type(self).__name__} {self.host}:{self.port} {state}>"
+
+    # -- helpers
+
+    def _env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env[MARKER_ENV] = self.marker
+        if extra:
+            env.update(extra)
+        return env
+
+    def _spawn(self, argv: Sequence[str], log_name: str, env: Mapping[str, str]) -> None:
+        """Run argv in its own session (so killpg reaches it), output into a log in the dir."""
+        assert self._dir is not None
+        log = (self._dir / log_name).open("ab")
+        self._logs.append(log)
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self._dir,
+            env=dict(env),
+            start_new_session=True,
+        )
+        self._procs.append(proc)
+
+    def _wait_ready(self, began: float) -> None:
+        deadline = began + self.start_timeout
+        while True:
+            main = self._main()
+            if main is None or main.poll() is not None:
+                code = None if main is None else main.returncode
+                raise StackError(
+                    f"{self.kind} on {self.host}:{self.port} exited during startup "
+                    f"(code {code}); log: {_tail(self._log_paths())}"
+                )
+            if self._ready():
+                return
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"{self.kind} on {self.host}:{self.port} not ready after "
+                    f"{self.start_timeout:.0f}s; log: {_tail(self._log_paths())}"
+                )
+            time.sleep(0.05)
+
+    def _terminate(self, timeout: float) -> None:
+        main = self._main()
+        if main is None or main.poll() is not None:
+            return
+        _signal_pid(main.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            main.wait(timeout)
+
+    def _kill_all(self) -> None:
+        for proc in self._procs:
+            _signal_group(proc.pid, signal.SIGKILL)
+        survivors = _kill_marked(self.marker)
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)  # reap our direct children: no zombies of ours
+        for log in self._logs:
+            with contextlib.suppress(OSError):
+                log.close()
+        self._procs.clear()
+        self._logs.clear()
+        if survivors:
+            raise StackError(f"{self.kind}: processes {survivors} survived SIGKILL")
+
+    def _cleanup(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        with _registry_lock:
+            _registry.pop(id(self), None)
+
+
+class RedisServer(_Service):
+    """A private `redis-server` on a free loopback port, its data in a temp dir.
+
+    With `persistence=True` it writes an AOF with `appendfsync always`, so a SIGKILLed and
+    restarted server still holds every acknowledged write (the engine's Redis state must
+    survive a store crash in those scenarios); without it a restart comes back empty.
+    """
+
+    kind = "redis"
+
+    def __init__(
+        self,
+        *,
+        persistence: bool = False,
+        port: int | None = None,
+        start_timeout: float = 10.0,
+        extra_args: Sequence[str] = (),
+        binary: str | None = None,
+        tmp_root: str | os.PathLike[str] | None = None,
+    ) -> None:
+        super().__init__(port=port, start_timeout=start_timeout, tmp_root=tmp_root)
+        found = binary or find_redis_server()
+        if found is None:
+            raise StackError("redis-server not found on PATH")
+        self.binary: str = found
+        self.persistence = persistence
+        self.extra_args: tuple[str, ...] = tuple(extra_args)
+
+    @property
+    def url(self) -> str:
+        """redis://127.0.0.1:PORT/0, for redis-py and the engine's REDIS_URL."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    def argv(self) -> list[str]:
+        """The command line; `--save ""` keeps RDB snapshots out of the persistence story."""
+        assert self._dir is not None
+        argv = [
+            self.binary,
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self._dir),
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            "",
+        ]
+        if self.persistence:
+            argv += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            argv += ["--appendonly", "no"]
+        return argv + list(self.extra_args)
+
+    def _launch(self) -> None:
+        self._spawn(self.argv(), "redis.log", self._env())
+
+    def _ready(self) -> bool:
+        return redis_ping(self.host, self.port, timeout=0.5)
+
+    def _log_paths(self) -> list[Path]:
+        return [self._dir / "redis.log"] if self._dir is not None else []
+
+
+_RABBIT_CONFIG = """\
+listeners.tcp.default = {host}:{port}
+loopback_users = none
+default_user = guest
+default_pass = guest
+log.file.level = info
+log.console = true
+log.console.level = info
+"""
+
+
+class RabbitNode(_Service):
+    """A private RabbitMQ node (AMQP, Erlang distribution and epmd all on private ports).
+
+    Everything that would otherwise come from /etc/rabbitmq or /var/lib/rabbitmq (env conf,
+    config, plugins, mnesia, logs, Erlang cookie via HOME) points into the temp dir, so the
+    node cannot disturb the shared one. `kill()` SIGKILLs the node tree and its epmd;
+    `restart()` reuses the node name, ports and mnesia dir, so durable queues and persistent
+    messages survive. Startup takes several seconds: call `start()` via `asyncio.to_thread`
+    from async code.
+    """
+
+    kind = "rabbit"
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        dist_port: int | None = None,
+        epmd_port: int | None = None,
+        node_name: str | None = None,
+        start_timeout: float = 60.0,
+        extra_config: str = "",
+        binary: str | None = None,
+        tmp_root: str | os.PathLike[str] | None = None,
+    ) -> None:
+        wanted = [p for p in (port, dist_port, epmd_port) if p is None]
+        spare = iter(free_ports(len(wanted))) if wanted else iter(())
+        super().__init__(
+            port=port if port is not None else next(spare),
+            start_timeout=start_timeout,
+            tmp_root=tmp_root,
+        )
+        self.dist_port: int = dist_port if dist_port is not None else next(spare)
+        self.epmd_port: int = epmd_port if epmd_port is not None else next(spare)
+        found = binary or find_rabbitmq_server()
+        if found is None:
+            raise StackError("rabbitmq-server not found (PATH, /usr/lib/rabbitmq/bin)")
+        self.binary: str = found
+        epmd = find_epmd()
+        if epmd is None:
+            raise StackError("epmd not found (PATH, /usr/lib/erlang/erts-*/bin)")
+        self.epmd_binary: str = epmd
+        self.node_name: str = node_name or f"chaos_{self.marker[:12]}@localhost"
+        self.extra_config = extra_config
+        self._epmd: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """amqp://guest:guest@127.0.0.1:PORT/, for aio-pika and the engine's AMQP_URL."""
+        return f"amqp://guest:guest@{self.host}:{self.port}/"
+
+    @property
+    def beam_pid(self) -> int | None:
+        """OS pid of the Erlang VM (from the node's pid file), None when not running."""
+        if self._dir is None or not self.alive:
+            return None
+        try:
+            pid = int((self._dir / "rabbit.pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if not _is_zombie(pid) else None
+
+    def node_env(self) -> dict[str, str]:
+        """The environment that pins every RabbitMQ/Erlang path and port to this node.
+
+        Inherited RABBITMQ_* / ERL_* variables are dropped first, and RABBITMQ_CONF_ENV_FILE
+        points at an empty file: /etc/rabbitmq/rabbitmq-env.conf would otherwise set
+        NODENAME=rabbit@localhost, the shared node's name.
+        """
+        assert self._dir is not None
+        d = self._dir
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("RABBITMQ_", "ERL_")) and k not in ("NODENAME", "CONFIG_FILE")
+        }
+        env.update(
+            {
+                MARKER_ENV: self.marker,
+                "HOME": str(d),  # private .erlang.cookie
+                "RABBITMQ_CONF_ENV_FILE": str(d / "rabbitmq-env.conf"),
+                "RABBITMQ_NODENAME": self.node_name,
+                "RABBITMQ_NODE_IP_ADDRESS": self.host,
+                "RABBITMQ_NODE_PORT": str(self.port),
+                "RABBITMQ_DIST_PORT": str(self.dist_port),
+                "ERL_EPMD_PORT": str(self.epmd_port),
+                "ERL_EPMD_ADDRESS": self.host,
+                "RABBITMQ_CONFIG_FILE": str(d / "rabbitmq.conf"),
+                "RABBITMQ_CONFIG_FILES": str(d / "conf.d"),
+                "RABBITMQ_ADVANCED_CONFIG_FILE": str(d / "advanced.config"),
+                "RABBITMQ_ENABLED_PLUGINS_FILE": str(d / "enabled_plugins"),
+                "RABBITMQ_MNESIA_BASE": str(d / "mnesia"),
+                "RABBITMQ_LOG_BASE": str(d / "log"),
+                "RABBITMQ_PID_FILE": str(d / "rabbit.pid"),
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": (
+                    "-kernel inet_dist_use_interface {127,0,0,1}"
+                ),
+                "ERL_CRASH_DUMP_SECONDS": "0",
+            }
+        )
+        return env
+
+    def _write_files(self) -> None:
+        assert self._dir is not None
+        d = self._dir
+        (d / "conf.d").mkdir(exist_ok=True)
+        (d / "log").mkdir(exist_ok=True)
+        (d / "rabbitmq-env.conf").write_text("")
+        (d / "enabled_plugins").write_text("[].\n")
+        config = _RABBIT_CONFIG.format(host=self.host, port=self.port)
+        (d / "rabbitmq.conf").write_text(config + self.extra_config)
+
+    def _main(self) -> subprocess.Popen[bytes] | None:
+        for proc in self._procs:
+            if proc is not self._epmd:
+                return proc
+        return None
+
+    def _launch(self) -> None:
+        self._write_files()
+        env = self.node_env()
+        epmd_argv = [self.epmd_binary, "-port", str(self.epmd_port), "-address", self.host]
+        self._spawn(epmd_argv, "epmd.log", env)
+        self._epmd = self._procs[-1]
+        self._wait_epmd()
+        self._spawn([self.binary], "console.log", env)
+
+    def _wait_epmd(self, timeout: float = 5.0) -> None:
+        """Our epmd must listen before the node boots, or the VM would spawn a daemon one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self._epmd is not None
+            if self._epmd.poll() is not None:
+                raise StackError(
+                    f"epmd on {self.host}:{self.epmd_port} exited (code "
+                    f"{self._epmd.returncode}); log: {_tail(self._log_paths()[-1:])}"
+                )
+            try:
+                with socket.create_connection((self.host, self.epmd_port), timeout=0.5):
+                    return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise StackError(
+                        f"epmd on {self.host}:{self.epmd_port} not listening: {exc}"
+                    ) from exc
+            time.sleep(0.02)
+
+    def _ready(self) -> bool:
+        try:
+            amqp_handshake(self.host, self.port, timeout=2.0)
+        except (OSError, ValueError, struct.error):
+            return False
+        return True
+
+    def _log_paths(self) -> list[Path]:
+        if self._dir is None:
+            return []
+        d = self._dir
+        return [d / "console.log", d / "log" / f"{self.node_name}.log", d / "epmd.log"]
+
+    def _kill_all(self) -> None:
+        self._epmd = None
+        super()._kill_all()
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+        """Run `rabbitmqctl -n NODE args...` against this node and return its stdout.
+
+        Slow (an Erlang VM boots per call, about 1-2 s); meant for inspection in scenarios.
+        """
+        if self._dir is None:
+            raise StackError(f"rabbit node {self.node_name} is not started")
+        ctl = _rabbitmqctl_for(self.binary)
+        if ctl is None:
+            raise StackError("rabbitmqctl not found next to rabbitmq-server")
+        result = subprocess.run(
+            [ctl, "-n", self.node_name, *args],
+            env=self.node_env(),
+            cwd=self._dir,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise StackError(
+                f"rabbitmqctl {' '.join(args)} failed ({result.returncode}): "
+                f"{result.stderr or result.stdout}"
+            )
+        return result.stdout

@@ -1,0 +1,171 @@
+"""Named crash points at the protocol boundaries, armed from a scenario or the environment.
+
+The names are the table below and nowhere else: the runtime, the simulator, the scenario
+validator and `chaos list` all read `FAILPOINTS`. Unarmed, a hit is one empty-dict lookup.
+
+Spec syntax (env `ENGINE_FAILPOINTS`, flag `--failpoint`), entries separated by `;`:
+    NAME=ACTION[,hit=N][,times=K][,rule=RULE_ID][,attempt_id=ID]
+ACTION is `crash` (the process SIGKILLs itself), `raise` (an `InjectedFault` surfaces where
+the boundary is) or `stall:MS` (sleep MS milliseconds of real time). It fires on the Nth
+matching hit (default 1) and then K times in all (default 1; 0 means every later hit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+FAILPOINTS: dict[str, str] = {
+    "on_delivery": "a work message was received; nothing done yet",
+    "before_ack": "config loaded, job initialised, evaluation.started published; no ACK yet",
+    "after_ack": "the execute message is ACKed; no rule has started",
+    "rule_before_call": "a rule is about to call the agent",
+    "rule_after_call_before_write": "the agent answered; the result is not in Redis (write window)",
+    "rule_after_write": "the result is in Redis; dependents have not started",
+    "after_status_write_before_retry_publish": "failed_attempt_N is in Redis; no retry published",
+    "after_retry_publish_before_ack": "the next retry is published; the retry message that ran "
+    "this attempt is not ACKed",
+    "before_pass_publish": "a pass is terminal; its result is not published",
+    "before_final_publish": "the final state is in Redis; evaluation.completed is not published",
+    "after_final_publish": "evaluation.completed is published; the evaluation is still indexed",
+}
+
+ACTIONS = ("crash", "raise", "stall")
+
+
+class FailpointError(ValueError):
+    """A failpoint spec that cannot be armed; one line for a human."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised where an armed `raise` failpoint fires."""
+
+
+@dataclass
+class Failpoint:
+    name: str
+    action: str
+    stall_ms: int = 0
+    hit: int = 1
+    times: int = 1
+    rule: str | None = None
+    attempt_id: str | None = None
+    seen: int = field(default=0, compare=False)
+    fired: int = field(default=0, compare=False)
+
+    def matches(self, rule: str | None, attempt_id: str | None) -> bool:
+        if self.rule is not None and rule != self.rule:
+            return False
+        return self.attempt_id is None or attempt_id == self.attempt_id
+
+    def should_fire(self) -> bool:
+        self.seen += 1
+        if self.seen < self.hit:
+            return False
+        if self.times and self.fired >= self.times:
+            return False
+        self.fired += 1
+        return True
+
+    def spec(self) -> str:
+        action = f"stall:{self.stall_ms}" if self.action == "stall" else self.action
+        out = f"{self.name}={action},hit={self.hit},times={self.times}"
+        if self.rule:
+            out += f",rule={self.rule}"
+        if self.attempt_id:
+            out += f",attempt_id={self.attempt_id}"
+        return out
+
+
+def parse_specs(text: str) -> list[Failpoint]:
+    """Parse `NAME=ACTION[,k=v...]` entries separated by `;`."""
+    out: list[Failpoint] = []
+    for raw in text.split(";"):
+        entry = raw.strip()
+        if not entry:
+            continue
+        name, sep, rest = entry.partition("=")
+        name = name.strip()
+        if not sep:
+            raise FailpointError(f"failpoint {entry!r}: expected NAME=ACTION")
+        if name not in FAILPOINTS:
+            raise FailpointError(
+                f"failpoint {name!r}: unknown name; expected one of {', '.join(FAILPOINTS)}"
+            )
+        action, *opts = [p.strip() for p in rest.split(",")]
+        fp = _action(name, action)
+        for opt in opts:
+            key, _, value = opt.partition("=")
+            if key in ("hit", "times"):
+                if not value.isdigit() or (key == "hit" and int(value) < 1):
+                    raise FailpointError(f"failpoint {name}: {key} must be a whole number >= 1")
+                setattr(fp, key, int(value))
+            elif key in ("rule", "attempt_id") and value:
+                setattr(fp, key, value)
+            else:
+                raise FailpointError(
+                    f"failpoint {name}: unknown option {opt!r}; expected hit, times, rule, "
+                    "attempt_id"
+                )
+        out.append(fp)
+    return out
+
+
+def _action(name: str, action: str) -> Failpoint:
+    kind, _, arg = action.partition(":")
+    if kind == "stall":
+        if not arg.isdigit():
+            raise FailpointError(f"failpoint {name}: stall needs milliseconds, e.g. stall:500")
+        return Failpoint(name, "stall", stall_ms=int(arg))
+    if kind in ("crash", "raise") and not arg:
+        return Failpoint(name, kind)
+    raise FailpointError(f"failpoint {name}: unknown action {action!r}; expected {ACTIONS}")
+
+
+class Failpoints:
+    """The armed failpoints of one process. `on_crash` runs just before the SIGKILL."""
+
+    def __init__(
+        self, armed: list[Failpoint] | None = None, on_crash: Callable[[str], None] | None = None
+    ) -> None:
+        self._armed: dict[str, list[Failpoint]] = {}
+        self.on_crash = on_crash
+        for fp in armed or []:
+            self.arm(fp)
+
+    @classmethod
+    def from_env(cls, env: str = "ENGINE_FAILPOINTS") -> Failpoints:
+        return cls(parse_specs(os.environ.get(env, "")))
+
+    def arm(self, fp: Failpoint) -> None:
+        self._armed.setdefault(fp.name, []).append(fp)
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._armed)
+
+    def fire(self, name: str, rule: str | None = None, attempt_id: str | None = None) -> int:
+        """Decide synchronously; crash or raise here; return a stall in ms (0: go on)."""
+        fps = self._armed.get(name)
+        if not fps:
+            return 0
+        for fp in fps:
+            if fp.matches(rule, attempt_id) and fp.should_fire():
+                if fp.action == "crash":
+                    if self.on_crash is not None:
+                        self.on_crash(name)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if fp.action == "raise":
+                    raise InjectedFault(f"failpoint {name} fired")
+                return fp.stall_ms
+        return 0
+
+    async def hit(self, name: str, rule: str | None = None, attempt_id: str | None = None) -> None:
+        if not self._armed:
+            return
+        stall = self.fire(name, rule, attempt_id)
+        if stall:
+            await asyncio.sleep(stall / 1000)

@@ -1,0 +1,47 @@
+"""What every part of a live worker shares: its identity, its two memories and its probes."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from engine.agent import AgentService
+from engine.config import EngineConfig
+from engine.failpoints import Failpoints
+from engine.history import History
+from engine.metrics import Metrics
+from engine.runtime.broker import Broker
+from engine.runtime.store import RedisStore
+
+log = logging.getLogger("engine")
+
+
+@dataclass
+class Runtime:
+    worker_id: str
+    config: EngineConfig
+    store: RedisStore
+    broker: Broker
+    agent: AgentService
+    failpoints: Failpoints
+    history: History
+    metrics: Metrics
+
+
+async def settle(message: AbstractIncomingMessage, *, ack: bool = True) -> bool:
+    """ACK (or NACK with requeue) a delivery; False when its channel is gone.
+
+    A channel lost with the broker takes the delivery with it: the broker requeues it and
+    redelivers, and the duplicate checks downstream absorb the second copy.
+    """
+    try:
+        if ack:
+            await message.ack()
+        else:
+            await message.nack(requeue=True)
+    except Exception as exc:  # the channel closed under us
+        log.warning("could not %s a delivery: %s", "ack" if ack else "nack", exc)
+        return False
+    return True

@@ -1,0 +1,237 @@
+"""EvaluationController: consumes `evaluation.execute` with a late ACK.
+
+The ACK of an execute message is sent only after the config (the plan) is loaded and
+stored, the job initialised (state, running index, lease) and `evaluation.started`
+published: a crash before that leaves the message with RabbitMQ, which redelivers it. A
+retry message is held longer, until the outcome of the attempt it asked for is durable:
+a crash mid-retry redelivers the retry itself, and no sweeper is needed for it.
+
+One worker owns an evaluation at a time (a lease in Redis, renewed by the heartbeat).
+A message for an evaluation owned by another live worker is forwarded to that worker's
+private queue; if the broker cannot route it there, the owner's connection is gone and
+its lease is taken over at once, without waiting for the heartbeat to go stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from engine.core.states import TERMINAL_EVALUATION_STATUSES, failed_attempt
+from engine.plan import Plan, PlanError, plan_from_dict
+from engine.runtime.broker import Unroutable
+from engine.runtime.context import Runtime, log, settle
+from engine.runtime.orchestrator import PassExecutionOrchestrator, publish_completed
+from engine.runtime.reevaluate import ReEvaluateUseCase
+
+_TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
+
+
+class EvaluationController:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.evaluations: dict[str, PassExecutionOrchestrator] = {}
+        self.reevaluate = ReEvaluateUseCase(rt)
+        self._slots = asyncio.Semaphore(rt.config.max_evaluations)
+        self._plans: dict[str, Plan] = {}
+        self.private_queue = ""
+
+    # --- deliveries ---------------------------------------------------------------------
+
+    async def on_message(self, message: AbstractIncomingMessage) -> None:
+        try:
+            body = json.loads(message.body)
+            kind = body["type"]
+            attempt_id = str(body["attempt_id"])
+        except (ValueError, KeyError, TypeError):
+            log.error("dropping a malformed message (%d bytes)", len(message.body))
+            self.rt.history.record("message_rejected", reason="malformed")
+            await settle(message)
+            return
+        try:
+            if kind == "cancel":
+                await self._on_cancel(attempt_id, message)
+            elif kind in ("execute", "retry"):
+                await self.rt.failpoints.hit("on_delivery", body.get("rule_id"), attempt_id)
+                await self._on_work(kind, attempt_id, body, message)
+            else:
+                self.rt.history.record("message_rejected", attempt_id=attempt_id, reason=kind)
+                await settle(message)
+        except Exception as exc:
+            log.exception("delivery for %s failed: %s", attempt_id, exc)
+            self.rt.history.record(
+                "delivery_failed", attempt_id=attempt_id, error=f"{type(exc).__name__}: {exc}"
+            )
+            orch = self.evaluations.get(attempt_id)
+            if orch is not None:
+                await orch.abandon("delivery failed")
+            else:
+                await self.rt.store.release(attempt_id, self.rt.worker_id)
+            await settle(message, ack=False)
+
+    async def _on_work(
+        self, kind: str, attempt_id: str, body: dict[str, Any], message: AbstractIncomingMessage
+    ) -> None:
+        rt = self.rt
+        rule_id = body.get("rule_id")
+        attempt = int(body.get("attempt", 0))
+        rt.history.record(
+            "delivered",
+            attempt_id=attempt_id,
+            kind=kind,
+            rule_id=rule_id,
+            attempt=attempt or None,
+            redelivered=message.redelivered,
+            reason=body.get("reason"),
+            published_ms=body.get("published_ms"),
+            delay_ms=body.get("delay_ms"),
+        )
+        orch = self.evaluations.get(attempt_id)
+        if orch is not None:
+            if kind == "retry" and rule_id is not None:
+                orch.retry_due(rule_id, attempt, message)
+            else:
+                rt.history.record("duplicate_dropped", attempt_id=attempt_id, kind=kind)
+                await settle(message)
+            return
+
+        record = await rt.store.record(attempt_id)
+        if record.state in _TERMINAL:
+            if not record.final_published and record.plan_json is not None:
+                plan = self._plan(record.plan_json, attempt_id)
+                snapshot = await rt.store.snapshot(attempt_id, plan.order)
+                verdicts = {r: v.verdict for r, v in snapshot.results.items()}
+                await publish_completed(rt, attempt_id, record.state or "", verdicts)
+            rt.history.record("terminal_dropped", attempt_id=attempt_id, kind=kind)
+            await settle(message)
+            return
+
+        # A slot is taken before the lease and held while the evaluation is in memory;
+        # `_done` gives it back. A delivery that puts nothing in memory gives it back here.
+        await self._slots.acquire()
+        try:
+            if await self._own(attempt_id, message):
+                await self._begin(kind, attempt_id, body, message, record.plan_json)
+        finally:
+            if attempt_id not in self.evaluations:
+                self._slots.release()
+
+    async def _own(self, attempt_id: str, message: AbstractIncomingMessage) -> bool:
+        """Take the lease, or forward the message to the live worker that holds it."""
+        rt = self.rt
+        holder = await rt.store.acquire(attempt_id, rt.worker_id)
+        if holder == rt.worker_id:
+            return True
+        queue = rt.config.name(f"worker.{holder}")
+        try:
+            await rt.broker.forward(queue, message.body, message.message_id)
+        except Unroutable:
+            if await rt.store.steal(attempt_id, holder, rt.worker_id):
+                rt.history.record("lease_taken_over", attempt_id=attempt_id, previous=holder)
+                return True
+            await asyncio.sleep(0.05)
+            await settle(message, ack=False)
+            return False
+        rt.history.record("forwarded", attempt_id=attempt_id, to=holder)
+        await settle(message)
+        return False
+
+    async def _begin(
+        self,
+        kind: str,
+        attempt_id: str,
+        body: dict[str, Any],
+        message: AbstractIncomingMessage,
+        stored_plan: str | None,
+    ) -> None:
+        rt = self.rt
+        # 1. Load the config: the plan travels in the message, or was stored at first start.
+        try:
+            raw = body.get("plan")
+            plan = plan_from_dict(raw, source=f"message {attempt_id}") if raw else None
+            if plan is None and stored_plan is not None:
+                plan = self._plan(stored_plan, attempt_id)
+        except PlanError as exc:
+            log.error("%s", exc)
+            rt.history.record("message_rejected", attempt_id=attempt_id, reason=str(exc))
+            await rt.store.release(attempt_id, rt.worker_id)
+            await settle(message)
+            return
+        if plan is None:
+            rt.history.record("message_rejected", attempt_id=attempt_id, reason="no plan")
+            await rt.store.release(attempt_id, rt.worker_id)
+            await settle(message)
+            return
+        await rt.store.save_plan(attempt_id, plan.to_json())
+
+        # 2. ReEvaluateUseCase: read Redis first, rebuild the DAG as the crash left it.
+        due: dict[str, int] = {}
+        if kind == "retry":
+            rule_id, attempt = str(body["rule_id"]), int(body["attempt"])
+            status = await rt.store.status_of(attempt_id, rule_id)
+            if rule_id not in plan.rules or attempt < 2 or status != failed_attempt(attempt - 1):
+                rt.history.record(
+                    "stale_retry_dropped", attempt_id=attempt_id, rule_id=rule_id, attempt=attempt
+                )
+                await rt.store.release(attempt_id, rt.worker_id)
+                await settle(message)
+                return
+            due[rule_id] = attempt
+        core = await self.reevaluate.load(plan, attempt_id, due)
+
+        # 3. Initialise the job and announce it; only then ACK.
+        await rt.store.set_state(attempt_id, "running")
+        await rt.store.index_running(attempt_id)
+        resumed = not core.snapshot.empty
+        if resumed:
+            rt.metrics.resumes.labels(reason=body.get("reason") or kind).inc()
+        await rt.broker.publish_event(
+            "evaluation.started",
+            {"attempt_id": attempt_id, "plan": plan.id, "resumed": resumed, "worker": rt.worker_id},
+            f"{attempt_id}:started",
+        )
+        rt.history.record(
+            "evaluation_started", attempt_id=attempt_id, plan=plan.id, resumed=resumed, kind=kind
+        )
+        orch = PassExecutionOrchestrator(rt, core, self._done)
+        self.evaluations[attempt_id] = orch
+        orch.holds_slot = True
+        rt.metrics.running.set(len(self.evaluations))
+        await rt.failpoints.hit("before_ack", None, attempt_id)
+        if kind == "execute":
+            await settle(message)
+            rt.history.record("acked", attempt_id=attempt_id)
+            await rt.failpoints.hit("after_ack", None, attempt_id)
+        else:
+            orch.retry_messages[(str(body["rule_id"]), int(body["attempt"]))] = message
+        orch.start()
+
+    def _done(self, orch: PassExecutionOrchestrator) -> None:
+        if self.evaluations.get(orch.attempt_id) is orch:
+            del self.evaluations[orch.attempt_id]
+            if orch.holds_slot:
+                self._slots.release()
+        self.rt.metrics.running.set(len(self.evaluations))
+
+    def _plan(self, plan_json: str, attempt_id: str) -> Plan:
+        plan = self._plans.get(plan_json)
+        if plan is None:
+            plan = plan_from_dict(json.loads(plan_json), source=f"stored plan of {attempt_id}")
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[plan_json] = plan
+        return plan
+
+    async def _on_cancel(self, attempt_id: str, message: AbstractIncomingMessage) -> None:
+        orch = self.evaluations.get(attempt_id)
+        self.rt.history.record("cancel_received", attempt_id=attempt_id, held=orch is not None)
+        if orch is not None:
+            orch.cancel()
+        await settle(message)
+
+    async def shutdown(self) -> None:
+        for orch in list(self.evaluations.values()):
+            await orch.abandon("worker stopping")

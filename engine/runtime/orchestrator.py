@@ -1,0 +1,268 @@
+"""PassExecutionOrchestrator: one evaluation in memory, carrying out what the core decides.
+
+It feeds the core one input at a time (under a lock) and executes the returned actions in
+order, awaiting every durable write before the next action: the write window is exactly
+the time between the agent's answer and the `SET NX` of its result. Rules run as tasks,
+`max_parallel` at once (the core counts them); level-1 retries are the core's `RunRule`
+with `try_no` > 1, run here in memory with no state persisted, as the seed has it.
+
+If anything below the protocol fails unexpectedly (an injected `raise`, Redis gone for
+good), the evaluation is dropped from memory as if its worker had crashed: leases and
+unacknowledged retries are handed back, and the sweeper or a redelivery resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from engine.agent import AgentError
+from engine.core import (
+    AckRetry,
+    Action,
+    Evaluation,
+    Finish,
+    Park,
+    PersistResult,
+    PersistStatus,
+    PublishPassResult,
+    Recovered,
+    RunRule,
+    ScheduleRetry,
+    SkipRules,
+)
+from engine.core.states import EvaluationStatus
+from engine.runtime.context import Runtime, log, settle
+from engine.runtime.module import EvaluationModule
+
+
+class PassExecutionOrchestrator:
+    def __init__(
+        self, rt: Runtime, core: Evaluation, on_done: Callable[[PassExecutionOrchestrator], None]
+    ) -> None:
+        self.rt = rt
+        self.core = core
+        self.attempt_id = core.attempt_id
+        self.module = EvaluationModule(rt)
+        self.retry_messages: dict[tuple[str, int], AbstractIncomingMessage] = {}
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._on_done = on_done
+        self._closed = False
+        self.holds_slot = False
+
+    # --- inputs -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._spawn(self._feed(self.core.start))
+
+    def retry_due(self, rule_id: str, attempt: int, message: AbstractIncomingMessage) -> None:
+        self.retry_messages[(rule_id, attempt)] = message
+        self._spawn(self._feed(self.core.retry_due, rule_id, attempt))
+
+    def cancel(self) -> None:
+        self._spawn(self._feed(self.core.cancel))
+
+    async def abandon(self, reason: str) -> None:
+        """Drop the evaluation without touching its durable state; hand deliveries back."""
+        if self._closed:
+            return
+        self._closed = True
+        self.rt.history.record("evaluation_abandoned", attempt_id=self.attempt_id, reason=reason)
+        log.warning("evaluation %s abandoned: %s", self.attempt_id, reason)
+        for message in self.retry_messages.values():
+            await settle(message, ack=False)
+        self.retry_messages.clear()
+        current = asyncio.current_task()
+        for task in list(self._tasks):
+            if task is not current:
+                task.cancel()
+        await self.rt.store.release(self.attempt_id, self.rt.worker_id)
+        self._on_done(self)
+
+    # --- machinery ----------------------------------------------------------------------
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not self._closed:
+            self._spawn(self.abandon(f"{type(exc).__name__}: {exc}"))
+
+    async def _feed(self, fn: Callable[..., list[Action]], *args: object) -> None:
+        async with self._lock:
+            if self._closed:
+                return
+            actions = fn(*args)
+            for action in actions:
+                if self._closed:
+                    return
+                await self._execute(action)
+
+    async def _execute(self, action: Action) -> None:
+        rt, a = self.rt, self.attempt_id
+        match action:
+            case RunRule():
+                self._spawn(self._run_rule(action))
+            case PersistResult(rule_id=rule_id, result=result):
+                existing = await rt.store.write_result(a, result)
+                rt.history.record(
+                    "result_persisted",
+                    attempt_id=a,
+                    rule_id=rule_id,
+                    attempt=result.attempt,
+                    verdict=result.verdict,
+                    score=result.score,
+                    won=existing is None,
+                    kept_verdict=None if existing is None else existing.verdict,
+                )
+                await rt.failpoints.hit("rule_after_write", rule_id, a)
+            case PersistStatus():
+                await self.module.persist_status(a, action)
+            case ScheduleRetry():
+                await self.module.schedule_retry(a, action)
+            case AckRetry(rule_id=rule_id, attempt=attempt):
+                message = self.retry_messages.pop((rule_id, attempt), None)
+                if message is not None:
+                    await settle(message)
+                    rt.history.record("retry_acked", attempt_id=a, rule_id=rule_id, attempt=attempt)
+            case SkipRules(rule_ids=rule_ids, because_of=because_of):
+                rt.history.record(
+                    "rules_skipped", attempt_id=a, rule_ids=list(rule_ids), because_of=because_of
+                )
+            case PublishPassResult():
+                await rt.failpoints.hit("before_pass_publish", None, a)
+                body = {
+                    "attempt_id": a,
+                    "pass_id": action.pass_id,
+                    "outcome": action.outcome,
+                    "rules": dict(action.rules),
+                }
+                await rt.broker.publish_event(
+                    "evaluation.pass_result", body, f"{a}:pass:{action.pass_id}"
+                )
+                await rt.store.mark_pass_published(a, action.pass_id, action.outcome)
+                rt.history.record(
+                    "pass_published", attempt_id=a, pass_id=action.pass_id, outcome=action.outcome
+                )
+            case Recovered():
+                rt.metrics.loaded.inc(len(action.loaded))
+                rt.history.record(
+                    "recovered",
+                    attempt_id=a,
+                    loaded=list(action.loaded),
+                    retrying=dict(action.retrying),
+                    failed=list(action.failed),
+                    fresh=list(action.fresh),
+                )
+            case Park(waiting=waiting):
+                await rt.store.set_state(a, "parked")
+                await rt.store.unindex_running(a)
+                rt.history.record("parked", attempt_id=a, waiting=dict(waiting))
+                await self._close()
+            case Finish():
+                await self._finish(action)
+
+    async def _run_rule(self, action: RunRule) -> None:
+        rt, a = self.rt, self.attempt_id
+        rule = self.core.plan.rules[action.rule_id]
+        await rt.failpoints.hit("rule_before_call", rule.id, a)
+        rerun = False
+        if action.try_no == 1:
+            rerun = await rt.store.mark_started(a, rule.id, action.attempt) > 1
+        else:
+            rt.metrics.retries.labels(level="1").inc()
+        if rerun:
+            rt.metrics.reruns.inc()
+        rt.history.record(
+            "rule_started",
+            attempt_id=a,
+            rule_id=rule.id,
+            attempt=action.attempt,
+            try_no=action.try_no,
+            rerun=rerun,
+        )
+        try:
+            result = await rt.agent.evaluate(a, rule, action.attempt, action.try_no)
+        except AgentError as err:
+            tokens = int(getattr(err, "tokens", 0) or 0)
+            self._spend(tokens, rerun)
+            rt.metrics.calls.labels(outcome=err.kind).inc()
+            rt.history.record(
+                "rule_failed",
+                attempt_id=a,
+                rule_id=rule.id,
+                attempt=action.attempt,
+                try_no=action.try_no,
+                kind=err.kind,
+                retryable=err.retryable,
+                tokens=tokens,
+            )
+            await self._feed(self.core.rule_failed, rule.id, err.kind, retryable=err.retryable)
+            return
+        self._spend(result.tokens, rerun)
+        rt.metrics.calls.labels(outcome="ok").inc()
+        rt.history.record(
+            "rule_finished",
+            attempt_id=a,
+            rule_id=rule.id,
+            attempt=action.attempt,
+            try_no=action.try_no,
+            verdict=result.verdict,
+            score=result.score,
+            tokens=result.tokens,
+        )
+        await rt.failpoints.hit("rule_after_call_before_write", rule.id, a)
+        await self._feed(self.core.rule_succeeded, rule.id, result)
+
+    def _spend(self, tokens: int, rerun: bool) -> None:
+        self.rt.metrics.tokens.inc(tokens)
+        if rerun:
+            self.rt.metrics.rerun_tokens.inc(tokens)
+
+    async def _finish(self, action: Finish) -> None:
+        rt, a = self.rt, self.attempt_id
+        kept = await rt.store.set_state(a, action.status.value)
+        status = kept or action.status.value
+        rt.history.record(
+            "evaluation_terminal",
+            attempt_id=a,
+            status=status,
+            won=kept is None,
+            verdicts=dict(action.verdicts),
+        )
+        if kept is None:
+            rt.metrics.evaluations.labels(status=status).inc()
+            await rt.failpoints.hit("before_final_publish", None, a)
+            await publish_completed(rt, a, status, dict(action.verdicts))
+            await rt.failpoints.hit("after_final_publish", None, a)
+        elif action.status is not EvaluationStatus.CANCELLED:
+            log.info("evaluation %s was already %s", a, kept)
+        await rt.store.unindex_running(a)
+        await self._close()
+
+    async def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for message in self.retry_messages.values():  # stale by now: the core acked the rest
+            await settle(message)
+        self.retry_messages.clear()
+        await self.rt.store.release(self.attempt_id, self.rt.worker_id)
+        self._on_done(self)
+
+
+async def publish_completed(rt: Runtime, attempt_id: str, status: str, verdicts: dict) -> None:
+    """Publish evaluation.completed once per final state (message id = attemptId)."""
+    body = {"attempt_id": attempt_id, "status": status, "verdicts": verdicts}
+    await rt.broker.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
+    await rt.store.mark_final_published(attempt_id)
+    rt.history.record("final_published", attempt_id=attempt_id, status=status)

@@ -1,0 +1,330 @@
+"""Redis, the second memory: rule results and statuses, keyed exactly as the seed keys them.
+
+    attempt:{attemptId}:rule:{ruleId}:result   RuleResult JSON     (the first write wins)
+    attempt:{attemptId}:rule:{ruleId}:status   failed_attempt_N | permanently_failed
+
+Every write is one atomic command or Lua script and sets the 7-day TTL in the same step (a
+plain SET would drop it). Around those two keys the engine keeps its own bookkeeping: the
+plan (a resume after the ACK has no message to read it from), the evaluation state, the
+owner lease that the heartbeat renews, the attempts started (to count reruns), and two
+indexes the sweeper scans: evaluations running, and delayed retries with their due time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from engine.config import EngineConfig
+from engine.core import RuleResult, Snapshot, status_rank
+from engine.core.states import TERMINAL_EVALUATION_STATUSES
+
+
+def result_key(attempt_id: str, rule_id: str) -> str:
+    return f"attempt:{attempt_id}:rule:{rule_id}:result"
+
+
+def status_key(attempt_id: str, rule_id: str) -> str:
+    return f"attempt:{attempt_id}:rule:{rule_id}:status"
+
+
+def runs_key(attempt_id: str, rule_id: str) -> str:
+    return f"attempt:{attempt_id}:rule:{rule_id}:runs"
+
+
+def eval_key(attempt_id: str, what: str) -> str:
+    """plan | state | passes | owner | final_published"""
+    return f"attempt:{attempt_id}:{what}"
+
+
+def retry_member(attempt_id: str, rule_id: str) -> str:
+    return f"{attempt_id}\x1f{rule_id}"
+
+
+def split_member(member: str) -> tuple[str, str]:
+    attempt_id, _, rule_id = member.partition("\x1f")
+    return attempt_id, rule_id
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+_TERMINAL = ",".join(sorted(s.value for s in TERMINAL_EVALUATION_STATUSES))
+
+# KEYS: result, retries index. ARGV: json, ttl, member. Nil when this write won.
+_WRITE_RESULT = """
+local won = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[3])
+if won then return false end
+return redis.call('GET', KEYS[1])
+"""
+
+# KEYS: status, retries index. ARGV: status, rank, ttl, member, due_ms ('' = not retrying).
+# Nil when written; the current status when it would have moved the attempt count back.
+_WRITE_STATUS = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local rank = 0
+  if cur == 'permanently_failed' then rank = 1000000
+  else rank = tonumber(string.match(cur, '^failed_attempt_(%d+)$')) or 0 end
+  if rank >= tonumber(ARGV[2]) then return cur end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+if ARGV[5] ~= '' then redis.call('ZADD', KEYS[2], ARGV[5], ARGV[4])
+else redis.call('ZREM', KEYS[2], ARGV[4]) end
+return false
+"""
+
+# KEYS: owner. ARGV: me, lease_ms. Returns the holder after the call.
+_ACQUIRE = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return ARGV[1]
+end
+return cur
+"""
+
+# KEYS: owner. ARGV: expected holder, me, lease_ms. 1 when taken over.
+_STEAL = """
+local cur = redis.call('GET', KEYS[1])
+if (not cur) or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+# KEYS: owner, running index. ARGV: me, lease_ms, now_ms, attempt_id. 1 while still ours.
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+return 1
+"""
+
+# KEYS: owner. ARGV: me.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: state. ARGV: new state, ttl, terminal list. Nil when written; else the state kept.
+_SET_STATE = """
+local cur = redis.call('GET', KEYS[1])
+if cur and string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return cur end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return false
+"""
+
+# KEYS: running index, owner. ARGV: attempt_id, threshold_ms, now_ms. 1 when claimed.
+_CLAIM_STALE = """
+local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if (not s) or tonumber(s) > tonumber(ARGV[2]) then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+return 1
+"""
+
+# KEYS: retries index. ARGV: member, threshold_ms, new_score. 1 when claimed.
+_CLAIM_RETRY = """
+local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if (not s) or tonumber(s) > tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class EvaluationRecord:
+    """What Redis holds of one evaluation as a whole."""
+
+    state: str | None
+    plan_json: str | None
+    final_published: bool
+
+
+class RedisStore:
+    def __init__(self, config: EngineConfig, client: aioredis.Redis | None = None) -> None:
+        self.config = config
+        self.ttl = config.state_ttl_s
+        self.running_index = config.name("engine:running")
+        self.retries_index = config.name("engine:retries")
+        self.redis = client or aioredis.Redis.from_url(
+            config.redis_url,
+            decode_responses=True,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=40),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            socket_connect_timeout=2.0,
+            health_check_interval=0,
+        )
+        r = self.redis
+        self._write_result = r.register_script(_WRITE_RESULT)
+        self._write_status = r.register_script(_WRITE_STATUS)
+        self._acquire = r.register_script(_ACQUIRE)
+        self._steal = r.register_script(_STEAL)
+        self._renew = r.register_script(_RENEW)
+        self._release = r.register_script(_RELEASE)
+        self._set_state = r.register_script(_SET_STATE)
+        self._claim_stale = r.register_script(_CLAIM_STALE)
+        self._claim_retry = r.register_script(_CLAIM_RETRY)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # --- rules --------------------------------------------------------------------------
+
+    async def write_result(self, attempt_id: str, result: RuleResult) -> RuleResult | None:
+        """Store a result unless one is there already; return the one that was there."""
+        existing = await self._write_result(
+            keys=[result_key(attempt_id, result.rule_id), self.retries_index],
+            args=[result.to_json(), self.ttl, retry_member(attempt_id, result.rule_id)],
+        )
+        return None if existing is None else RuleResult.from_json(existing)
+
+    async def write_status(
+        self, attempt_id: str, rule_id: str, status: str, due_ms: int | None = None
+    ) -> str | None:
+        """Write a status unless it would move the attempt count back; return the kept one."""
+        return await self._write_status(
+            keys=[status_key(attempt_id, rule_id), self.retries_index],
+            args=[
+                status,
+                status_rank(status),
+                self.ttl,
+                retry_member(attempt_id, rule_id),
+                "" if due_ms is None else due_ms,
+            ],
+        )
+
+    async def mark_started(self, attempt_id: str, rule_id: str, attempt: int) -> int:
+        """Count the starts of one rule attempt; more than one means a crash lost a run."""
+        key = runs_key(attempt_id, rule_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hincrby(key, str(attempt), 1)
+            pipe.expire(key, self.ttl)
+            count, _ = await pipe.execute()
+        return int(count)
+
+    async def snapshot(self, attempt_id: str, rule_ids: Sequence[str]) -> Snapshot:
+        """Everything Redis knows of the rules of one evaluation, in one round trip."""
+        keys = [result_key(attempt_id, r) for r in rule_ids]
+        keys += [status_key(attempt_id, r) for r in rule_ids]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.mget(keys)
+            pipe.hgetall(eval_key(attempt_id, "passes"))
+            values, passes = await pipe.execute()
+        n = len(rule_ids)
+        found = zip(rule_ids, values[:n], strict=True)
+        results = {r: RuleResult.from_json(v) for r, v in found if v}
+        statuses = {r: v for r, v in zip(rule_ids, values[n:], strict=True) if v}
+        return Snapshot(results=results, statuses=statuses, published_passes=frozenset(passes))
+
+    # --- evaluations --------------------------------------------------------------------
+
+    async def save_plan(self, attempt_id: str, plan_json: str) -> None:
+        await self.redis.set(eval_key(attempt_id, "plan"), plan_json, nx=True, ex=self.ttl)
+
+    async def record(self, attempt_id: str) -> EvaluationRecord:
+        state, plan, published = await self.redis.mget(
+            [eval_key(attempt_id, w) for w in ("state", "plan", "final_published")]
+        )
+        return EvaluationRecord(state=state, plan_json=plan, final_published=bool(published))
+
+    async def set_state(self, attempt_id: str, state: str) -> str | None:
+        """Set the evaluation state unless it is terminal already; return the kept terminal one.
+
+        A terminal state is written once: whoever wins publishes evaluation.completed.
+        """
+        return await self._set_state(
+            keys=[eval_key(attempt_id, "state")], args=[state, self.ttl, _TERMINAL]
+        )
+
+    async def mark_pass_published(self, attempt_id: str, pass_id: str, outcome: str) -> None:
+        key = eval_key(attempt_id, "passes")
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(key, pass_id, outcome)
+            pipe.expire(key, self.ttl)
+            await pipe.execute()
+
+    async def mark_final_published(self, attempt_id: str) -> None:
+        await self.redis.set(eval_key(attempt_id, "final_published"), "1", ex=self.ttl)
+
+    # --- ownership, heartbeats, indexes ---------------------------------------------------
+
+    async def acquire(self, attempt_id: str, me: str) -> str:
+        """Take the lease on an evaluation, or learn who holds it."""
+        return await self._acquire(
+            keys=[eval_key(attempt_id, "owner")], args=[me, self.config.stale_ms]
+        )
+
+    async def steal(self, attempt_id: str, holder: str, me: str) -> bool:
+        """Take over from a holder known to be dead (its private queue is gone)."""
+        return bool(
+            await self._steal(
+                keys=[eval_key(attempt_id, "owner")], args=[holder, me, self.config.stale_ms]
+            )
+        )
+
+    async def renew(self, attempt_ids: Iterable[str], me: str) -> dict[str, bool]:
+        """The heartbeat: extend each lease still ours and stamp the running index."""
+        ids = list(attempt_ids)
+        if not ids:
+            return {}
+        now = now_ms()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for a in ids:
+                await self._renew(
+                    keys=[eval_key(a, "owner"), self.running_index],
+                    args=[me, self.config.stale_ms, now, a],
+                    client=pipe,
+                )
+            out = await pipe.execute()
+        return {a: bool(v) for a, v in zip(ids, out, strict=True)}
+
+    async def release(self, attempt_id: str, me: str) -> None:
+        await self._release(keys=[eval_key(attempt_id, "owner")], args=[me])
+
+    async def index_running(self, attempt_id: str) -> None:
+        await self.redis.zadd(self.running_index, {attempt_id: now_ms()})
+
+    async def unindex_running(self, attempt_id: str) -> None:
+        await self.redis.zrem(self.running_index, attempt_id)
+
+    async def stale_evaluations(self, older_than_ms: int, limit: int = 100) -> list[str]:
+        return await self.redis.zrangebyscore(
+            self.running_index, "-inf", now_ms() - older_than_ms, start=0, num=limit
+        )
+
+    async def claim_stale(self, attempt_id: str, older_than_ms: int) -> bool:
+        now = now_ms()
+        return bool(
+            await self._claim_stale(
+                keys=[self.running_index, eval_key(attempt_id, "owner")],
+                args=[attempt_id, now - older_than_ms, now],
+            )
+        )
+
+    async def overdue_retries(self, grace_ms: int, limit: int = 100) -> list[str]:
+        return await self.redis.zrangebyscore(
+            self.retries_index, "-inf", now_ms() - grace_ms, start=0, num=limit
+        )
+
+    async def claim_retry(self, member: str, grace_ms: int) -> bool:
+        now = now_ms()
+        return bool(
+            await self._claim_retry(
+                keys=[self.retries_index], args=[member, now - grace_ms, now + grace_ms]
+            )
+        )
+
+    async def status_of(self, attempt_id: str, rule_id: str) -> str | None:
+        return await self.redis.get(status_key(attempt_id, rule_id))

@@ -1,0 +1,214 @@
+"""`python -m engine.worker`: one worker process of the live engine.
+
+Flags beat environment (`REDIS_URL`, `AMQP_URL`, `ENGINE_*`), which beat defaults that work
+on a machine with Redis and RabbitMQ on their usual loopback ports. SIGTERM and Ctrl-C stop
+it cleanly: consuming stops, in-memory evaluations are handed back (their deliveries are
+requeued, their leases released) and connections close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+from engine.agent import AgentProfile, AgentProfileError, FakeAgent
+from engine.config import EngineConfig, env_config, policy_from, redacted
+from engine.failpoints import FailpointError, Failpoints, parse_specs
+from engine.history import open_history
+from engine.metrics import Metrics
+from engine.runtime.broker import Broker
+from engine.runtime.context import Runtime
+from engine.runtime.controller import EvaluationController
+from engine.runtime.store import RedisStore
+from engine.runtime.sweeper import Heartbeat, Sweeper
+
+log = logging.getLogger("engine.worker")
+
+
+class Worker:
+    """Wires one runtime together; `run()` until `stop()`."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        agent: FakeAgent,
+        failpoints: Failpoints | None = None,
+        history_path: str | None = None,
+        worker_id: str | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.worker_id = worker_id or f"w{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        history = open_history(history_path, self.worker_id)
+        fps = failpoints or Failpoints()
+        fps.on_crash = lambda name: history.record("crash", failpoint=name)
+        self.rt = Runtime(
+            worker_id=self.worker_id,
+            config=config,
+            store=RedisStore(config),
+            broker=Broker(config),
+            agent=agent,
+            failpoints=fps,
+            history=history,
+            metrics=Metrics(),
+        )
+        self.metrics_port = metrics_port
+        self.controller = EvaluationController(self.rt)
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def held(self) -> list[str]:
+        return list(self.controller.evaluations)
+
+    async def _lost(self, attempt_id: str) -> None:
+        orch = self.controller.evaluations.get(attempt_id)
+        if orch is not None:
+            await orch.abandon("lease lost")
+
+    async def run(self) -> None:
+        rt = self.rt
+        await rt.store.redis.ping()
+        prefetch = rt.config.max_evaluations * 4
+        await rt.broker.connect(prefetch=prefetch)
+        if self.metrics_port is not None:
+            rt.metrics.serve(self.metrics_port)
+        self.controller.private_queue = await rt.broker.consume_private(
+            self.worker_id, self.controller.on_message
+        )
+        await rt.broker.consume_work(self.controller.on_message)
+        self._tasks.append(asyncio.create_task(Heartbeat(rt, self.held, self._lost).run()))
+        if rt.config.sweeper:
+            self._tasks.append(asyncio.create_task(Sweeper(rt, self.held).run()))
+        rt.history.record("worker_started", sweeper=rt.config.sweeper)
+        log.info(
+            "worker %s ready (redis %s, amqp %s, namespace %r)",
+            self.worker_id,
+            redacted(rt.config.redis_url),
+            redacted(rt.config.amqp_url),
+            rt.config.namespace,
+        )
+        await self._stop.wait()
+        await self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.controller.shutdown()
+        await self.rt.broker.close()
+        await self.rt.store.close()
+        self.rt.history.record("worker_stopped")
+        self.rt.history.close()
+
+
+def _agent_profile(raw: str | None) -> AgentProfile:
+    """A JSON object, or a path to a JSON/YAML file; empty means the default profile."""
+    if not raw:
+        return AgentProfile()
+    text = raw
+    if not raw.lstrip().startswith("{"):
+        text = Path(raw).read_text(encoding="utf-8")
+    import yaml
+
+    return AgentProfile.from_dict(yaml.safe_load(text))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
+    p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
+    p.add_argument("--namespace", help="prefix of queues, exchanges and index keys")
+    p.add_argument("--time-scale", type=float, help="multiply retry delays (0.001: 30 s -> 30 ms)")
+    p.add_argument("--max-evaluations", type=int, help="evaluations in memory at once")
+    p.add_argument("--max-parallel", type=int, help="rules of one evaluation in flight at once")
+    p.add_argument("--heartbeat-ms", type=int)
+    p.add_argument("--stale-ms", type=int, help="a heartbeat older than this is a dead owner")
+    p.add_argument("--sweep-ms", type=int)
+    p.add_argument("--retry-grace-ms", type=int)
+    p.add_argument("--no-sweeper", action="store_true", help="leave the hole after the ACK open")
+    p.add_argument("--immediate-retries", type=int, help="level 1 (default 2)")
+    p.add_argument("--max-attempts", type=int, help="level 2 attempts before level 3 (default 3)")
+    p.add_argument("--tiers-ms", help="comma-separated delay tiers (default 30000,120000,600000)")
+    p.add_argument("--jitter", type=float, help="positive jitter fraction of a tier (default 0.1)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the jitter")
+    p.add_argument(
+        "--agent", help="fake agent profile: JSON object or file (default $ENGINE_AGENT)"
+    )
+    p.add_argument("--failpoint", action="append", default=[], help="NAME=ACTION[,hit=N]...")
+    p.add_argument("--history", help="append the event history (JSON lines) to this file")
+    p.add_argument("--worker-id")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1")
+    p.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "WARNING"))
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    tiers = None
+    if args.tiers_ms:
+        tiers = tuple(int(t) for t in args.tiers_ms.split(","))
+    policy = policy_from(
+        immediate_retries=args.immediate_retries,
+        max_attempts=args.max_attempts,
+        tiers_ms=tiers,
+        jitter=args.jitter,
+        seed=args.seed,
+    )
+    return env_config(
+        redis_url=args.redis_url,
+        amqp_url=args.amqp_url,
+        namespace=args.namespace,
+        time_scale=args.time_scale,
+        max_evaluations=args.max_evaluations,
+        max_parallel=args.max_parallel,
+        heartbeat_ms=args.heartbeat_ms,
+        stale_ms=args.stale_ms,
+        sweep_ms=args.sweep_ms,
+        retry_grace_ms=args.retry_grace_ms,
+        sweeper=False if args.no_sweeper else None,
+        policy=policy,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+        specs = ";".join([os.environ.get("ENGINE_FAILPOINTS", ""), *args.failpoint])
+        failpoints = Failpoints(parse_specs(specs))
+        profile = _agent_profile(args.agent or os.environ.get("ENGINE_AGENT"))
+    except (ValueError, FailpointError, AgentProfileError, OSError) as exc:
+        print(f"engine.worker: {exc}", file=sys.stderr)
+        return 2
+    agent = FakeAgent(profile, time_scale=config.time_scale)
+    return asyncio.run(_serve(config, agent, failpoints, args))
+
+
+async def _serve(
+    config: EngineConfig, agent: FakeAgent, failpoints: Failpoints, args: argparse.Namespace
+) -> int:
+    worker = Worker(config, agent, failpoints, args.history, args.worker_id, args.metrics_port)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
+    try:
+        await worker.run()
+    except (OSError, ConnectionError) as exc:
+        print(f"engine.worker: cannot start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        await worker.close()
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
