@@ -24,6 +24,13 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 class PlanError(ValueError):
     """A plan that cannot be used; the message is one line meant for a human."""
 
+    def __init__(self, message: str) -> None:
+        # ids, keys and paths come from the file: escape line breaks and control characters
+        # so that the message stays one line
+        super().__init__(
+            "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in message)
+        )
+
 
 # --- the schema, as the file spells it ------------------------------------------------
 

@@ -95,13 +95,14 @@ class PassExecutionOrchestrator:
             return
         exc = task.exception()
         if exc is not None and not self._closed:
+            log.error("evaluation %s failed", self.attempt_id, exc_info=exc)
             self._spawn(self.abandon(f"{type(exc).__name__}: {exc}"))
 
-    async def _feed(self, fn: Callable[..., list[Action]], *args: object) -> None:
+    async def _feed(self, fn: Callable[..., list[Action]], *args: object, **kw: object) -> None:
         async with self._lock:
             if self._closed:
                 return
-            actions = fn(*args)
+            actions = fn(*args, **kw)
             for action in actions:
                 if self._closed:
                     return

@@ -1,0 +1,115 @@
+"""Worker processes of the live engine, started, killed and reaped by the harness.
+
+Each worker is `python -m engine.worker` in its own session (process group), so a SIGKILL
+reaches everything it started and nothing outlives the harness: `stop_all()` runs at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+_LIVE: set[WorkerProcess] = set()
+
+
+class WorkerProcess:
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        log_path: str | Path | None = None,
+        name: str = "worker",
+    ) -> None:
+        self.args = list(args)
+        self.env = dict(env or {})
+        self.log_path = Path(log_path) if log_path else None
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINE_")}
+        env.update(self.env)
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.worker", *self.args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        _LIVE.add(self)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group, as a crash would."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        _LIVE.discard(self)
+
+    def terminate(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if it does not stop in time."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def wait_exit(self, timeout: float) -> int:
+        """Wait for the worker to die on its own (a crash failpoint)."""
+        assert self.proc is not None
+        code = self.proc.wait(timeout)
+        _LIVE.discard(self)
+        return code
+
+    def wait_for_log(self, needle: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.log_path and self.log_path.exists() and needle in self.log_path.read_text():
+                return True
+            if not self.alive:
+                return False
+            time.sleep(0.02)
+        return False
+
+
+def stop_all() -> None:
+    for worker in list(_LIVE):
+        worker.kill()
+
+
+atexit.register(stop_all)

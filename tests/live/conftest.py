@@ -1,0 +1,228 @@
+"""Live tests: the machine's real Redis and RabbitMQ, real worker processes, real SIGKILLs.
+
+Each test gets its own namespace (queues, exchanges, index keys) and attemptId prefix, so
+tests never see each other's messages; at teardown every worker is killed and every queue,
+exchange and key the test made is deleted, so the shared services are left as found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+import redis
+
+from chaos.workers import WorkerProcess
+from engine.config import DEFAULT_AMQP_URL, DEFAULT_REDIS_URL, EngineConfig
+from engine.core import RuleResult
+from engine.history import read_history
+from engine.plan import Plan, load_plan
+from engine.policy import RetryPolicy
+from engine.submit import EngineClient
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANS = ROOT / "plans"
+
+pytestmark = pytest.mark.live
+
+
+def _services_up() -> str | None:
+    try:
+        redis.Redis.from_url(DEFAULT_REDIS_URL, socket_connect_timeout=1).ping()
+    except Exception as exc:
+        return f"Redis on 127.0.0.1:6379 is not reachable: {exc}"
+
+    async def amqp() -> None:
+        conn = await aio_pika.connect(DEFAULT_AMQP_URL, timeout=2)
+        await conn.close()
+
+    try:
+        asyncio.run(amqp())
+    except Exception as exc:
+        return f"RabbitMQ on 127.0.0.1:5672 is not reachable: {type(exc).__name__}"
+    return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _require_services() -> None:
+    problem = _services_up()
+    if problem:
+        pytest.fail(f"{problem}; .ci/run starts it, or start it by hand", pytrace=False)
+
+
+class Live:
+    """One test's slice of the live stack."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.ns = f"t{uuid.uuid4().hex[:8]}."
+        self.prefix = f"{self.ns}att-"
+        self.history_path = tmp / "history.jsonl"
+        self.workers: list[WorkerProcess] = []
+        self.time_scale = 0.001
+        self.redis = redis.Redis.from_url(DEFAULT_REDIS_URL, decode_responses=True)
+        self.base_args = {
+            "namespace": self.ns,
+            "time-scale": str(self.time_scale),
+            "heartbeat-ms": "100",
+            "stale-ms": "600",
+            "sweep-ms": "100",
+            "retry-grace-ms": "600",
+        }
+
+    def config(self) -> EngineConfig:
+        return EngineConfig(namespace=self.ns, time_scale=self.time_scale, policy=RetryPolicy())
+
+    # --- workers ------------------------------------------------------------------------
+
+    def worker(
+        self,
+        *flags: str,
+        agent: dict[str, Any] | None = None,
+        failpoints: list[str] | None = None,
+        ready: bool = True,
+        **opts: str,
+    ) -> WorkerProcess:
+        args: list[str] = []
+        for key, value in {**self.base_args, **opts}.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        args += ["--history", str(self.history_path), "--log-level", "INFO", *flags]
+        if agent is not None:
+            args += ["--agent", json.dumps(agent)]
+        for fp in failpoints or []:
+            args += ["--failpoint", fp]
+        n = len(self.workers)
+        w = WorkerProcess(args, log_path=self.tmp / f"worker{n}.log", name=f"worker{n}").start()
+        self.workers.append(w)
+        if ready and not w.wait_for_log("ready", 20):
+            raise AssertionError(f"worker did not start:\n{w.log_path.read_text()}")
+        return w
+
+    # --- the client ---------------------------------------------------------------------
+
+    def ids(self, n: int, tag: str = "") -> list[str]:
+        return [f"{self.prefix}{tag}{i}" for i in range(n)]
+
+    def submit(self, plan: Plan, ids: list[str]) -> None:
+        async def go() -> None:
+            async with EngineClient(self.config()) as client:
+                for a in ids:
+                    await client.submit(plan, a)
+
+        asyncio.run(go())
+
+    def cancel(self, attempt_id: str) -> str:
+        async def go() -> str:
+            async with EngineClient(self.config()) as client:
+                return await client.cancel(attempt_id)
+
+        return asyncio.run(go())
+
+    def wait(self, ids: list[str], timeout: float = 20.0) -> dict[str, str | None]:
+        async def go() -> dict[str, str | None]:
+            async with EngineClient(self.config()) as client:
+                return await client.wait(ids, timeout)
+
+        return asyncio.run(go())
+
+    def wait_for(self, predicate: Any, timeout: float = 10.0, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what or predicate}")
+
+    # --- what happened ------------------------------------------------------------------
+
+    def history(self, attempt_id: str | None = None) -> list[dict[str, Any]]:
+        if not self.history_path.exists():
+            return []
+        events = read_history(self.history_path)
+        if attempt_id is not None:
+            events = [e for e in events if e.get("attempt_id") == attempt_id]
+        return sorted(events, key=lambda e: e["t"])
+
+    def starts(self, attempt_id: str) -> Counter[str]:
+        """How many times each rule attempt round was started (immediate retries excluded)."""
+        return Counter(
+            e["rule_id"]
+            for e in self.history(attempt_id)
+            if e["ev"] == "rule_started" and e["try_no"] == 1
+        )
+
+    def calls(self, attempt_id: str) -> Counter[str]:
+        return Counter(e["rule_id"] for e in self.history(attempt_id) if e["ev"] == "rule_started")
+
+    def result(self, attempt_id: str, rule_id: str) -> RuleResult | None:
+        raw = self.redis.get(f"attempt:{attempt_id}:rule:{rule_id}:result")
+        return None if raw is None else RuleResult.from_json(raw)
+
+    def status(self, attempt_id: str, rule_id: str) -> str | None:
+        return self.redis.get(f"attempt:{attempt_id}:rule:{rule_id}:status")
+
+    # --- teardown -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+        for key in self.redis.scan_iter(match=f"attempt:{self.prefix}*", count=1000):
+            self.redis.delete(key)
+        for key in self.redis.scan_iter(match=f"{self.ns}*", count=1000):
+            self.redis.delete(key)
+        self.redis.close()
+        asyncio.run(_delete_broker_objects(self.ns))
+
+
+def _broker_objects(kind: str, prefix: str) -> list[str]:
+    out = subprocess.run(
+        ["rabbitmqctl", f"list_{kind}", "-q", "name", "--no-table-headers"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return [n.strip() for n in out.stdout.splitlines() if n.strip().startswith(prefix)]
+
+
+async def _delete_broker_objects(ns: str) -> None:
+    """Delete every queue and exchange of the namespace (the delay tiers vary by test)."""
+    conn = await aio_pika.connect(DEFAULT_AMQP_URL)
+    try:
+        for kind, delete in (("queues", "queue_delete"), ("exchanges", "exchange_delete")):
+            for name in _broker_objects(kind, ns):
+                ch = await conn.channel()
+                try:
+                    await getattr(ch, delete)(name)
+                except Exception:
+                    pass
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[Live]:
+    stack = Live(tmp_path)
+    try:
+        yield stack
+    finally:
+        stack.close()
+
+
+@pytest.fixture(scope="session")
+def code_review() -> Plan:
+    return load_plan(PLANS / "code_review.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Plan:
+    return load_plan(PLANS / "tiny.yaml")
