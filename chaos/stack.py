@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -34,6 +35,7 @@ from typing import IO, Self
 
 __all__ = [
     "MARKER_ENV",
+    "OWNER_ENV",
     "RabbitNode",
     "RedisServer",
     "StackError",
@@ -44,6 +46,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "marked_pids",
+    "reap_orphans",
     "redis_ping",
     "stop_all",
 ]
@@ -54,11 +57,13 @@ HOST = "127.0.0.1"
 #: Children inherit it even when they leave the process group, which makes it the reliable
 #: way to find (and kill) a whole service tree.
 MARKER_ENV = "CHAOS_STACK_MARKER"
+#: `pid:starttime` of the Python process that started the instance (see `reap_orphans`).
+OWNER_ENV = "CHAOS_STACK_OWNER"
 
-RABBITMQ_SBIN_DIRS = ("/usr/lib/rabbitmq/bin", "/usr/lib/rabbitmq/sbin", "/usr/sbin")
+RABBITMQ_SBIN_DIRS = ("/usr/lib/rabbitmq/bin", "/usr/lib/rabbitmq/sbin")
 
 _LOG_TAIL_LINES = 6
-_LOG_TAIL_CHARS = 700
+_LOG_TAIL_CHARS = 1200
 
 
 class StackError(RuntimeError):
@@ -143,16 +148,32 @@ def find_redis_server() -> str | None:
     return shutil.which("redis-server")
 
 
-def find_rabbitmq_server() -> str | None:
-    """Path of `rabbitmq-server`: PATH first, then the Debian layout (not on PATH there)."""
-    found = shutil.which("rabbitmq-server")
-    if found:
-        return found
-    for directory in RABBITMQ_SBIN_DIRS:
-        found = _executable(Path(directory) / "rabbitmq-server")
-        if found:
+def _is_su_wrapper(path: str) -> bool:
+    """Debian's /usr/sbin/rabbitmq-* are a wrapper that `su`s to the `rabbitmq` user and, for
+    the server, writes /var/log/rabbitmq/startup_log: run as root it would boot our node as
+    another user (EACCES on our temp dir) and touch the shared node's files."""
+    if Path(path).resolve().name == "rabbitmq-script-wrapper":
+        return True
+    try:
+        with open(path, "rb") as fh:
+            return b"su rabbitmq" in fh.read(8192)
+    except OSError:
+        return False
+
+
+def _find_rabbitmq_script(name: str) -> str | None:
+    """`name` from PATH unless it is the su wrapper, then from the RabbitMQ bin dirs."""
+    dirs = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    for directory in [*dirs, *RABBITMQ_SBIN_DIRS]:
+        found = _executable(Path(directory) / name)
+        if found and not _is_su_wrapper(found):
             return found
     return None
+
+
+def find_rabbitmq_server() -> str | None:
+    """Path of the real `rabbitmq-server` script (PATH, then /usr/lib/rabbitmq/bin), or None."""
+    return _find_rabbitmq_script("rabbitmq-server")
 
 
 def find_epmd() -> str | None:
@@ -169,7 +190,10 @@ def find_epmd() -> str | None:
 
 def _rabbitmqctl_for(server: str) -> str | None:
     """`rabbitmqctl` next to the server script, so both come from the same installation."""
-    return _executable(Path(server).parent / "rabbitmqctl") or shutil.which("rabbitmqctl")
+    found = _executable(Path(server).parent / "rabbitmqctl")
+    if found and not _is_su_wrapper(found):
+        return found
+    return _find_rabbitmq_script("rabbitmqctl")
 
 
 # --- probes -----------------------------------------------------------------------------------
@@ -290,33 +314,79 @@ def _read_proc(pid: int, name: str) -> bytes | None:
         return None
 
 
-def _is_zombie(pid: int) -> bool:
+def _proc_state(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time in clock ticks) of a process, or None when it is gone."""
     stat = _read_proc(pid, "stat")
     if stat is None:
-        return True  # gone
-    # The state follows the parenthesised command name, which may itself contain ')'.
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
+        return None
+    # Fields follow the parenthesised command name, which may itself contain ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return fields[0].decode(), fields[19].decode()
 
 
-def marked_pids(marker: str) -> list[int]:
-    """Live (non-zombie) processes whose environment carries `MARKER_ENV=marker`.
+def _is_zombie(pid: int) -> bool:
+    state = _proc_state(pid)
+    return state is None or state[0] in ("Z", "X")
+
+
+def _owner_token(pid: int | None = None) -> str:
+    """`pid:starttime` of a process: unlike a bare pid, never matches a recycled pid."""
+    pid = os.getpid() if pid is None else pid
+    state = _proc_state(pid)
+    return f"{pid}:{state[1] if state else '?'}"
+
+
+def _owner_alive(token: str) -> bool:
+    pid, _, _start = token.partition(":")
+    return pid.isdigit() and _owner_token(int(pid)) == token
+
+
+def _marked_processes() -> list[tuple[int, dict[str, str]]]:
+    """(pid, our env vars) of every live process carrying MARKER_ENV.
 
     A /proc scan instead of psutil: no extra dependency, and it sees daemons that left the
     process group. Processes of other users are unreadable and therefore never matched.
     """
-    needle = f"{MARKER_ENV}={marker}".encode()
-    found: list[int] = []
+    found: list[tuple[int, dict[str, str]]] = []
     own = os.getpid()
+    prefix = MARKER_ENV.encode() + b"="
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == own:
             continue
-        pid = int(entry.name)
-        if pid == own:
+        environ = _read_proc(int(entry.name), "environ")
+        if not environ or prefix not in environ:
             continue
-        environ = _read_proc(pid, "environ")
-        if environ and needle in environ.split(b"\0") and not _is_zombie(pid):
-            found.append(pid)
+        ours = {}
+        for item in environ.split(b"\0"):
+            key, sep, value = item.partition(b"=")
+            if sep and key in (MARKER_ENV.encode(), OWNER_ENV.encode()):
+                ours[key.decode()] = value.decode(errors="replace")
+        if MARKER_ENV in ours and not _is_zombie(int(entry.name)):
+            found.append((int(entry.name), ours))
     return found
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries `MARKER_ENV=marker`."""
+    return [pid for pid, env in _marked_processes() if env[MARKER_ENV] == marker]
+
+
+def reap_orphans() -> list[int]:
+    """Kill instances whose owning Python process died without cleanup; return their pids.
+
+    atexit does not run when the owner is SIGKILLed (a CI timeout, a chaos run killing its
+    own runner by mistake): call this at the start of a run to clear what such a run left.
+    Instances of live owners (a parallel test run) are never touched. Temp dirs under the
+    default temp root whose `.owner` is dead are deleted too.
+    """
+    killed = [pid for pid, env in _marked_processes() if not _owner_alive(env.get(OWNER_ENV, ""))]
+    for pid in killed:
+        _signal_pid(pid, signal.SIGKILL)
+    for owner_file in Path(tempfile.gettempdir()).glob("chaos-*-*/.owner"):
+        with contextlib.suppress(OSError):
+            if not _owner_alive(owner_file.read_text().strip()):
+                shutil.rmtree(owner_file.parent, ignore_errors=True)
+    return killed
 
 
 def _signal_pid(pid: int, sig: int) -> None:
@@ -342,17 +412,34 @@ def _kill_marked(marker: str, timeout: float = 5.0) -> list[int]:
 
 
 def _tail(paths: Sequence[Path], lines: int = _LOG_TAIL_LINES) -> str:
-    """The last non-blank lines of the first non-empty log, joined into one line."""
+    """The last non-blank lines of the first non-empty log, joined into one line.
+
+    RabbitMQ's last lines are a long Erlang term; its "Error during startup" line, when there
+    is one, names the cause in a few words, so it goes first.
+    """
     for path in paths:
         try:
             text = path.read_text(errors="replace")
         except OSError:
             continue
-        kept = [line.strip() for line in text.splitlines() if line.strip()]
-        if kept:
-            joined = " | ".join(kept[-lines:])
-            return joined if len(joined) <= _LOG_TAIL_CHARS else "..." + joined[-_LOG_TAIL_CHARS:]
+        text = _ANSI.sub("", text)
+        kept = [_clip(line.strip()) for line in text.splitlines() if line.strip()]
+        if not kept:
+            continue
+        picked = kept[-lines:]
+        cause = next((line for line in kept if "Error during startup" in line), None)
+        if cause is not None and cause not in picked:
+            picked = [cause, "...", *picked[-(lines - 1) :]]
+        joined = " | ".join(picked)
+        return joined if len(joined) <= _LOG_TAIL_CHARS else "..." + joined[-_LOG_TAIL_CHARS:]
     return "(log empty)"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _clip(line: str, width: int = 240) -> str:
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def _one_line(text: str) -> str:
@@ -364,9 +451,13 @@ _registry: dict[int, _Service] = {}
 
 
 def stop_all() -> None:
-    """Kill every service this process started and delete their temp dirs (also at exit)."""
+    """Kill every service this process started and delete their temp dirs (also at exit).
+
+    A forked child inherits the registry and the atexit hook but not the services: it must
+    leave its parent's instances alone.
+    """
     with _registry_lock:
-        services = list(_registry.values())
+        services = [s for s in _registry.values() if s._owner_pid == os.getpid()]
     for service in services:
         with contextlib.suppress(Exception):
             service.stop(graceful=False)
@@ -400,6 +491,7 @@ class _Service:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[bytes]] = []
         self._lock = threading.RLock()
+        self._owner_pid = os.getpid()
 
     # -- what subclasses provide
 
@@ -443,14 +535,18 @@ class _Service:
             if fresh:
                 root = self._tmp_root
                 self._dir = Path(tempfile.mkdtemp(prefix=f"chaos-{self.kind}-", dir=root))
+                (self._dir / ".owner").write_text(_owner_token())
                 with _registry_lock:
                     _registry[id(self)] = self
             began = time.monotonic()
             try:
+                self._kill_all()  # remnants of a previous incarnation would hold the ports
+                self._owner_pid = os.getpid()
                 self._launch()
                 self._wait_ready(began)
             except BaseException:
-                self._kill_all()
+                with contextlib.suppress(StackError):
+                    self._kill_all()
                 if fresh:
                     self._cleanup()
                 raise
@@ -501,6 +597,7 @@ class _Service:
     def _env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
         env[MARKER_ENV] = self.marker
+        env[OWNER_ENV] = _owner_token()
         if extra:
             env.update(extra)
         return env
@@ -605,7 +702,11 @@ class RedisServer(_Service):
         return f"redis://{self.host}:{self.port}/0"
 
     def argv(self) -> list[str]:
-        """The command line; `--save ""` keeps RDB snapshots out of the persistence story."""
+        """The command line; `--save ""` keeps RDB snapshots out of the persistence story.
+
+        `extra_args` come last and may override anything, but not `--set-proc-title yes`:
+        that would hide the process from the leftover checks.
+        """
         assert self._dir is not None
         argv = [
             self.binary,
@@ -621,6 +722,10 @@ class RedisServer(_Service):
             "no",
             "--logfile",
             "",
+            # Redis's proc-title code reuses the memory behind /proc/PID/environ, which would
+            # erase the marker that `marked_pids` and `reap_orphans` look for.
+            "--set-proc-title",
+            "no",
         ]
         if self.persistence:
             argv += ["--appendonly", "yes", "--appendfsync", "always"]
@@ -644,8 +749,6 @@ loopback_users = none
 default_user = guest
 default_pass = guest
 log.file.level = info
-log.console = true
-log.console.level = info
 """
 
 
@@ -728,6 +831,7 @@ class RabbitNode(_Service):
         env.update(
             {
                 MARKER_ENV: self.marker,
+                OWNER_ENV: _owner_token(),
                 "HOME": str(d),  # private .erlang.cookie
                 "RABBITMQ_CONF_ENV_FILE": str(d / "rabbitmq-env.conf"),
                 "RABBITMQ_NODENAME": self.node_name,

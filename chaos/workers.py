@@ -7,6 +7,7 @@ reaches everything it started and nothing outlives the harness: `stop_all()` run
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,10 +69,8 @@ class WorkerProcess:
         """SIGKILL the worker's whole process group, as a crash would."""
         if self.proc is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
         _LIVE.discard(self)
 

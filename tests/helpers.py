@@ -83,7 +83,9 @@ def result_for(rule_id: str, attempt: int = 1) -> RuleResult:
     """The fake agent's answer: the verdict depends on the rule only (rules are idempotent)."""
     h = _digest("verdict", rule_id)
     verdict = ("pass", "fail", "needs_review")[h % 3]
-    return RuleResult(rule_id, verdict, score=(h % 101) / 100, tokens=100 + h % 900, attempt=attempt)
+    return RuleResult(
+        rule_id, verdict, score=(h % 101) / 100, tokens=100 + h % 900, attempt=attempt
+    )
 
 
 def agent(default: str = OK, **per_rule: str | Callable[[int, int], str]) -> Agent:
@@ -241,9 +243,10 @@ class Shell:
     def _cancel(self) -> None:
         if self.final is not None:
             return
-        if self.evaluation is None:
-            self._boot()
-        assert self.evaluation is not None
+        if self.evaluation is None:  # parked: rebuild it from Redis only to cancel it
+            self.evaluation = Evaluation(
+                self.plan, self.attempt_id, self.policy, snapshot=self.snapshot()
+            )
         self.cancelled_at = len(self.executed)
         self._execute(self.evaluation.cancel())
 
@@ -306,6 +309,7 @@ class Shell:
                 raise AssertionError(f"unknown action {action!r}")
 
 
-def run_plan(plan: Plan, agent_fn: Agent = agent(), **kwargs: Any) -> Shell:
-    """Run a plan to the end with a scripted agent; the shell holds the whole history."""
-    return Shell(plan, agent_fn, **kwargs).run()
+def run_plan(plan: Plan, agent_fn: Agent | None = None, **kwargs: Any) -> Shell:
+    """Run a plan to the end with a scripted agent (default: every call succeeds); the
+    shell holds the whole history."""
+    return Shell(plan, agent_fn or agent(), **kwargs).run()

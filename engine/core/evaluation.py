@@ -196,8 +196,6 @@ class Evaluation:
         """A delayed retry message arrived. A stale or duplicate one is acked and dropped."""
         if rule_id not in self.state:
             raise ProtocolError(f"unknown rule {rule_id!r}")
-        if not self._started:
-            raise ProtocolError("retry_due() before start()")
         fresh = (
             self.status is EvaluationStatus.RUNNING
             and self.state[rule_id] is RuleState.WAITING_RETRY
@@ -208,6 +206,8 @@ class Evaluation:
         self._move(rule_id, RuleState.PENDING)
         self._retry_tokens[rule_id] = attempt
         self._parked = False
+        if not self._started:  # like `due`: start() runs it, after Recovered and the skips
+            return []
         return self._advance()
 
     def cancel(self) -> list[Action]:

@@ -8,6 +8,7 @@ exchange and key the test made is deleted, so the shared services are left as fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import time
@@ -201,10 +202,8 @@ async def _delete_broker_objects(ns: str) -> None:
         for kind, delete in (("queues", "queue_delete"), ("exchanges", "exchange_delete")):
             for name in _broker_objects(kind, ns):
                 ch = await conn.channel()
-                try:
+                with contextlib.suppress(Exception):
                     await getattr(ch, delete)(name)
-                except Exception:
-                    pass
     finally:
         await conn.close()
 

@@ -165,6 +165,10 @@ def test_permanent_failure_skips_exactly_the_dependents(live: Live, code_review:
 
 
 def test_sigkill_before_ack_is_redelivered(live: Live, code_review: Plan) -> None:
+    # A long stale threshold: the dead owner's lease is still valid when the message comes
+    # back, so the new worker must learn from the broker (its private queue is gone) that
+    # the owner is dead, and take over at once.
+    live.base_args["stale-ms"] = "20000"
     w1 = live.worker(failpoints=["before_ack=crash"])
     [a] = live.ids(1)
     live.submit(code_review, [a])

@@ -1,0 +1,110 @@
+"""Rules per second of one live worker, as a ratio to the raw Redis SET rate of this run.
+
+    python bench/rules_per_second.py [--evaluations 200] [--plan plans/code_review.yaml]
+
+The baseline is measured in the same run, on the same Redis, because these machines are
+noisy: one client doing sequential `SET`s is one round trip each. The durable bookkeeping
+of a rule is two sequential round trips (count the start, store the result), so a worker
+whose rule rate is at least half the SET rate adds nothing worse than that. Target: >= 0.5.
+The worker runs the zero-latency fake agent; evaluations run concurrently as in production.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import redis.asyncio as aioredis  # noqa: E402
+
+from chaos.workers import WorkerProcess  # noqa: E402
+from engine.config import DEFAULT_REDIS_URL, EngineConfig  # noqa: E402
+from engine.plan import load_plan  # noqa: E402
+from engine.submit import EngineClient  # noqa: E402
+
+
+async def set_rate(n: int) -> float:
+    r = aioredis.Redis.from_url(DEFAULT_REDIS_URL)
+    key = f"bench:{uuid.uuid4().hex}"
+    try:
+        await r.set(key, "x")
+        t0 = time.perf_counter()
+        for i in range(n):
+            await r.set(key, i)
+        return n / (time.perf_counter() - t0)
+    finally:
+        await r.delete(key)
+        await r.aclose()
+
+
+async def rule_rate(plan_path: Path, evaluations: int, tmp: Path) -> tuple[float, int]:
+    plan = load_plan(plan_path)
+    ns = f"bench{uuid.uuid4().hex[:6]}."
+    config = EngineConfig(namespace=ns)
+    log = tmp / "worker.log"
+    worker = WorkerProcess(
+        ["--namespace", ns, "--agent", json.dumps({"latency_ms": 0}), "--log-level", "INFO"],
+        log_path=log,
+    ).start()
+    ids = [f"{ns}{i}" for i in range(evaluations)]
+    try:
+        if not await asyncio.to_thread(worker.wait_for_log, "ready", 20):
+            raise SystemExit(f"worker did not start: {log.read_text()[-500:]}")
+        async with EngineClient(config) as client:
+            t0 = time.perf_counter()
+            for a in ids:
+                await client.submit(plan, a)
+            final = await client.wait(ids, timeout_s=300, poll_s=0.01)
+            elapsed = time.perf_counter() - t0
+            bad = {a: s for a, s in final.items() if s != "completed"}
+            if bad:
+                raise SystemExit(f"{len(bad)} evaluations did not complete: {list(bad.items())[:3]}")
+            await _cleanup(client, ids, ns)
+        return len(ids) * len(plan.order) / elapsed, len(ids) * len(plan.order)
+    finally:
+        worker.terminate()
+
+
+async def _cleanup(client: EngineClient, ids: list[str], ns: str) -> None:
+    r = client.store.redis
+    for a in ids:
+        keys = [k async for k in r.scan_iter(match=f"attempt:{a}:*", count=1000)]
+        if keys:
+            await r.delete(*keys)
+    ch = client.broker.channel
+    assert ch is not None
+    for name in [client.broker.work_queue_name, *client.broker.delay_queues.values()]:
+        await ch.queue_delete(name)
+    for name in ("evaluation.events", "evaluation.control"):
+        await ch.exchange_delete(f"{ns}{name}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--evaluations", type=int, default=200)
+    p.add_argument("--sets", type=int, default=5000)
+    p.add_argument("--plan", type=Path, default=ROOT / "plans" / "code_review.yaml")
+    args = p.parse_args()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = asyncio.run(set_rate(args.sets))
+        rules, n = asyncio.run(rule_rate(args.plan, args.evaluations, Path(tmp)))
+        sets_after = asyncio.run(set_rate(args.sets))
+    baseline = (sets + sets_after) / 2
+    ratio = rules / baseline
+    print(f"raw Redis SET rate (sequential, one client): {baseline:10.0f} /s")
+    print(f"rules per second, one worker ({n} rules):    {rules:10.0f} /s")
+    print(f"ratio rules/SET: {ratio:.2f} (target >= 0.50) {'OK' if ratio >= 0.5 else 'BELOW TARGET'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
