@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -25,7 +25,17 @@ class RuleResult:
         )
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+        return json.dumps(
+            {
+                "attempt": self.attempt,
+                "rationale": self.rationale,
+                "rule_id": self.rule_id,
+                "score": self.score,
+                "tokens": self.tokens,
+                "verdict": self.verdict,
+            },
+            separators=(",", ":"),
+        )
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> RuleResult:

@@ -98,14 +98,17 @@ class EvaluationController:
                 await settle(message)
             return
 
-        record = await rt.store.record(attempt_id)
-        if record.state in _TERMINAL:
-            if not record.final_published and record.plan_json is not None:
-                plan = self._plan(record.plan_json, attempt_id)
-                snapshot = await rt.store.snapshot(attempt_id, plan.order)
-                verdicts = {r: v.verdict for r, v in snapshot.results.items()}
-                await publish_completed(rt, attempt_id, record.state or "", verdicts)
-            rt.history.record("terminal_dropped", attempt_id=attempt_id, kind=kind)
+        # 1. Load the config: the plan travels in the message, or was stored at first start.
+        try:
+            raw = body.get("plan")
+            if raw:
+                plan: Plan | None = plan_from_dict(raw, source=f"message {attempt_id}")
+            else:
+                stored = await rt.store.stored_plan(attempt_id)
+                plan = self._plan(stored, attempt_id) if stored else None
+        except PlanError as exc:
+            log.error("%s", exc)
+            rt.history.record("message_rejected", attempt_id=attempt_id, reason=str(exc))
             await settle(message)
             return
 
@@ -113,31 +116,10 @@ class EvaluationController:
         # `_done` gives it back. A delivery that puts nothing in memory gives it back here.
         await self._slots.acquire()
         try:
-            if await self._own(attempt_id, message):
-                await self._begin(kind, attempt_id, body, message, record.plan_json)
+            await self._begin(kind, attempt_id, body, message, plan, bool(raw))
         finally:
             if attempt_id not in self.evaluations:
                 self._slots.release()
-
-    async def _own(self, attempt_id: str, message: AbstractIncomingMessage) -> bool:
-        """Take the lease, or forward the message to the live worker that holds it."""
-        rt = self.rt
-        holder = await rt.store.acquire(attempt_id, rt.worker_id)
-        if holder == rt.worker_id:
-            return True
-        queue = rt.config.name(f"worker.{holder}")
-        try:
-            await rt.broker.forward(queue, message.body, message.message_id)
-        except Unroutable:
-            if await rt.store.steal(attempt_id, holder, rt.worker_id):
-                rt.history.record("lease_taken_over", attempt_id=attempt_id, previous=holder)
-                return True
-            await asyncio.sleep(0.05)
-            await settle(message, ack=False)
-            return False
-        rt.history.record("forwarded", attempt_id=attempt_id, to=holder)
-        await settle(message)
-        return False
 
     async def _begin(
         self,
@@ -145,47 +127,51 @@ class EvaluationController:
         attempt_id: str,
         body: dict[str, Any],
         message: AbstractIncomingMessage,
-        stored_plan: str | None,
+        plan: Plan | None,
+        plan_in_message: bool,
     ) -> None:
         rt = self.rt
-        # 1. Load the config: the plan travels in the message, or was stored at first start.
-        try:
-            raw = body.get("plan")
-            plan = plan_from_dict(raw, source=f"message {attempt_id}") if raw else None
-            if plan is None and stored_plan is not None:
-                plan = self._plan(stored_plan, attempt_id)
-        except PlanError as exc:
-            log.error("%s", exc)
-            rt.history.record("message_rejected", attempt_id=attempt_id, reason=str(exc))
-            await rt.store.release(attempt_id, rt.worker_id)
+        # 2. Lease, state, plan and ReEvaluateUseCase's read of Redis, in one round trip.
+        begun = await self.reevaluate.read(attempt_id, plan, plan_in_message)
+        if begun.holder is not None:
+            if not await self._take_over(attempt_id, begun.holder, message):
+                return
+            begun = await self.reevaluate.read(attempt_id, plan, plan_in_message)
+        if begun.terminal is not None:
+            if not begun.published and plan is not None:
+                snapshot = await rt.store.snapshot(attempt_id, plan.order)
+                verdicts = {r: v.verdict for r, v in snapshot.results.items()}
+                await publish_completed(rt, attempt_id, begun.terminal, verdicts)
+            rt.history.record("terminal_dropped", attempt_id=attempt_id, kind=kind)
             await settle(message)
             return
-        if plan is None:
-            rt.history.record("message_rejected", attempt_id=attempt_id, reason="no plan")
+        if begun.no_plan or begun.holder is not None or plan is None or begun.snapshot is None:
+            reason = "no plan" if begun.no_plan or plan is None else "lease race"
+            rt.history.record("message_rejected", attempt_id=attempt_id, reason=reason)
             await rt.store.release(attempt_id, rt.worker_id)
-            await settle(message)
+            await settle(message, ack=reason == "no plan")
             return
-        await rt.store.save_plan(attempt_id, plan.to_json())
+        snapshot = begun.snapshot
 
-        # 2. ReEvaluateUseCase: read Redis first, rebuild the DAG as the crash left it.
         due: dict[str, int] = {}
         if kind == "retry":
             rule_id, attempt = str(body["rule_id"]), int(body["attempt"])
-            status = await rt.store.status_of(attempt_id, rule_id)
-            if rule_id not in plan.rules or attempt < 2 or status != failed_attempt(attempt - 1):
+            status = snapshot.statuses.get(rule_id)
+            fresh = attempt >= 2 and status == failed_attempt(attempt - 1)
+            if rule_id in plan.rules and fresh and rule_id not in snapshot.results:
+                due[rule_id] = attempt
+            else:
+                # A duplicate or stale retry (publish-then-ack, a redelivery): drop it, but
+                # resume the evaluation anyway; with nothing to run it parks again at once.
                 rt.history.record(
                     "stale_retry_dropped", attempt_id=attempt_id, rule_id=rule_id, attempt=attempt
                 )
-                await rt.store.release(attempt_id, rt.worker_id)
                 await settle(message)
-                return
-            due[rule_id] = attempt
-        core = await self.reevaluate.load(plan, attempt_id, due)
+                kind = "resume"
+        core = self.reevaluate.rebuild(plan, attempt_id, snapshot, due)
 
-        # 3. Initialise the job and announce it; only then ACK.
-        await rt.store.set_state(attempt_id, "running")
-        await rt.store.index_running(attempt_id)
-        resumed = not core.snapshot.empty
+        # 3. The job is initialised (by `begin`); announce it, and only then ACK.
+        resumed = not snapshot.empty
         if resumed:
             rt.metrics.resumes.labels(reason=body.get("reason") or kind).inc()
         await rt.broker.publish_event(
@@ -205,9 +191,28 @@ class EvaluationController:
             await settle(message)
             rt.history.record("acked", attempt_id=attempt_id)
             await rt.failpoints.hit("after_ack", None, attempt_id)
-        else:
+        elif kind == "retry":
             orch.retry_messages[(str(body["rule_id"]), int(body["attempt"]))] = message
         orch.start()
+
+    async def _take_over(
+        self, attempt_id: str, holder: str, message: AbstractIncomingMessage
+    ) -> bool:
+        """Forward the message to the live worker holding the lease, or take a dead one's."""
+        rt = self.rt
+        queue = rt.config.name(f"worker.{holder}")
+        try:
+            await rt.broker.forward(queue, message.body, message.message_id)
+        except Unroutable:
+            if await rt.store.steal(attempt_id, holder, rt.worker_id):
+                rt.history.record("lease_taken_over", attempt_id=attempt_id, previous=holder)
+                return True
+            await asyncio.sleep(0.05)
+            await settle(message, ack=False)
+            return False
+        rt.history.record("forwarded", attempt_id=attempt_id, to=holder)
+        await settle(message)
+        return False
 
     def _done(self, orch: PassExecutionOrchestrator) -> None:
         if self.evaluations.get(orch.attempt_id) is orch:

@@ -59,6 +59,12 @@ class PassExecutionOrchestrator:
         self._spawn(self._feed(self.core.start))
 
     def retry_due(self, rule_id: str, attempt: int, message: AbstractIncomingMessage) -> None:
+        if (rule_id, attempt) in self.retry_messages:  # a copy of a retry already under way
+            self.rt.history.record(
+                "stale_retry_dropped", attempt_id=self.attempt_id, rule_id=rule_id, attempt=attempt
+            )
+            self._spawn(settle(message))
+            return
         self.retry_messages[(rule_id, attempt)] = message
         self._spawn(self._feed(self.core.retry_due, rule_id, attempt))
 
@@ -165,10 +171,9 @@ class PassExecutionOrchestrator:
                     fresh=list(action.fresh),
                 )
             case Park(waiting=waiting):
-                await rt.store.set_state(a, "parked")
-                await rt.store.unindex_running(a)
+                await rt.store.park(a, rt.worker_id)
                 rt.history.record("parked", attempt_id=a, waiting=dict(waiting))
-                await self._close()
+                await self._close(release=False)
             case Finish():
                 await self._finish(action)
 
@@ -245,25 +250,32 @@ class PassExecutionOrchestrator:
             await rt.failpoints.hit("before_final_publish", None, a)
             await publish_completed(rt, a, status, dict(action.verdicts))
             await rt.failpoints.hit("after_final_publish", None, a)
-        elif action.status is not EvaluationStatus.CANCELLED:
+            await self._close(release=False)
+            return
+        if action.status is not EvaluationStatus.CANCELLED:
             log.info("evaluation %s was already %s", a, kept)
         await rt.store.unindex_running(a)
         await self._close()
 
-    async def _close(self) -> None:
+    async def _close(self, release: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
         for message in self.retry_messages.values():  # stale by now: the core acked the rest
             await settle(message)
         self.retry_messages.clear()
-        await self.rt.store.release(self.attempt_id, self.rt.worker_id)
+        if release:
+            await self.rt.store.release(self.attempt_id, self.rt.worker_id)
         self._on_done(self)
 
 
 async def publish_completed(rt: Runtime, attempt_id: str, status: str, verdicts: dict) -> None:
-    """Publish evaluation.completed once per final state (message id = attemptId)."""
+    """Publish evaluation.completed for the final state, then flag it, unindex, release.
+
+    A crash between the publish and the flag publishes it again on recovery: consumers
+    dedupe on the message id (`{attemptId}:completed`).
+    """
     body = {"attempt_id": attempt_id, "status": status, "verdicts": verdicts}
     await rt.broker.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
-    await rt.store.mark_final_published(attempt_id)
+    await rt.store.done(attempt_id, rt.worker_id)
     rt.history.record("final_published", attempt_id=attempt_id, status=status)

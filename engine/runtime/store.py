@@ -83,14 +83,58 @@ else redis.call('ZREM', KEYS[2], ARGV[4]) end
 return false
 """
 
-# KEYS: owner. ARGV: me, lease_ms. Returns the holder after the call.
-_ACQUIRE = """
+# Start (or resume) an evaluation in one round trip: the lease, the terminal check, the
+# plan, the state, the running index and the snapshot of every rule.
+# KEYS: owner, state, plan, final_published, running index, passes, results..., statuses...
+# ARGV: me, lease_ms, plan json ('' = use the stored one), ttl, now_ms, attempt_id, terminal
+# list. Returns {'held', holder} | {'terminal', state, published} | {'noplan'} |
+# {'ok', plan json, {results and statuses}, {published passes}}.
+_BEGIN = """
 local cur = redis.call('GET', KEYS[1])
-if (not cur) or cur == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return ARGV[1]
+if cur and cur ~= ARGV[1] then return {'held', cur} end
+local state = redis.call('GET', KEYS[2])
+if state and string.find(',' .. ARGV[7] .. ',', ',' .. state .. ',', 1, true) then
+  return {'terminal', state, redis.call('GET', KEYS[4]) or ''}
 end
-return cur
+local plan = ARGV[3]
+if plan == '' then plan = redis.call('GET', KEYS[3]) else
+  redis.call('SET', KEYS[3], plan, 'NX', 'EX', ARGV[4]) end
+if not plan then return {'noplan'} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[2], 'running', 'EX', ARGV[4])
+redis.call('ZADD', KEYS[5], ARGV[5], ARGV[6])
+local values = {}
+if #KEYS > 6 then values = redis.call('MGET', unpack(KEYS, 7)) end
+for i = 1, #values do if not values[i] then values[i] = '' end end
+return {'ok', plan, values, redis.call('HKEYS', KEYS[6])}
+"""
+
+# KEYS: runs. ARGV: attempt, ttl. The number of starts of this attempt so far.
+_MARK_STARTED = """
+local n = redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return n
+"""
+
+# After evaluation.completed is out: flag it, leave the running index, give the lease back.
+# KEYS: final_published, running index, owner. ARGV: ttl, attempt_id, me.
+_DONE = """
+redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[2])
+if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
+return 1
+"""
+
+# Only delayed retries are left: out of the running index, lease given back.
+# KEYS: state, running index, owner. ARGV: ttl, attempt_id, me, terminal list.
+_PARK = """
+local cur = redis.call('GET', KEYS[1])
+if not (cur and string.find(',' .. ARGV[4] .. ',', ',' .. cur .. ',', 1, true)) then
+  redis.call('SET', KEYS[1], 'parked', 'EX', ARGV[1])
+end
+redis.call('ZREM', KEYS[2], ARGV[2])
+if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
+return 1
 """
 
 # KEYS: owner. ARGV: expected holder, me, lease_ms. 1 when taken over.
@@ -144,6 +188,18 @@ return 1
 
 
 @dataclass(frozen=True)
+class Begun:
+    """What `RedisStore.begin` found: exactly one of the outcomes is set."""
+
+    holder: str | None = None  # another worker holds the lease
+    terminal: str | None = None  # the evaluation is over (and `published` says if announced)
+    published: bool = False
+    no_plan: bool = False
+    plan_json: str | None = None
+    snapshot: Snapshot | None = None
+
+
+@dataclass(frozen=True)
 class EvaluationRecord:
     """What Redis holds of one evaluation as a whole."""
 
@@ -169,13 +225,16 @@ class RedisStore:
         r = self.redis
         self._write_result = r.register_script(_WRITE_RESULT)
         self._write_status = r.register_script(_WRITE_STATUS)
-        self._acquire = r.register_script(_ACQUIRE)
         self._steal = r.register_script(_STEAL)
         self._renew = r.register_script(_RENEW)
         self._release = r.register_script(_RELEASE)
         self._set_state = r.register_script(_SET_STATE)
         self._claim_stale = r.register_script(_CLAIM_STALE)
         self._claim_retry = r.register_script(_CLAIM_RETRY)
+        self._begin = r.register_script(_BEGIN)
+        self._mark_started = r.register_script(_MARK_STARTED)
+        self._done = r.register_script(_DONE)
+        self._park = r.register_script(_PARK)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -207,12 +266,68 @@ class RedisStore:
 
     async def mark_started(self, attempt_id: str, rule_id: str, attempt: int) -> int:
         """Count the starts of one rule attempt; more than one means a crash lost a run."""
-        key = runs_key(attempt_id, rule_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hincrby(key, str(attempt), 1)
-            pipe.expire(key, self.ttl)
-            count, _ = await pipe.execute()
-        return int(count)
+        return int(
+            await self._mark_started(keys=[runs_key(attempt_id, rule_id)], args=[attempt, self.ttl])
+        )
+
+    async def begin(
+        self, attempt_id: str, me: str, rule_ids: Sequence[str], plan_json: str | None
+    ) -> Begun:
+        """Take the lease and load everything the evaluation needs, in one round trip.
+
+        `rule_ids` are those of `plan_json` when given; with None, the stored plan is used
+        and its rules must be the ones passed (the caller read it first).
+        """
+        keys = [eval_key(attempt_id, w) for w in ("owner", "state", "plan", "final_published")]
+        keys += [self.running_index, eval_key(attempt_id, "passes")]
+        keys += [result_key(attempt_id, r) for r in rule_ids]
+        keys += [status_key(attempt_id, r) for r in rule_ids]
+        reply = await self._begin(
+            keys=keys,
+            args=[
+                me,
+                self.config.stale_ms,
+                plan_json or "",
+                self.ttl,
+                now_ms(),
+                attempt_id,
+                _TERMINAL,
+            ],
+        )
+        kind = reply[0]
+        if kind == "held":
+            return Begun(holder=reply[1])
+        if kind == "terminal":
+            return Begun(terminal=reply[1], published=bool(reply[2]))
+        if kind == "noplan":
+            return Begun(no_plan=True)
+        values, passes = reply[2], reply[3]
+        n = len(rule_ids)
+        found = zip(rule_ids, values[:n], strict=True)
+        results = {r: RuleResult.from_json(v) for r, v in found if v}
+        statuses = {r: v for r, v in zip(rule_ids, values[n:], strict=True) if v}
+        snap = Snapshot(results=results, statuses=statuses, published_passes=frozenset(passes))
+        return Begun(plan_json=reply[1], snapshot=snap)
+
+    async def stored_plan(self, attempt_id: str) -> str | None:
+        return await self.redis.get(eval_key(attempt_id, "plan"))
+
+    async def done(self, attempt_id: str, me: str) -> None:
+        """evaluation.completed is published: flag it, unindex, give the lease back."""
+        await self._done(
+            keys=[
+                eval_key(attempt_id, "final_published"),
+                self.running_index,
+                eval_key(attempt_id, "owner"),
+            ],
+            args=[self.ttl, attempt_id, me],
+        )
+
+    async def park(self, attempt_id: str, me: str) -> None:
+        await self._park(
+            keys=[eval_key(attempt_id, "state"), self.running_index, eval_key(attempt_id, "owner")],
+            args=[self.ttl, attempt_id, me, _TERMINAL],
+        )
 
     async def snapshot(self, attempt_id: str, rule_ids: Sequence[str]) -> Snapshot:
         """Everything Redis knows of the rules of one evaluation, in one round trip."""
@@ -229,9 +344,6 @@ class RedisStore:
         return Snapshot(results=results, statuses=statuses, published_passes=frozenset(passes))
 
     # --- evaluations --------------------------------------------------------------------
-
-    async def save_plan(self, attempt_id: str, plan_json: str) -> None:
-        await self.redis.set(eval_key(attempt_id, "plan"), plan_json, nx=True, ex=self.ttl)
 
     async def record(self, attempt_id: str) -> EvaluationRecord:
         state, plan, published = await self.redis.mget(
@@ -260,12 +372,6 @@ class RedisStore:
 
     # --- ownership, heartbeats, indexes ---------------------------------------------------
 
-    async def acquire(self, attempt_id: str, me: str) -> str:
-        """Take the lease on an evaluation, or learn who holds it."""
-        return await self._acquire(
-            keys=[eval_key(attempt_id, "owner")], args=[me, self.config.stale_ms]
-        )
-
     async def steal(self, attempt_id: str, holder: str, me: str) -> bool:
         """Take over from a holder known to be dead (its private queue is gone)."""
         return bool(
@@ -292,9 +398,6 @@ class RedisStore:
 
     async def release(self, attempt_id: str, me: str) -> None:
         await self._release(keys=[eval_key(attempt_id, "owner")], args=[me])
-
-    async def index_running(self, attempt_id: str) -> None:
-        await self.redis.zadd(self.running_index, {attempt_id: now_ms()})
 
     async def unindex_running(self, attempt_id: str) -> None:
         await self.redis.zrem(self.running_index, attempt_id)
