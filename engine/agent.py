@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import math
 import os
 import random
@@ -375,9 +374,28 @@ class Draw:
     tokens: int
 
 
-def _stable_int(*parts: object) -> int:
-    key = json.dumps(parts, separators=(",", ":")).encode()  # unambiguous, ASCII-only
-    return int.from_bytes(hashlib.blake2b(key, digest_size=16).digest(), "big")
+def _stable_digest(*parts: object) -> bytes:
+    # repr of a tuple of str and int is unambiguous and the same in every process
+    return hashlib.blake2b(repr(parts).encode(), digest_size=64).digest()
+
+
+class _HashStream(random.Random):
+    """Uniforms read straight from a 64-byte digest (eight of them), then from a seeded
+    Mersenne Twister: building a `random.Random` per call costs more than the hash."""
+
+    def __init__(self, digest: bytes) -> None:  # no super().__init__: seeding is the cost
+        self._digest = digest
+        self._next = 0
+        self._fallback: random.Random | None = None
+
+    def random(self) -> float:
+        i = self._next
+        if i < 8:
+            self._next = i + 1
+            return (int.from_bytes(self._digest[8 * i : 8 * i + 8], "big") >> 11) * (2.0**-53)
+        if self._fallback is None:
+            self._fallback = random.Random(int.from_bytes(self._digest, "big"))
+        return self._fallback.random()
 
 
 class FakeAgent:
@@ -423,7 +441,7 @@ class FakeAgent:
         when a cap is set (the client gave up there).
         """
         p = self.profile
-        rng = random.Random(_stable_int("call", p.seed, attempt_id, rule_id, attempt, try_no))
+        rng = _HashStream(_stable_digest("call", p.seed, attempt_id, rule_id, attempt, try_no))
         # Fixed draw order, whatever branch is taken, so one knob does not reshuffle the rest.
         u_err = rng.random()
         u_kind = rng.random()
@@ -473,7 +491,7 @@ class FakeAgent:
         key: tuple[object, ...] = ("verdict", p.seed, attempt_id, rule_id)
         if self.nondeterministic:
             key = (*key, self.salt, attempt, try_no, call_index)
-        u = random.Random(_stable_int(*key)).random()
+        u = _HashStream(_stable_digest(*key)).random()
         if u < p.pass_rate:
             verdict = "pass"
         elif u < p.pass_rate + (1.0 - p.pass_rate) * p.review_share:

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 
 class History:
     """Discards events: the default when nobody records."""
@@ -40,7 +42,7 @@ class FileHistory(History):
         self._seq += 1
         line = {"t": time.time(), "src": self.source, "pid": self._pid, "seq": self._seq, "ev": ev}
         line.update(fields)
-        os.write(self._fd, (json.dumps(line, separators=(",", ":")) + "\n").encode())
+        os.write(self._fd, orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))
 
     def close(self) -> None:
         if self._fd >= 0:

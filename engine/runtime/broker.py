@@ -21,12 +21,12 @@ instead of being confirmed into the void.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aio_pika
+import orjson
 from aio_pika.abc import (
     AbstractExchange,
     AbstractIncomingMessage,
@@ -156,7 +156,7 @@ class Broker:
         msg_id: str | None,
         mandatory: bool,
     ) -> None:
-        raw = json.dumps(body, separators=(",", ":")).encode()
+        raw = orjson.dumps(body)
         await self._publish_raw(exchange, key, raw, msg_id, mandatory)
 
     async def _publish_raw(

@@ -15,9 +15,9 @@ its lease is taken over at once, without waiting for the heartbeat to go stale.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
+import orjson
 from aio_pika.abc import AbstractIncomingMessage
 
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, failed_attempt
@@ -43,10 +43,10 @@ class EvaluationController:
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
         try:
-            body = json.loads(message.body)
+            body = orjson.loads(message.body)
             kind = body["type"]
             attempt_id = str(body["attempt_id"])
-        except (ValueError, KeyError, TypeError):
+        except (orjson.JSONDecodeError, ValueError, KeyError, TypeError):
             log.error("dropping a malformed message (%d bytes)", len(message.body))
             self.rt.history.record("message_rejected", reason="malformed")
             await settle(message)
@@ -102,7 +102,8 @@ class EvaluationController:
         try:
             raw = body.get("plan")
             if raw:
-                plan: Plan | None = plan_from_dict(raw, source=f"message {attempt_id}")
+                key = orjson.dumps(raw, option=orjson.OPT_SORT_KEYS).decode()
+                plan: Plan | None = self._plan(key, attempt_id)
             else:
                 stored = await rt.store.stored_plan(attempt_id)
                 plan = self._plan(stored, attempt_id) if stored else None
@@ -224,7 +225,7 @@ class EvaluationController:
     def _plan(self, plan_json: str, attempt_id: str) -> Plan:
         plan = self._plans.get(plan_json)
         if plan is None:
-            plan = plan_from_dict(json.loads(plan_json), source=f"stored plan of {attempt_id}")
+            plan = plan_from_dict(orjson.loads(plan_json), source=f"plan of {attempt_id}")
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[plan_json] = plan

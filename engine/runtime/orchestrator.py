@@ -52,6 +52,8 @@ class PassExecutionOrchestrator:
         self._on_done = on_done
         self._closed = False
         self.holds_slot = False
+        self._starts: list[tuple[str, int]] = []  # first tries of the actions being executed
+        self._reruns: dict[str, bool] = {}
 
     # --- inputs -------------------------------------------------------------------------
 
@@ -109,18 +111,31 @@ class PassExecutionOrchestrator:
             if self._closed:
                 return
             actions = fn(*args, **kw)
+            # Rules about to start for the first time in their attempt get a start marker
+            # (to count reruns), written with the result that made them ready when there
+            # is one, so a rule's durable bookkeeping stays within two round trips.
+            self._starts = [(x.rule_id, x.attempt) for x in actions if _first_try(x)]
             for action in actions:
                 if self._closed:
                     return
                 await self._execute(action)
 
+    def _mark_starts(self, counts: list[int]) -> None:
+        for (rule_id, _), count in zip(self._starts, counts, strict=True):
+            self._reruns[rule_id] = count > 1
+        self._starts = []
+
     async def _execute(self, action: Action) -> None:
         rt, a = self.rt, self.attempt_id
         match action:
             case RunRule():
-                self._spawn(self._run_rule(action))
+                if self._starts:
+                    self._mark_starts(await rt.store.mark_started(a, self._starts))
+                rerun = action.try_no == 1 and self._reruns.pop(action.rule_id, False)
+                self._spawn(self._run_rule(action, rerun))
             case PersistResult(rule_id=rule_id, result=result):
-                existing = await rt.store.write_result(a, result)
+                existing, counts = await rt.store.write_result(a, result, self._starts)
+                self._mark_starts(counts)
                 rt.history.record(
                     "result_persisted",
                     attempt_id=a,
@@ -177,14 +192,11 @@ class PassExecutionOrchestrator:
             case Finish():
                 await self._finish(action)
 
-    async def _run_rule(self, action: RunRule) -> None:
+    async def _run_rule(self, action: RunRule, rerun: bool) -> None:
         rt, a = self.rt, self.attempt_id
         rule = self.core.plan.rules[action.rule_id]
         await rt.failpoints.hit("rule_before_call", rule.id, a)
-        rerun = False
-        if action.try_no == 1:
-            rerun = await rt.store.mark_started(a, rule.id, action.attempt) > 1
-        else:
+        if action.try_no > 1:
             rt.metrics.retries.labels(level="1").inc()
         if rerun:
             rt.metrics.reruns.inc()
@@ -267,6 +279,10 @@ class PassExecutionOrchestrator:
         if release:
             await self.rt.store.release(self.attempt_id, self.rt.worker_id)
         self._on_done(self)
+
+
+def _first_try(action: Action) -> bool:
+    return isinstance(action, RunRule) and action.try_no == 1
 
 
 async def publish_completed(rt: Runtime, attempt_id: str, status: str, verdicts: dict) -> None:

@@ -12,6 +12,7 @@ indexes the sweeper scans: evaluations running, and delayed retries with their d
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from engine.config import EngineConfig
 from engine.core import RuleResult, Snapshot, status_rank
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
+from engine.runtime.autopipeline import AutoPipeline
 
 
 def result_key(attempt_id: str, rule_id: str) -> str:
@@ -59,12 +61,20 @@ def now_ms() -> int:
 
 _TERMINAL = ",".join(sorted(s.value for s in TERMINAL_EVALUATION_STATUSES))
 
-# KEYS: result, retries index. ARGV: json, ttl, member. Nil when this write won.
+# Store a result (the first write wins) and count the starts of the rules it makes ready,
+# in one round trip: a rule's start marker rides on its dependency's result.
+# KEYS: result, retries index, runs keys... ARGV: json, ttl, member, attempts...
+# Returns {'' when this write won, else the stored result; start counts...}.
 _WRITE_RESULT = """
 local won = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[3])
-if won then return false end
-return redis.call('GET', KEYS[1])
+local out = {''}
+if not won then out[1] = redis.call('GET', KEYS[1]) end
+for i = 3, #KEYS do
+  out[i - 1] = redis.call('HINCRBY', KEYS[i], ARGV[i + 1], 1)
+  redis.call('EXPIRE', KEYS[i], ARGV[2])
+end
+return out
 """
 
 # KEYS: status, retries index. ARGV: status, rank, ttl, member, due_ms ('' = not retrying).
@@ -109,11 +119,21 @@ for i = 1, #values do if not values[i] then values[i] = '' end end
 return {'ok', plan, values, redis.call('HKEYS', KEYS[6])}
 """
 
-# KEYS: runs. ARGV: attempt, ttl. The number of starts of this attempt so far.
+# KEYS: runs keys... ARGV: ttl, attempts... The number of starts of each attempt so far.
 _MARK_STARTED = """
-local n = redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return n
+local out = {}
+for i = 1, #KEYS do
+  out[i] = redis.call('HINCRBY', KEYS[i], ARGV[i + 1], 1)
+  redis.call('EXPIRE', KEYS[i], ARGV[1])
+end
+return out
+"""
+
+# KEYS: passes. ARGV: pass id, outcome, ttl.
+_MARK_PASS = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
 """
 
 # After evaluation.completed is out: flag it, leave the running index, give the lease back.
@@ -223,37 +243,57 @@ class RedisStore:
             health_check_interval=0,
         )
         r = self.redis
-        self._write_result = r.register_script(_WRITE_RESULT)
-        self._write_status = r.register_script(_WRITE_STATUS)
-        self._steal = r.register_script(_STEAL)
-        self._renew = r.register_script(_RENEW)
-        self._release = r.register_script(_RELEASE)
-        self._set_state = r.register_script(_SET_STATE)
-        self._claim_stale = r.register_script(_CLAIM_STALE)
-        self._claim_retry = r.register_script(_CLAIM_RETRY)
-        self._begin = r.register_script(_BEGIN)
-        self._mark_started = r.register_script(_MARK_STARTED)
-        self._done = r.register_script(_DONE)
-        self._park = r.register_script(_PARK)
+        self.batch = AutoPipeline(r)
+        self._write_result = self.batch.register(_WRITE_RESULT)
+        self._write_status = self.batch.register(_WRITE_STATUS)
+        self._steal = self.batch.register(_STEAL)
+        self._renew = self.batch.register(_RENEW)
+        self._release = self.batch.register(_RELEASE)
+        self._set_state = self.batch.register(_SET_STATE)
+        self._claim_stale = self.batch.register(_CLAIM_STALE)
+        self._claim_retry = self.batch.register(_CLAIM_RETRY)
+        self._begin = self.batch.register(_BEGIN)
+        self._mark_started = self.batch.register(_MARK_STARTED)
+        self._done = self.batch.register(_DONE)
+        self._mark_pass = self.batch.register(_MARK_PASS)
+        self._park = self.batch.register(_PARK)
 
     async def close(self) -> None:
         await self.redis.aclose()
 
     # --- rules --------------------------------------------------------------------------
 
-    async def write_result(self, attempt_id: str, result: RuleResult) -> RuleResult | None:
-        """Store a result unless one is there already; return the one that was there."""
-        existing = await self._write_result(
-            keys=[result_key(attempt_id, result.rule_id), self.retries_index],
-            args=[result.to_json(), self.ttl, retry_member(attempt_id, result.rule_id)],
+    async def write_result(
+        self, attempt_id: str, result: RuleResult, starts: Sequence[tuple[str, int]] = ()
+    ) -> tuple[RuleResult | None, list[int]]:
+        """Store a result unless one is there already, and count the given starts.
+
+        Returns the result that was there before (None when this write won) and, for each
+        (rule, attempt) in `starts`, how many times that attempt has now been started.
+        """
+        reply = await self.batch.call(
+            self._write_result,
+            keys=[
+                result_key(attempt_id, result.rule_id),
+                self.retries_index,
+                *(runs_key(attempt_id, r) for r, _ in starts),
+            ],
+            args=[
+                result.to_json(),
+                self.ttl,
+                retry_member(attempt_id, result.rule_id),
+                *(n for _, n in starts),
+            ],
         )
-        return None if existing is None else RuleResult.from_json(existing)
+        existing = RuleResult.from_json(reply[0]) if reply[0] else None
+        return existing, [int(c) for c in reply[1:]]
 
     async def write_status(
         self, attempt_id: str, rule_id: str, status: str, due_ms: int | None = None
     ) -> str | None:
         """Write a status unless it would move the attempt count back; return the kept one."""
-        return await self._write_status(
+        return await self.batch.call(
+            self._write_status,
             keys=[status_key(attempt_id, rule_id), self.retries_index],
             args=[
                 status,
@@ -264,11 +304,14 @@ class RedisStore:
             ],
         )
 
-    async def mark_started(self, attempt_id: str, rule_id: str, attempt: int) -> int:
-        """Count the starts of one rule attempt; more than one means a crash lost a run."""
-        return int(
-            await self._mark_started(keys=[runs_key(attempt_id, rule_id)], args=[attempt, self.ttl])
+    async def mark_started(self, attempt_id: str, starts: Sequence[tuple[str, int]]) -> list[int]:
+        """Count the starts of rule attempts; more than one means a crash lost a run."""
+        reply = await self.batch.call(
+            self._mark_started,
+            keys=[runs_key(attempt_id, r) for r, _ in starts],
+            args=[self.ttl, *(n for _, n in starts)],
         )
+        return [int(c) for c in reply]
 
     async def begin(
         self, attempt_id: str, me: str, rule_ids: Sequence[str], plan_json: str | None
@@ -282,7 +325,8 @@ class RedisStore:
         keys += [self.running_index, eval_key(attempt_id, "passes")]
         keys += [result_key(attempt_id, r) for r in rule_ids]
         keys += [status_key(attempt_id, r) for r in rule_ids]
-        reply = await self._begin(
+        reply = await self.batch.call(
+            self._begin,
             keys=keys,
             args=[
                 me,
@@ -314,7 +358,8 @@ class RedisStore:
 
     async def done(self, attempt_id: str, me: str) -> None:
         """evaluation.completed is published: flag it, unindex, give the lease back."""
-        await self._done(
+        await self.batch.call(
+            self._done,
             keys=[
                 eval_key(attempt_id, "final_published"),
                 self.running_index,
@@ -324,7 +369,8 @@ class RedisStore:
         )
 
     async def park(self, attempt_id: str, me: str) -> None:
-        await self._park(
+        await self.batch.call(
+            self._park,
             keys=[eval_key(attempt_id, "state"), self.running_index, eval_key(attempt_id, "owner")],
             args=[self.ttl, attempt_id, me, _TERMINAL],
         )
@@ -356,16 +402,16 @@ class RedisStore:
 
         A terminal state is written once: whoever wins publishes evaluation.completed.
         """
-        return await self._set_state(
-            keys=[eval_key(attempt_id, "state")], args=[state, self.ttl, _TERMINAL]
+        return await self.batch.call(
+            self._set_state, keys=[eval_key(attempt_id, "state")], args=[state, self.ttl, _TERMINAL]
         )
 
     async def mark_pass_published(self, attempt_id: str, pass_id: str, outcome: str) -> None:
-        key = eval_key(attempt_id, "passes")
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(key, pass_id, outcome)
-            pipe.expire(key, self.ttl)
-            await pipe.execute()
+        await self.batch.call(
+            self._mark_pass,
+            keys=[eval_key(attempt_id, "passes")],
+            args=[pass_id, outcome, self.ttl],
+        )
 
     async def mark_final_published(self, attempt_id: str) -> None:
         await self.redis.set(eval_key(attempt_id, "final_published"), "1", ex=self.ttl)
@@ -375,8 +421,10 @@ class RedisStore:
     async def steal(self, attempt_id: str, holder: str, me: str) -> bool:
         """Take over from a holder known to be dead (its private queue is gone)."""
         return bool(
-            await self._steal(
-                keys=[eval_key(attempt_id, "owner")], args=[holder, me, self.config.stale_ms]
+            await self.batch.call(
+                self._steal,
+                keys=[eval_key(attempt_id, "owner")],
+                args=[holder, me, self.config.stale_ms],
             )
         )
 
@@ -386,18 +434,20 @@ class RedisStore:
         if not ids:
             return {}
         now = now_ms()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for a in ids:
-                await self._renew(
+        out = await asyncio.gather(
+            *[
+                self.batch.call(
+                    self._renew,
                     keys=[eval_key(a, "owner"), self.running_index],
                     args=[me, self.config.stale_ms, now, a],
-                    client=pipe,
                 )
-            out = await pipe.execute()
+                for a in ids
+            ]
+        )
         return {a: bool(v) for a, v in zip(ids, out, strict=True)}
 
     async def release(self, attempt_id: str, me: str) -> None:
-        await self._release(keys=[eval_key(attempt_id, "owner")], args=[me])
+        await self.batch.call(self._release, keys=[eval_key(attempt_id, "owner")], args=[me])
 
     async def unindex_running(self, attempt_id: str) -> None:
         await self.redis.zrem(self.running_index, attempt_id)
@@ -410,7 +460,8 @@ class RedisStore:
     async def claim_stale(self, attempt_id: str, older_than_ms: int) -> bool:
         now = now_ms()
         return bool(
-            await self._claim_stale(
+            await self.batch.call(
+                self._claim_stale,
                 keys=[self.running_index, eval_key(attempt_id, "owner")],
                 args=[attempt_id, now - older_than_ms, now],
             )
@@ -424,8 +475,10 @@ class RedisStore:
     async def claim_retry(self, member: str, grace_ms: int) -> bool:
         now = now_ms()
         return bool(
-            await self._claim_retry(
-                keys=[self.retries_index], args=[member, now - grace_ms, now + grace_ms]
+            await self.batch.call(
+                self._claim_retry,
+                keys=[self.retries_index],
+                args=[member, now - grace_ms, now + grace_ms],
             )
         )
 
