@@ -1,0 +1,1 @@
+"""Reports: retry latency and duplicated LLM cost."""

@@ -1,0 +1,1 @@
+"""The deterministic simulator of the engine (built on the same pure core)."""
