@@ -23,8 +23,8 @@ from redis.exceptions import NoScriptError
 
 class AutoPipeline:
     """At most `max_in_flight` batches travel at once (one by default: measured best on a
-    busy worker); calls made meanwhile wait for the
-    next batch, which is what makes batches grow under load."""
+    busy worker); calls made meanwhile wait for the next batch, which is what makes
+    batches grow under load."""
 
     def __init__(self, client: aioredis.Redis, max_in_flight: int = 1) -> None:
         self.client = client
