@@ -26,7 +26,9 @@ class WorkerProcess:
         env: Mapping[str, str] | None = None,
         log_path: str | Path | None = None,
         name: str = "worker",
+        module: Sequence[str] = ("engine.worker",),
     ) -> None:
+        self.module = list(module)  # e.g. ("chaos.mutants", "no_sweeper") for a mutant
         self.args = list(args)
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else None
@@ -39,7 +41,7 @@ class WorkerProcess:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.worker", *self.args],
+                [sys.executable, "-m", *self.module, *self.args],
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,

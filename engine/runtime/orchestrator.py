@@ -61,6 +61,9 @@ class PassExecutionOrchestrator:
         self._spawn(self._feed(self.core.start))
 
     def retry_due(self, rule_id: str, attempt: int, message: AbstractIncomingMessage) -> None:
+        if self._closed:  # leaving memory: the redelivery will resume it from Redis
+            self._spawn(settle(message, ack=False))
+            return
         if (rule_id, attempt) in self.retry_messages:  # a copy of a retry already under way
             self.rt.history.record(
                 "stale_retry_dropped", attempt_id=self.attempt_id, rule_id=rule_id, attempt=attempt
@@ -80,9 +83,9 @@ class PassExecutionOrchestrator:
         self._closed = True
         self.rt.history.record("evaluation_abandoned", attempt_id=self.attempt_id, reason=reason)
         log.warning("evaluation %s abandoned: %s", self.attempt_id, reason)
-        for message in self.retry_messages.values():
+        held, self.retry_messages = list(self.retry_messages.values()), {}
+        for message in held:
             await settle(message, ack=False)
-        self.retry_messages.clear()
         current = asyncio.current_task()
         for task in list(self._tasks):
             if task is not current:
@@ -188,7 +191,9 @@ class PassExecutionOrchestrator:
             case Park(waiting=waiting):
                 await rt.store.park(a, rt.worker_id)
                 rt.history.record("parked", attempt_id=a, waiting=dict(waiting))
-                await self._close(release=False)
+                # A retry that arrived while parking is handed back, not dropped: its
+                # redelivery resumes the evaluation from Redis.
+                await self._close(release=False, requeue_held=True)
             case Finish():
                 await self._finish(action)
 
@@ -269,13 +274,20 @@ class PassExecutionOrchestrator:
         await rt.store.unindex_running(a)
         await self._close()
 
-    async def _close(self, release: bool = True) -> None:
+    async def _close(self, release: bool = True, requeue_held: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
-        for message in self.retry_messages.values():  # stale by now: the core acked the rest
-            await settle(message)
-        self.retry_messages.clear()
+        held, self.retry_messages = list(self.retry_messages.items()), {}
+        for (rule_id, attempt), message in held:
+            # Finished or cancelled: whatever retry is still held is stale.
+            await settle(message, ack=not requeue_held)
+            self.rt.history.record(
+                "retry_requeued" if requeue_held else "stale_retry_dropped",
+                attempt_id=self.attempt_id,
+                rule_id=rule_id,
+                attempt=attempt,
+            )
         if release:
             await self.rt.store.release(self.attempt_id, self.rt.worker_id)
         self._on_done(self)

@@ -1,0 +1,95 @@
+"""The services a live chaos run talks to: its own killable Redis and RabbitMQ, or given ones.
+
+By default a run starts a throwaway `redis-server` (append-only file, fsync always: a Redis
+restart must not lose acknowledged writes, as the seed's Redis Sentinel would not) and a
+private RabbitMQ node on free loopback ports, never the machine's shared instances, since
+scenarios kill them. With `REDIS_URL` / `AMQP_URL` set, those services are used as they
+are, and any fault that would kill one is refused before the run starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from chaos.stack import (
+    RabbitNode,
+    RedisServer,
+    StackError,
+    find_rabbitmq_server,
+    find_redis_server,
+)
+
+INSTALL_HINT = (
+    "needs redis-server and rabbitmq-server on this machine "
+    "(Debian: apt-get install redis-server rabbitmq-server), "
+    "or REDIS_URL and AMQP_URL pointing at running services"
+)
+
+
+class ServicesUnavailable(RuntimeError):
+    """The run cannot get the services it needs; one line for a human."""
+
+
+@dataclass
+class Services:
+    redis_url: str
+    amqp_url: str
+    redis: RedisServer | None = None
+    broker: RabbitNode | None = None
+
+    @property
+    def killable(self) -> set[str]:
+        out = set()
+        if self.redis is not None:
+            out.add("redis")
+        if self.broker is not None:
+            out.add("broker")
+        return out
+
+    @classmethod
+    def available(cls) -> str | None:
+        """None when a live run can start here, else what is missing (one line)."""
+        redis_ok = "REDIS_URL" in os.environ or find_redis_server() is not None
+        amqp_ok = "AMQP_URL" in os.environ or find_rabbitmq_server() is not None
+        return None if redis_ok and amqp_ok else INSTALL_HINT
+
+    @classmethod
+    def start(cls) -> Services:
+        redis_url = os.environ.get("REDIS_URL")
+        amqp_url = os.environ.get("AMQP_URL")
+        redis = broker = None
+        try:
+            if redis_url is None:
+                if find_redis_server() is None:
+                    raise ServicesUnavailable(INSTALL_HINT)
+                redis = RedisServer(persistence=True).start()
+                redis_url = redis.url
+            if amqp_url is None:
+                if find_rabbitmq_server() is None:
+                    raise ServicesUnavailable(INSTALL_HINT)
+                broker = RabbitNode().start()
+                amqp_url = broker.url
+        except StackError as exc:
+            for svc in (redis, broker):
+                if svc is not None:
+                    svc.stop(graceful=False)
+            raise ServicesUnavailable(str(exc)) from None
+        except BaseException:
+            for svc in (redis, broker):
+                if svc is not None:
+                    svc.stop(graceful=False)
+            raise
+        return cls(redis_url=redis_url, amqp_url=amqp_url, redis=redis, broker=broker)
+
+    def service(self, name: str) -> RedisServer | RabbitNode:
+        svc = self.redis if name == "redis" else self.broker
+        if svc is None:
+            raise ServicesUnavailable(f"cannot kill {name}: it is not this run's own instance")
+        return svc
+
+    def stop(self) -> None:
+        for svc in (self.redis, self.broker):
+            if svc is not None:
+                svc.stop(graceful=False)
+        self.redis = self.broker = None

@@ -1,0 +1,444 @@
+"""Each mutant has the effect it claims, and the engine without it behaves.
+
+No patch ever reaches this process. Mutants of the pure core are probed in a fresh
+interpreter (`_probe`): it runs a scenario on the correct engine, applies the mutant, runs
+it again, and prints both outcomes. Mutants of the store, the broker and the worker run as
+real worker processes, `python -m chaos.mutants NAME ...`, beside a normal worker doing the
+same work; each worker has its own namespace of the local Redis and RabbitMQ, deleted
+afterwards (`tests.live.conftest.Live`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+from aio_pika.abc import AbstractIncomingMessage
+
+from chaos.mutants import INVARIANT_NAMES, MUTANTS
+from chaos.workers import WorkerProcess
+from engine.config import DEFAULT_AMQP_URL, STATE_TTL_SECONDS
+from engine.core import AckRetry, Evaluation, RunRule, SkipRules, Snapshot
+from engine.plan import Plan
+from engine.runtime.store import RedisStore
+from tests.helpers import PERMANENT, agent, example_plan, result_for, run_plan
+from tests.live.conftest import ROOT, Live, _broker_objects
+from tests.live.test_engine_live import reference_verdicts
+
+TINY = example_plan("tiny")
+CODE_REVIEW = example_plan("code_review")
+
+
+# --- the table and the command line --------------------------------------------------------
+
+
+def test_table() -> None:
+    for name, m in MUTANTS.items():
+        assert m.name == name
+        assert m.breaks in INVARIANT_NAMES
+        assert m.description and "\n" not in m.description
+        assert f"test_{name}" in globals(), f"mutant {name} has no test"
+
+
+def test_unknown_mutant_exits_2_with_one_line() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "chaos.mutants", "nope", "--namespace", "x."],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "'nope'" in out.stderr
+    assert all(name in out.stderr for name in MUTANTS)
+
+
+# --- mutants of the core, probed in a fresh interpreter ------------------------------------
+
+
+def _probe(probe: str, mutant: str) -> tuple[Any, Any]:
+    """`probe()` on the correct engine, then with `mutant` applied, in a child process."""
+    code = f"from tests.test_mutants import _child; _child({probe!r}, {mutant!r})"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    both = json.loads(out.stdout.splitlines()[-1])
+    return both["before"], both["after"]
+
+
+def _child(probe: str, mutant: str) -> None:
+    fn = globals()[probe]
+    before = fn()
+    MUTANTS[mutant].apply()
+    print(json.dumps({"before": before, "after": fn()}))
+
+
+DOOMED = "static_analysis"
+DEPENDENTS = sorted(CODE_REVIEW.transitive_dependents([DOOMED]))
+
+
+def probe_permanent_failure() -> dict[str, Any]:
+    """code_review, one rule at a time, static_analysis failing for good."""
+    shell = run_plan(CODE_REVIEW, agent(**{DOOMED: PERMANENT}), max_parallel=1)
+    assert shell.final is not None
+    return {
+        "skipped": sorted(r for a in shell.of_type(SkipRules) for r in a.rule_ids),
+        "ran": sorted({c.rule_id for c in shell.calls}),
+        "status": shell.final.status.value,
+    }
+
+
+def test_prune_everything() -> None:
+    before, after = _probe("probe_permanent_failure", "prune_everything")
+    assert DEPENDENTS == ["code_feedback", "correctness_review", "security_review"]
+    assert before["skipped"] == DEPENDENTS
+    assert before["ran"] == sorted(set(CODE_REVIEW.order) - set(DEPENDENTS))
+    # Rules still pending when static_analysis failed, independent branches included, are
+    # skipped too: the docs branch never runs.
+    assert set(after["skipped"]) > set(DEPENDENTS)
+    assert {"docs_quality", "docs_feedback", "style_consistency"} <= set(after["skipped"])
+    assert not set(after["ran"]) & set(after["skipped"])
+    assert after["status"] == before["status"] == "partial"
+
+
+def test_prune_nothing() -> None:
+    before, after = _probe("probe_permanent_failure", "prune_nothing")
+    assert before["skipped"] == DEPENDENTS
+    assert not set(before["ran"]) & set(DEPENDENTS)
+    assert after["skipped"] == []
+    assert after["ran"] == sorted(CODE_REVIEW.order)  # the dependents ran anyway
+    assert after["status"] == "partial"
+
+
+def probe_retry_after_recovery() -> dict[str, Any]:
+    """tiny, unit_tests in `failed_attempt_1`: the attempt its retry runs, when the retry
+    rebuilds the evaluation (`due`) and when it reaches one already resumed in memory."""
+    snap = Snapshot(
+        results={"compiles": result_for("compiles")},
+        statuses={"unit_tests": "failed_attempt_1"},
+    )
+
+    def runs(actions: list[Any]) -> list[int]:
+        return [a.attempt for a in actions if isinstance(a, RunRule) and a.rule_id == "unit_tests"]
+
+    rebuilt = Evaluation(TINY, "a", snapshot=snap, due={"unit_tests": 2})
+    from_due = runs(rebuilt.start())
+    resumed = Evaluation(TINY, "a", snapshot=snap)
+    waiting = runs(resumed.start())
+    in_memory = runs(resumed.retry_due("unit_tests", 2))
+    done = resumed.rule_succeeded("unit_tests", result_for("unit_tests", in_memory[0]))
+    acks = [a.attempt for a in done if isinstance(a, AckRetry)]
+    return {"due": from_due, "waiting": waiting, "in_memory": in_memory, "acks": acks}
+
+
+def test_reset_attempts_on_recovery_in_the_core() -> None:
+    before, after = _probe("probe_retry_after_recovery", "reset_attempts_on_recovery")
+    assert before == {"due": [2], "waiting": [], "in_memory": [2], "acks": [2]}
+    # Back at attempt 1 either way; the retry message (attempt 2) is still acked.
+    assert after == {"due": [1], "waiting": [], "in_memory": [1], "acks": [2]}
+
+
+# --- mutants run as worker processes, beside a normal worker --------------------------------
+
+
+class MutantWorker(WorkerProcess):
+    """`python -m chaos.mutants NAME ...`, or `python -m engine.worker ...` for None."""
+
+    def __init__(self, mutant: str | None, args: list[str], log_path: Path, name: str) -> None:
+        super().__init__(args, log_path=log_path, name=name)
+        self.mutant = mutant
+
+    def start(self) -> MutantWorker:
+        module = ["chaos.mutants", self.mutant] if self.mutant else ["engine.worker"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINE_")}
+        assert self.log_path is not None
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", *module, *self.args],
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        return self
+
+
+class Slice(Live):
+    """One namespace of the live stack, whose workers run `mutant` (None: the engine)."""
+
+    def __init__(self, tmp: Path, mutant: str | None) -> None:
+        tmp.mkdir()
+        super().__init__(tmp)
+        self.mutant = mutant
+
+    def worker(
+        self,
+        *flags: str,
+        agent: dict[str, Any] | None = None,
+        failpoints: list[str] | None = None,
+        **opts: str,
+    ) -> MutantWorker:
+        """Start a worker (not waiting for it: see `_ready`)."""
+        args: list[str] = []
+        for key, value in {**self.base_args, **opts}.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        args += ["--history", str(self.history_path), "--log-level", "INFO", *flags]
+        if agent is not None:
+            args += ["--agent", json.dumps(agent)]
+        for fp in failpoints or []:
+            args += ["--failpoint", fp]
+        n = len(self.workers)
+        w = MutantWorker(self.mutant, args, self.tmp / f"worker{n}.log", f"worker{n}").start()
+        self.workers.append(w)
+        return w
+
+    def events(self, ev: str, attempt_id: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.history(attempt_id)
+            if e["ev"] == ev and all(e.get(k) == v for k, v in match.items())
+        ]
+
+
+def _ready(*workers: MutantWorker) -> None:
+    for w in workers:
+        assert w.log_path is not None
+        if not w.wait_for_log("ready", 20):
+            raise AssertionError(f"worker did not start:\n{w.log_path.read_text()}")
+
+
+@contextlib.contextmanager
+def _pair(tmp: Path, mutant: str, **base_args: str) -> Iterator[tuple[Slice, Slice]]:
+    """A slice whose workers run `mutant`, and one whose workers run the engine."""
+    slices = [Slice(tmp / "mutant", mutant), Slice(tmp / "engine", None)]
+    try:
+        for s in slices:
+            s.base_args.update(base_args)
+        yield slices[0], slices[1]
+    finally:
+        for s in slices:
+            s.close()
+
+
+def _both(mut: Slice, ref: Slice, *flags: str, **kw: Any) -> tuple[MutantWorker, MutantWorker]:
+    """The same worker in each slice, started side by side."""
+    pair = mut.worker(*flags, **kw), ref.worker(*flags, **kw)
+    _ready(*pair)
+    return pair
+
+
+live = pytest.mark.live
+
+
+@live
+def test_result_without_ttl(tmp_path: Path) -> None:
+    with _pair(tmp_path, "result_without_ttl") as (mut, ref):
+        _both(mut, ref)
+        for s in (mut, ref):
+            s.submit(TINY, s.ids(1))
+        for s in (mut, ref):
+            [a] = s.ids(1)
+            assert s.wait([a]) == {a: "completed"}
+            results = {f"attempt:{a}:rule:{r}:result" for r in TINY.order}
+            others = set(s.redis.scan_iter(f"attempt:{a}:*")) - results
+            result_ttls = {s.redis.ttl(k) for k in results}
+            assert others and all(0 < s.redis.ttl(k) <= STATE_TTL_SECONDS for k in others)
+            assert all(s.result(a, r) is not None for r in TINY.order)
+            if s is mut:
+                assert result_ttls == {-1}  # written, and never to expire
+            else:
+                assert all(STATE_TTL_SECONDS - 120 < t <= STATE_TTL_SECONDS for t in result_ttls)
+
+
+@live
+def test_double_final_publish(tmp_path: Path) -> None:
+    with _pair(tmp_path, "double_final_publish") as (mut, ref):
+        _both(mut, ref)
+
+        async def completed_events(s: Slice) -> list[AbstractIncomingMessage]:
+            conn = await aio_pika.connect(DEFAULT_AMQP_URL)
+            try:
+                ch = await conn.channel()
+                ex = await ch.get_exchange(s.config().name("evaluation.events"))
+                q = await ch.declare_queue(exclusive=True)
+                await q.bind(ex, "evaluation.completed")
+                [a] = s.ids(1)
+                await asyncio.to_thread(s.submit, TINY, [a])
+                assert await asyncio.to_thread(s.wait, [a]) == {a: "completed"}
+                await asyncio.to_thread(
+                    s.wait_for, lambda: s.events("final_published", a), what="the final event"
+                )
+                await asyncio.sleep(0.3)  # a second copy would be out by now
+                out = []
+                while (msg := await q.get(fail=False, timeout=2)) is not None:
+                    out.append(msg)
+                    await msg.ack()
+                return out
+            finally:
+                await conn.close()
+
+        async def both() -> list[list[AbstractIncomingMessage]]:
+            return list(await asyncio.gather(completed_events(mut), completed_events(ref)))
+
+        got = dict(zip((mut, ref), asyncio.run(both()), strict=True))
+        for s, copies in ((mut, 2), (ref, 1)):
+            [a] = s.ids(1)
+            msgs = got[s]
+            assert len(msgs) == copies
+            assert {m.body for m in msgs} == {msgs[0].body}  # the same body
+            assert {m.message_id for m in msgs} == {f"{a}:completed"}
+            assert json.loads(msgs[0].body)["status"] == "completed"
+            assert len(s.events("final_published", a)) == copies
+
+
+@live
+def test_per_message_ttl(tmp_path: Path) -> None:
+    # Tier 1 is 100 ms, tier 2 2 s, and unit_tests fails its first two attempts. B is
+    # submitted once A's retry of attempt 3 (2 s) is out; B's retry of attempt 2 (100 ms)
+    # follows it into the delay queues.
+    base = {"time-scale": "1", "tiers-ms": "100,2000", "jitter": "0", "retry-grace-ms": "30000"}
+    with _pair(tmp_path, "per_message_ttl", **base) as (mut, ref):
+        _both(mut, ref, agent={"fail_rules": {"unit_tests": 6}})
+        ids = {s: s.ids(2) for s in (mut, ref)}
+        for s in (mut, ref):
+            s.submit(TINY, ids[s][:1])
+        for s in (mut, ref):
+            s.wait_for(lambda s=s: s.events("retry_published", ids[s][0], attempt=3), what="A")
+            s.submit(TINY, ids[s][1:])
+        for s in (mut, ref):
+            s.wait_for(
+                lambda s=s: s.events("delivered", ids[s][1], kind="retry", attempt=2),
+                timeout=10,
+                what="B's retry",
+            )
+        for s in (mut, ref):
+            a, b = ids[s]
+            [long] = s.events("retry_published", a, attempt=3)
+            [short] = s.events("retry_published", b, attempt=2)
+            [short_out] = s.events("delivered", b, kind="retry", attempt=2)
+            assert (long["delay_ms"], short["delay_ms"]) == (2000, 100)  # what was meant
+            assert long["t"] < short["t"]
+            waited = short_out["t"] - short["t"]
+            if s is mut:  # out only when A's message, at the head of the one queue, expired
+                assert short_out["t"] >= long["t"] + 2.0 - 0.05, waited
+            else:
+                assert 0.1 - 0.005 <= waited < 0.6, waited
+        assert f"{mut.ns}evaluation.retry.shared" in _broker_objects("queues", mut.ns)
+
+
+@live
+def test_reset_attempts_on_recovery(tmp_path: Path) -> None:
+    # unit_tests fails its first attempt; its retry (tier 1, 300 ms) finds the evaluation
+    # parked, and rebuilds it from Redis.
+    with _pair(tmp_path, "reset_attempts_on_recovery", **{"time-scale": "0.01"}) as (mut, ref):
+        _both(mut, ref, agent={"fail_rules": {"unit_tests": 3}})
+        for s in (mut, ref):
+            s.submit(TINY, s.ids(1))
+        for s in (mut, ref):
+            [a] = s.ids(1)
+            assert s.wait([a]) == {a: "completed"}
+            starts = s.events("rule_started", a, rule_id="unit_tests", try_no=1)
+            [parked] = s.events("parked", a)
+            [retry] = s.events("delivered", a, kind="retry", rule_id="unit_tests", attempt=2)
+            assert parked["t"] < retry["t"] < starts[1]["t"]
+            assert s.events("recovered", a)[-1]["retrying"] == {"unit_tests": 1}
+            assert s.status(a, "unit_tests") == "failed_attempt_1"
+            assert s.events("retry_acked", a, rule_id="unit_tests", attempt=2)
+            expected = 1 if s is mut else 2  # the mutant went back to attempt 1
+            assert [e["attempt"] for e in starts] == [1, expected]
+            assert s.result(a, "unit_tests").attempt == expected
+
+
+@live
+def test_nondeterministic_agent(tmp_path: Path) -> None:
+    with _pair(tmp_path, "nondeterministic_agent") as (mut, ref):
+        _both(mut, ref)
+        for s in (mut, ref):
+            s.submit(CODE_REVIEW, s.ids(2))
+        differ = {}
+        for s in (mut, ref):
+            ids = s.ids(2)
+            assert s.wait(ids) == dict.fromkeys(ids, "completed")
+            differ[s] = [
+                (a, r)
+                for a in ids
+                for r, verdict in reference_verdicts(CODE_REVIEW, a).items()
+                if s.result(a, r).verdict != verdict
+            ]
+        assert differ[ref] == []
+        # 26 rules, each agreeing with the reference by chance with p < 0.55
+        assert differ[mut]
+
+
+@live
+def test_no_sweeper(tmp_path: Path) -> None:
+    # What a worker that died right after the ACK leaves behind: an evaluation begun (its
+    # lease, plan, state and running stamp), that nobody holds any more.
+    with _pair(tmp_path, "no_sweeper", **{"stale-ms": "300"}) as (mut, ref):
+        _both(mut, ref)
+        for s in (mut, ref):
+            asyncio.run(_orphan(s, TINY, s.ids(1)[0]))
+        [a] = ref.ids(1)
+        assert ref.wait([a], timeout=10) == {a: "completed"}
+        assert ref.events("sweeper_resumed", a)
+        [a] = mut.ids(1)
+        assert mut.wait([a], timeout=2.0) == {a: "running"}  # six stale periods later
+        assert mut.history(a) == []
+        for s, on in ((mut, False), (ref, True)):
+            assert [e["sweeper"] for e in s.history() if e["ev"] == "worker_started"] == [on]
+
+
+async def _orphan(s: Slice, plan: Plan, attempt_id: str) -> None:
+    store = RedisStore(dataclasses.replace(s.config(), stale_ms=int(s.base_args["stale-ms"])))
+    try:
+        begun = await store.begin(attempt_id, "dead-worker", plan.order, plan.to_json())
+        assert begun.snapshot is not None
+    finally:
+        await store.close()
+
+
+@live
+def test_no_redis_results(tmp_path: Path) -> None:
+    # The first worker dies after its third result write, past the ACK; the sweeper of a
+    # second one resumes the evaluation.
+    with _pair(tmp_path, "no_redis_results") as (mut, ref):
+        first = _both(mut, ref, failpoints=["rule_after_write=crash,hit=3"])
+        for s in (mut, ref):
+            s.submit(CODE_REVIEW, s.ids(1))
+        for w in first:
+            assert w.wait_exit(10) == -9
+        _both(mut, ref)
+        for s, w in zip((mut, ref), first, strict=True):
+            [a] = s.ids(1)
+            assert s.wait([a]) == {a: "completed"}
+            finished = {e["rule_id"] for e in s.events("result_persisted", a, pid=w.pid)}
+            assert len(finished) == 3
+            starts = s.starts(a)
+            loaded = {r for e in s.events("recovered", a) for r in e["loaded"]}
+            if s is mut:  # finished rules ran again, and their second write lost
+                assert all(starts[r] == 2 for r in finished), starts
+                assert not loaded
+                reruns = [e for e in s.events("result_persisted", a) if e["rule_id"] in finished]
+                assert [e["won"] for e in reruns].count(False) == 3
+            else:
+                assert all(starts[r] == 1 for r in finished), starts
+                assert loaded == finished

@@ -1,0 +1,1221 @@
+"""Scenario files: the full example loads with every value right, the defaults are the
+documented ones, and every way a file can be wrong is one ScenarioError line naming the file
+and the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import chaos.scenario as scenario_module
+from chaos.scenario import (
+    INVARIANT_NAMES,
+    RULELESS_FAILPOINTS,
+    FailpointFault,
+    LoadedScenario,
+    PlannedFault,
+    RunnerFault,
+    Scenario,
+    ScenarioError,
+    fault_schedule,
+    load_scenario,
+    scenario_from_dict,
+    schema_text,
+    write_schema,
+)
+from engine.failpoints import FAILPOINTS, parse_specs
+from engine.plan import load_plan
+from engine.policy import RetryPolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "plans/tiny.yaml"
+CODE_REVIEW = "plans/code_review.yaml"
+FULL = ROOT / "scenarios" / "examples" / "valid_full.yaml"
+
+
+def minimal(**extra: Any) -> dict[str, Any]:
+    """The smallest valid scenario (plan paths absolute, so the cwd does not matter)."""
+    return {"name": "t", "plans": [{"path": str(ROOT / TINY)}], **extra}
+
+
+def load(data: dict[str, Any], source: str = "s.yaml") -> LoadedScenario:
+    return scenario_from_dict(data, source=source, base_dir=ROOT)
+
+
+def _assert_one_line(err: ScenarioError, source: str | Path) -> str:
+    msg = str(err)
+    assert "\n" not in msg and len(msg.splitlines()) == 1, f"more than one line: {msg!r}"
+    assert msg.startswith(f"{source}: "), msg
+    chained = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    assert chained is None, "no traceback chain for the CLI"
+    return msg
+
+
+# --- the full example and the defaults --------------------------------------------------------
+
+
+def test_full_example_loads_with_every_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # its second plan is found from the cwd, not next to the file
+    loaded = load_scenario(FULL)
+    s = loaded.spec
+    assert loaded.source == str(FULL) and loaded.path == FULL
+    assert (s.name, s.seed) == ("valid_full", 42)
+    assert s.description.startswith("Every field")
+    assert [(p.path, p.evaluations) for p in s.plans] == [
+        ("../../plans/tiny.yaml", 2),
+        (CODE_REVIEW, 1),
+    ]
+    assert [(plan.id, n) for plan, n in loaded.plans] == [("tiny", 2), ("code_review", 1)]
+    assert loaded.plans[0][0] == load_plan(ROOT / TINY)
+    assert loaded.plan_paths[0].resolve() == (ROOT / TINY).resolve()
+    assert [(x.index, x.plan_index, x.number, x.plan.id) for x in loaded.submissions] == [
+        (0, 0, 0, "tiny"),
+        (1, 0, 1, "tiny"),
+        (2, 1, 0, "code_review"),
+    ]
+    # the agent: its own fields, and the scenario seed because it sets none
+    assert loaded.agent.seed == 42
+    assert loaded.agent.error_rate == 0.1
+    assert loaded.agent.latency_ms.kind == "uniform" and loaded.agent.latency_ms.high_ms == 20
+    assert loaded.agent.fail_rules == {"compiles": 1}
+    assert loaded.agent.always_fail_rules == frozenset({"license_header"})
+    assert loaded.retry_policy == RetryPolicy(1, 4, (100, 200), 0.0, seed=42)
+    assert s.retry_policy() == loaded.retry_policy
+    assert s.time_scale == 0.01
+    assert s.engine.model_dump() == {
+        "max_evaluations": 4,
+        "max_parallel": 2,
+        "heartbeat_ms": 50,
+        "stale_ms": 300,
+        "sweep_ms": 50,
+        "retry_grace_ms": 1000,
+        "sweeper": False,
+    }
+    config = s.engine_config(namespace="ns-")
+    assert (config.namespace, config.time_scale, config.stale_ms) == ("ns-", 0.01, 300)
+    assert config.policy == loaded.retry_policy and config.sweeper is False
+    assert (s.workers, s.restart_crashed_workers, s.restart_delay_s, s.deadline_s) == (
+        3,
+        False,
+        0.5,
+        60.0,
+    )
+    assert s.invariants == ("no_completed_rerun", "all_terminal", "single_final_result")
+    assert s.budgets.model_dump() == {
+        "max_duplicated_tokens": 5000,
+        "max_reruns": 3,
+        "max_retry_latency_s": 900.0,
+    }
+    fp, fp_all, kill, restart, redis, cancel = s.faults
+    assert isinstance(fp, FailpointFault) and isinstance(fp_all, FailpointFault)
+    assert (fp.failpoint, fp.action, fp.stall_ms, fp.hit, fp.times) == (
+        "rule_after_call_before_write",
+        "stall",
+        250,
+        2,
+        0,
+    )
+    assert (fp.rule, fp.evaluation, fp.workers, fp.name) == (
+        "unit_tests",
+        1,
+        (0, 2),
+        "write_window_stall",
+    )
+    assert (fp_all.failpoint, fp_all.action, fp_all.workers, fp_all.hit) == (
+        "after_ack",
+        "crash",
+        "all",
+        1,
+    )
+    assert all(isinstance(f, RunnerFault) for f in (kill, restart, redis, cancel))
+    assert (kill.at_s, kill.action, kill.target, kill.restart_after_s, kill.count) == (
+        1.5,
+        "kill_worker",
+        2,
+        None,
+        3,
+    )
+    assert (kill.every_s, kill.name, kill.trigger) == (2.0, "kill_late_worker", "at_s")
+    assert (restart.random_at_s, restart.target, restart.restart_after_s) == (
+        (0.5, 5.0),
+        "random",
+        0.5,
+    )
+    assert redis.after is not None and redis.trigger == "after"
+    assert (redis.after.event, redis.after.count, redis.after.rule) == (
+        "rule_finished",
+        3,
+        "compiles",
+    )
+    assert (redis.action, redis.restart_after_s, cancel.action, cancel.target) == (
+        "kill_redis",
+        1.0,
+        "cancel",
+        2,
+    )
+    assert [i for i, _ in s.failpoint_faults] == [0, 1]
+    assert [i for i, _ in s.runner_faults] == [2, 3, 4, 5]
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    loaded = load(minimal())
+    s = loaded.spec
+    assert (s.description, s.seed, s.time_scale, s.workers) == ("", 0, 0.001, 1)
+    assert [(p.path, p.evaluations) for p in s.plans] == [(str(ROOT / TINY), 1)]
+    assert s.agent == {} and loaded.agent.seed == 0
+    assert s.retry.model_dump() == {
+        "immediate_retries": 2,
+        "max_attempts": 3,
+        "tiers_ms": (30_000, 120_000, 600_000),
+        "jitter": 0.1,
+    }
+    assert loaded.retry_policy == RetryPolicy(seed=0)
+    assert s.engine.model_dump() == {
+        "max_evaluations": 8,
+        "max_parallel": 4,
+        "heartbeat_ms": 100,
+        "stale_ms": 600,
+        "sweep_ms": 100,
+        "retry_grace_ms": None,
+        "sweeper": True,
+    }
+    assert (s.restart_crashed_workers, s.restart_delay_s, s.deadline_s) == (True, 0.2, 30.0)
+    assert s.faults == () and s.invariants == INVARIANT_NAMES
+    assert s.budgets.model_dump() == dict.fromkeys(
+        ["max_duplicated_tokens", "max_reruns", "max_retry_latency_s"]
+    )
+    fp = load(minimal(faults=[{"failpoint": "after_ack"}])).spec.faults[0]
+    assert isinstance(fp, FailpointFault)
+    assert (fp.action, fp.stall_ms, fp.hit, fp.times, fp.rule, fp.evaluation, fp.workers) == (
+        "crash",
+        None,
+        1,
+        1,
+        None,
+        None,
+        (0,),
+    )
+    rf = load(minimal(faults=[{"at_s": 1, "action": "kill_worker"}])).spec.faults[0]
+    assert isinstance(rf, RunnerFault)
+    assert (rf.target, rf.restart_after_s, rf.count, rf.every_s, rf.name) == (0, 0.5, 1, None, None)
+    after = load(minimal(faults=[{"after": {"event": "acked"}, "action": "kill_redis"}]))
+    assert after.spec.faults[0].after.count == 1  # type: ignore[union-attr]
+
+
+def test_agent_seed_defaults_to_the_scenario_seed_unless_set() -> None:
+    assert load(minimal(seed=9)).agent.seed == 9
+    assert load(minimal(seed=9, agent={"seed": 3})).agent.seed == 3
+    assert load(minimal(seed=9)).retry_policy.seed == 9
+
+
+def test_the_scenario_is_frozen() -> None:
+    s = load(minimal()).spec
+    with pytest.raises(ValueError, match="frozen"):
+        s.seed = 3  # type: ignore[misc]
+    assert isinstance(s.plans, tuple) and isinstance(s.invariants, tuple)
+
+
+def test_plan_shorthand(tmp_path: Path) -> None:
+    short = load({"name": "t", "plan": TINY, "evaluations": 3})
+    assert [(p.path, p.evaluations) for p in short.spec.plans] == [(TINY, 3)]
+    assert [(p.id, n) for p, n in short.plans] == [("tiny", 3)]
+    assert short.spec == load({"name": "t", "plans": [{"path": TINY, "evaluations": 3}]}).spec
+    assert load({"name": "t", "plan": TINY}).spec.plans[0].evaluations == 1
+    # from a file: the plan is next to the scenario
+    (tmp_path / "p.yaml").write_text((ROOT / TINY).read_text())
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nplan: p.yaml\nevaluations: 2\n")
+    assert load_scenario(path).plan_paths == (tmp_path / "p.yaml",)
+    # and the round trip through model_dump keeps the normalised form
+    assert Scenario.model_validate(short.spec.model_dump()) == short.spec
+
+
+def test_plan_found_next_to_the_scenario_before_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / "tiny.yaml").write_text(
+        (ROOT / TINY).read_text().replace("plan: tiny", "plan: local_tiny")
+    )
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: s\nplan: {TINY}\n")
+    monkeypatch.chdir(ROOT)  # plans/tiny.yaml exists here too
+    assert load_scenario(path).plans[0][0].id == "local_tiny"
+    (tmp_path / "plans" / "tiny.yaml").unlink()
+    assert load_scenario(path).plans[0][0].id == "tiny"  # then the cwd
+
+
+def test_module_docstring_example_loads() -> None:
+    doc = scenario_module.__doc__ or ""
+    start = doc.index("    name: crash_after_ack")
+    block = doc[start : doc.index("\n\n", start)]
+    text = "\n".join(line[4:] for line in block.splitlines())
+    data = yaml.safe_load(text)
+    loaded = load(data)
+    assert loaded.spec.name == "crash_after_ack" and loaded.agent.seed == 7
+    assert len(loaded.spec.faults) == 2
+
+
+# --- one ScenarioError line for every way a file can be wrong ---------------------------------
+
+BASE: dict[str, Any] = {
+    "name": "base",
+    "seed": 1,
+    "plans": [{"path": TINY, "evaluations": 2}, {"path": CODE_REVIEW}],
+    "workers": 2,
+    "faults": [
+        {"failpoint": "rule_before_call", "rule": "compiles"},
+        {"at_s": 1, "action": "kill_worker", "target": 1},
+        {"random_at_s": [0, 2], "action": "cancel", "target": "random"},
+    ],
+}
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _fault(i: int, **values: Any) -> Mutation:
+    return lambda d: d["faults"][i].update(values)
+
+
+def _drop(i: int, key: str) -> Mutation:
+    return lambda d: d["faults"][i].pop(key)
+
+
+BROKEN: list[tuple[str, Mutation, str]] = [
+    # pydantic errors: missing, unknown, type, literal, bounds, pattern
+    ("missing_name", lambda d: d.pop("name"), "name: required field is missing"),
+    ("bad_name", lambda d: d.update(name="has space"), "name: expected an id"),
+    (
+        "unknown_field",
+        lambda d: d.update(retires=3),
+        "retires: unknown field (did you mean retry?)",
+    ),
+    ("unknown_nested", lambda d: d.update(engine={"stale": 1}), "engine.stale: unknown field"),
+    ("seed_not_int", lambda d: d.update(seed="7"), "seed: expected an integer; got '7'"),
+    ("bool_is_not_int", lambda d: d.update(workers=True), "workers: expected an integer; got true"),
+    ("float_not_int", lambda d: d.update(workers=1.5), "workers: expected an integer; got 1.5"),
+    ("too_many_workers", lambda d: d.update(workers=17), "workers: expected a value <= 16; got 17"),
+    ("no_workers", lambda d: d.update(workers=0), "workers: expected a value >= 1; got 0"),
+    ("time_scale_zero", lambda d: d.update(time_scale=0), "time_scale: expected a value > 0"),
+    ("time_scale_big", lambda d: d.update(time_scale=2), "time_scale: expected a value <= 1"),
+    ("deadline_inf", lambda d: d.update(deadline_s=float("inf")), "deadline_s: expected a finite"),
+    (
+        "deadline_null",
+        lambda d: d.update(deadline_s=None),
+        "deadline_s: expected a number; got null",
+    ),
+    (
+        "restart_delay",
+        lambda d: d.update(restart_delay_s=-1),
+        "restart_delay_s: expected a value >= 0",
+    ),
+    ("retry_not_mapping", lambda d: d.update(retry=[1]), "retry: expected a mapping; got [1]"),
+    (
+        "tiers_empty",
+        lambda d: d.update(retry={"tiers_ms": []}),
+        "retry.tiers_ms: expected at least 1",
+    ),
+    (
+        "tiers_negative",
+        lambda d: d.update(retry={"tiers_ms": [5, -1]}),
+        "retry.tiers_ms[1]: expected a value > 0",
+    ),
+    ("tiers_set", lambda d: d.update(retry={"tiers_ms": {5}}), "retry.tiers_ms: expected a list"),
+    ("jitter", lambda d: d.update(retry={"jitter": 1.5}), "retry.jitter: expected a value <= 1"),
+    (
+        "max_attempts",
+        lambda d: d.update(retry={"max_attempts": 0}),
+        "retry.max_attempts: expected a value >= 1",
+    ),
+    (
+        "immediate",
+        lambda d: d.update(retry={"immediate_retries": -1}),
+        "retry.immediate_retries: expected a value >= 0",
+    ),
+    (
+        "heartbeat",
+        lambda d: d.update(engine={"heartbeat_ms": 5}),
+        "engine.heartbeat_ms: expected a value >= 10",
+    ),
+    (
+        "stale_before_heartbeat",
+        lambda d: d.update(engine={"heartbeat_ms": 600, "stale_ms": 600}),
+        "engine.stale_ms: expected more than heartbeat_ms (600); got 600",
+    ),
+    (
+        "sweeper_string",
+        lambda d: d.update(engine={"sweeper": "no"}),
+        "engine.sweeper: expected true or false; got 'no'",
+    ),
+    (
+        "budget",
+        lambda d: d.update(budgets={"max_reruns": -1}),
+        "budgets.max_reruns: expected a value >= 0",
+    ),
+    (
+        "budget_latency",
+        lambda d: d.update(budgets={"max_retry_latency_s": 0}),
+        "budgets.max_retry_latency_s: expected a value > 0",
+    ),
+    (
+        "budget_unknown",
+        lambda d: d.update(budgets={"max_rerun": 1}),
+        "budgets.max_rerun: unknown field (did you mean max_reruns?)",
+    ),
+    # plans
+    (
+        "plans_missing",
+        lambda d: d.pop("plans"),
+        "plans: required field is missing (or the plan shorthand)",
+    ),
+    ("plans_empty", lambda d: d.update(plans=[]), "plans: expected at least 1 item(s); got 0"),
+    (
+        "plans_not_list",
+        lambda d: d.update(plans=TINY),
+        "plans: expected a list; got 'plans/tiny.yaml'",
+    ),
+    (
+        "plan_path_missing",
+        lambda d: d["plans"][1].pop("path"),
+        "plans[1].path: required field is missing",
+    ),
+    (
+        "plan_evaluations",
+        lambda d: d["plans"][0].update(evaluations=0),
+        "plans[0].evaluations: expected a value >= 1; got 0",
+    ),
+    (
+        "plan_evaluations_cap",
+        lambda d: d["plans"][0].update(evaluations=10**6),
+        "plans[0].evaluations: expected a value <= 10000",
+    ),
+    (
+        "plan_extra",
+        lambda d: d["plans"][0].update(count=3),
+        "plans[0].count: unknown field; expected one of path, evaluations",
+    ),
+    (
+        "plan_not_found",
+        lambda d: d["plans"][1].update(path="plans/nope.yaml"),
+        "plans[1].path: no plan file 'plans/nope.yaml'",
+    ),
+    (
+        "plan_and_plans",
+        lambda d: d.update(plan=TINY),
+        "plan: give either plan (with evaluations) or plans, not both",
+    ),
+    ("evaluations_alone", lambda d: d.update(evaluations=2), "evaluations: give either plan"),
+    (
+        "shorthand_evaluations",
+        lambda d: (d.pop("plans"), d.update(plan=TINY, evaluations=0)),
+        "evaluations: expected a value >= 1; got 0",
+    ),
+    (
+        "shorthand_not_string",
+        lambda d: (d.pop("plans"), d.update(plan=3)),
+        "plan: expected a string; got 3",
+    ),
+    (
+        "shorthand_only_evaluations",
+        lambda d: (d.pop("plans"), d.update(evaluations=2)),
+        "evaluations: only with the plan shorthand",
+    ),
+    (
+        "shorthand_not_found",
+        lambda d: (d.pop("plans"), d.update(plan="x.yaml")),
+        "plan: no plan file 'x.yaml'",
+    ),
+    # agent
+    ("agent_not_mapping", lambda d: d.update(agent=[1]), "agent: expected a mapping; got [1]"),
+    (
+        "agent_rate",
+        lambda d: d.update(agent={"error_rate": 2}),
+        "agent.error_rate: must be a number within [0, 1]",
+    ),
+    ("agent_unknown", lambda d: d.update(agent={"errors": 1}), "agent.errors: unknown field"),
+    (
+        "agent_latency",
+        lambda d: d.update(agent={"latency_ms": {"kind": "gamma"}}),
+        "agent.latency_ms.kind:",
+    ),
+    (
+        "agent_fail_rule",
+        lambda d: d.update(agent={"fail_rules": {"compile": 2}}),
+        "agent.fail_rules.compile: no rule 'compile' in any plan of the scenario; "
+        "did you mean 'compiles'?",
+    ),
+    (
+        "agent_always_fail",
+        lambda d: d.update(agent={"always_fail_rules": ["nope"]}),
+        "agent.always_fail_rules: no rule 'nope'",
+    ),
+    # invariants
+    (
+        "invariant_unknown",
+        lambda d: d.update(invariants=["all_terminal", "no_rerun"]),
+        "invariants[1]: expected one of " + ", ".join(INVARIANT_NAMES) + "; got 'no_rerun'",
+    ),
+    (
+        "invariant_twice",
+        lambda d: d.update(invariants=["all_terminal", "all_terminal"]),
+        "invariants[1]: all_terminal is listed twice",
+    ),
+    (
+        "invariants_string",
+        lambda d: d.update(invariants="all_terminal"),
+        "invariants: expected a list",
+    ),
+    # failpoint faults
+    (
+        "failpoint_unknown",
+        _fault(0, failpoint="after_everything"),
+        "faults[0].failpoint: expected one of on_delivery, before_ack",
+    ),
+    (
+        "failpoint_action",
+        _fault(0, action="explode"),
+        "faults[0].action: expected one of crash, raise, stall; got 'explode'",
+    ),
+    (
+        "stall_without_ms",
+        _fault(0, action="stall"),
+        "faults[0].stall_ms: required field is missing (action is stall)",
+    ),
+    ("stall_ms_with_crash", _fault(0, stall_ms=5), "faults[0].stall_ms: only with action stall"),
+    (
+        "stall_ms_zero",
+        _fault(0, action="stall", stall_ms=0),
+        "faults[0].stall_ms: expected a value >= 1",
+    ),
+    ("hit_zero", _fault(0, hit=0), "faults[0].hit: expected a value >= 1; got 0"),
+    ("times_negative", _fault(0, times=-1), "faults[0].times: expected a value >= 0"),
+    (
+        "fp_worker_index",
+        _fault(0, workers=[0, 2]),
+        "faults[0].workers[1]: expected a worker index below 2 (the scenario has 2 workers); got 2",
+    ),
+    (
+        "fp_workers_word",
+        _fault(0, workers="some"),
+        "faults[0].workers: expected 'all' or a non-empty list of worker indices; got 'some'",
+    ),
+    (
+        "fp_workers_empty",
+        _fault(0, workers=[]),
+        "faults[0].workers: expected 'all' or a non-empty list",
+    ),
+    (
+        "fp_workers_negative",
+        _fault(0, workers=[-1]),
+        "faults[0].workers[0]: expected a worker index >= 0; got -1",
+    ),
+    (
+        "fp_workers_twice",
+        _fault(0, workers=[1, 1]),
+        "faults[0].workers[1]: worker 1 is listed twice",
+    ),
+    (
+        "fp_evaluation",
+        _fault(0, evaluation=3),
+        "faults[0].evaluation: expected a evaluation index below 3",
+    ),
+    (
+        "fp_rule_unknown",
+        _fault(0, rule="compile"),
+        "faults[0].rule: no rule 'compile' in any plan of the scenario; did you mean 'compiles'?",
+    ),
+    (
+        "fp_rule_not_in_its_plan",
+        _fault(0, rule="license_header", evaluation=1),
+        "faults[0].rule: no rule 'license_header' in plan tiny",
+    ),
+    (
+        "fp_rule_on_ruleless",
+        _fault(0, failpoint="after_ack"),
+        "faults[0].rule: failpoint after_ack is not hit for a rule",
+    ),
+    (
+        "fp_unknown_field",
+        _fault(0, at_s=1),
+        "faults[0].at_s: unknown field; expected one of failpoint, action",
+    ),
+    (
+        "fp_duplicate_name",
+        lambda d: (_fault(0, name="x")(d), _fault(1, name="x")(d)),
+        "faults[1].name: duplicate fault name 'x' (faults[0])",
+    ),
+    # runner faults
+    (
+        "fault_not_mapping",
+        lambda d: d["faults"].append("kill"),
+        "faults[3]: expected a mapping; got 'kill'",
+    ),
+    (
+        "runner_action",
+        _fault(1, action="explode"),
+        "faults[1].action: expected one of kill_worker, restart_worker, kill_redis, "
+        "kill_broker, cancel; got 'explode'",
+    ),
+    ("runner_no_action", _drop(1, "action"), "faults[1].action: required field is missing"),
+    (
+        "runner_no_trigger",
+        _drop(1, "at_s"),
+        "faults[1]: expected exactly one trigger (at_s, random_at_s or after); got none",
+    ),
+    (
+        "runner_two_triggers",
+        _fault(1, after={"event": "acked"}),
+        "faults[1]: expected exactly one trigger (at_s, random_at_s or after); got at_s and after",
+    ),
+    (
+        "runner_target",
+        _fault(1, target=2),
+        "faults[1].target: expected a worker index below 2 (the scenario has 2 workers); got 2",
+    ),
+    (
+        "runner_target_word",
+        _fault(1, target="any"),
+        "faults[1].target: expected an index >= 0 or 'random'; got 'any'",
+    ),
+    (
+        "runner_target_negative",
+        _fault(1, target=-1),
+        "faults[1].target: expected an index >= 0 or 'random'; got -1",
+    ),
+    ("cancel_target", _fault(2, target=3), "faults[2].target: expected a evaluation index below 3"),
+    (
+        "target_on_redis",
+        _fault(1, action="kill_redis"),
+        "faults[1].target: only for kill_worker, restart_worker and cancel",
+    ),
+    (
+        "window_reversed",
+        _fault(2, random_at_s=[3, 1]),
+        "faults[2].random_at_s: expected 0 <= lo <= hi; got [3, 1]",
+    ),
+    (
+        "window_shape",
+        _fault(2, random_at_s=[1]),
+        "faults[2].random_at_s: expected [lo, hi], two numbers of seconds; got [1]",
+    ),
+    (
+        "window_after_deadline",
+        _fault(2, random_at_s=[1, 31]),
+        "faults[2].random_at_s: expected the fault to fire before deadline_s (30 s); "
+        "its last time is 31 s",
+    ),
+    ("at_s_negative", _fault(1, at_s=-1), "faults[1].at_s: expected a value >= 0; got -1"),
+    (
+        "at_s_after_deadline",
+        _fault(1, at_s=30),
+        "faults[1].at_s: expected the fault to fire before deadline_s (30 s)",
+    ),
+    (
+        "repeats_after_deadline",
+        _fault(1, count=4, every_s=10),
+        "faults[1].at_s: expected the fault to fire before deadline_s (30 s); "
+        "its last time is 31 s",
+    ),
+    ("count_zero", _fault(1, count=0), "faults[1].count: expected a value >= 1; got 0"),
+    ("count_big", _fault(1, count=101), "faults[1].count: expected a value <= 100; got 101"),
+    (
+        "every_missing",
+        _fault(1, count=2),
+        "faults[1].every_s: required field is missing (count is 2)",
+    ),
+    ("every_with_random", _fault(2, every_s=1), "faults[2].every_s: not with random_at_s"),
+    ("every_zero", _fault(1, every_s=0), "faults[1].every_s: expected a value > 0"),
+    (
+        "restart_after",
+        _fault(1, restart_after_s=-1),
+        "faults[1].restart_after_s: expected a value >= 0",
+    ),
+    (
+        "null_trigger",
+        _fault(1, at_s=None),
+        "faults[1]: expected exactly one trigger (at_s, random_at_s or after); got none",
+    ),
+    (
+        "after_no_event",
+        lambda d: (_drop(1, "at_s")(d), _fault(1, after={"count": 2})(d)),
+        "faults[1].after.event: required field is missing",
+    ),
+    (
+        "after_bad_event",
+        lambda d: (_drop(1, "at_s")(d), _fault(1, after={"event": "Rule Finished"})(d)),
+        "faults[1].after.event: expected an event name",
+    ),
+    (
+        "after_unknown_field",
+        lambda d: (_drop(1, "at_s")(d), _fault(1, after={"event": "acked", "n": 2})(d)),
+        "faults[1].after.n: unknown field; expected one of event, count, rule",
+    ),
+    (
+        "after_rule",
+        lambda d: (_drop(1, "at_s")(d), _fault(1, after={"event": "acked", "rule": "x"})(d)),
+        "faults[1].after.rule: no rule 'x' in any plan",
+    ),
+    (
+        "runner_unknown_field",
+        _fault(1, hit=2),
+        "faults[1].hit: unknown field; expected one of at_s, random_at_s, after, action",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate", "expected"), BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_scenario_is_one_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, mutate: Mutation, expected: str
+) -> None:
+    monkeypatch.chdir(ROOT)
+    data = copy.deepcopy(BASE)
+    load(data)  # the base is valid: the mutation is what breaks it
+    mutate(data)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    msg = _assert_one_line(info.value, path)
+    assert msg.startswith(f"{path}: {expected}"), f"{msg!r} does not start with {expected!r}"
+    # the same from a dict, with any source name
+    with pytest.raises(ScenarioError) as again:
+        scenario_from_dict(data, source="from-dict", base_dir=tmp_path)
+    assert str(again.value) == msg.replace(str(path), "from-dict", 1)
+
+
+def test_broken_plan_names_the_field_and_the_plan_error(tmp_path: Path) -> None:
+    (tmp_path / "bad_plan.yaml").write_text("plan: p\npasses: []\n")
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nplans:\n  - path: bad_plan.yaml\n")
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    msg = _assert_one_line(info.value, path)
+    assert msg == f"{path}: plans[0].path: {tmp_path / 'bad_plan.yaml'}: passes: " + (
+        "List should have at least 1 item after validation, not 0"
+    )
+    path.write_text("name: s\nplan: bad_plan.yaml\n")
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert _assert_one_line(info.value, path).startswith(f"{path}: plan: {tmp_path}")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("- name: x\n", "expected a mapping with 'name' and 'plans' (or 'plan') at the top; got"),
+        ("just a sentence\n", "expected a mapping with 'name'"),
+        ("", "expected a mapping with 'name' and 'plans' (or 'plan') at the top; got null"),
+        ("name: [unclosed\n", "not valid YAML (line 2, column 1)"),
+        ("name: t\n  plans: : x\n", "not valid YAML (line 2"),
+        ("name: t\nplans:\n\t- path: p\n", "not valid YAML (line 3, column 1)"),
+        ("[" * 5_000, "not valid YAML"),
+        ("name: t\nseed: 2024-13-45\n", "not valid YAML: month must be in 1..12"),
+        ("name: t\nseed: " + "9" * 5_000 + "\n", "not valid YAML: Exceeds the limit"),
+        ("name: t\nseed: !!binary xyz\n", "not valid YAML (line 2, column 7)"),
+        ("{? [a]: 1}\n", "not valid YAML"),
+    ],
+    ids=[
+        "list",
+        "scalar",
+        "empty",
+        "unclosed",
+        "bad_indent",
+        "tab",
+        "nested_too_deeply",
+        "bad_date",
+        "huge_int",
+        "bad_binary",
+        "unhashable_key",
+    ],
+)
+def test_not_a_scenario_document(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    msg = _assert_one_line(info.value, path)
+    assert msg.startswith(f"{path}: {expected}"), msg
+
+
+def test_yaml_alias_bomb_is_refused(tmp_path: Path) -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    lines.append("name: t\nplans: *a8\n")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines))
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert "too large: more than 100000 values" in _assert_one_line(info.value, path)
+
+
+def test_cyclic_document_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "cycle.yaml"
+    path.write_text("name: t\nplans: &p [*p]\n")
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert "too large" in _assert_one_line(info.value, path)
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: scénario\n".encode("latin-1"))
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert _assert_one_line(info.value, path) == f"{path}: not UTF-8 text (byte 8)"
+
+
+def test_missing_file_and_directory(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.yaml"
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert "cannot read scenario: No such file" in _assert_one_line(info.value, path)
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(tmp_path)
+    assert "cannot read scenario" in _assert_one_line(info.value, tmp_path)
+
+
+@pytest.mark.parametrize("data", [None, [], "name", 3, [BASE]], ids=repr)
+def test_scenario_from_dict_needs_a_mapping(data: Any) -> None:
+    with pytest.raises(ScenarioError, match=r"^src\.yaml: expected a mapping with 'name'"):
+        scenario_from_dict(data, source="src.yaml")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda d: d.update(name="a\nb"), r"got 'a\nb'"),
+        (lambda d: d.update({"na\nme": 1}), r"na\nme: unknown field"),
+        (lambda d: _fault(1, action="kill\r\nworker")(d), r"got 'kill\r\nworker'"),
+        (lambda d: d.update({"seed\u2028": 1}), r"seed\u2028: unknown field"),
+        (lambda d: d["plans"][0].update(path="no\x00where"), r"no plan file 'no\x00where'"),
+    ],
+    ids=["value", "field", "fault_action", "unicode_line_separator", "nul_in_plan_path"],
+)
+def test_line_breaks_from_the_file_are_escaped(mutate: Mutation, expected: str) -> None:
+    data = copy.deepcopy(BASE)
+    mutate(data)
+    with pytest.raises(ScenarioError) as info:
+        load(data, source="s.yaml")
+    assert expected in _assert_one_line(info.value, "s.yaml")
+
+
+def test_long_values_are_shortened() -> None:
+    with pytest.raises(ScenarioError) as info:
+        load(minimal(seed="x" * 500))
+    msg = _assert_one_line(info.value, "s.yaml")
+    assert msg.startswith("s.yaml: seed: expected an integer; got 'xxx")
+    assert len(msg) < 120
+
+
+# --- failpoint specs ----------------------------------------------------------------------------
+
+
+def _fp(**values: Any) -> FailpointFault:
+    fault = load(minimal(workers=3, faults=[{"failpoint": "rule_after_write", **values}]))
+    out = fault.spec.faults[0]
+    assert isinstance(out, FailpointFault)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("values", "attempt_id", "spec"),
+    [
+        ({}, None, "rule_after_write=crash,hit=1,times=1"),
+        ({"action": "raise", "hit": 3, "times": 0}, None, "rule_after_write=raise,hit=3,times=0"),
+        ({"action": "stall", "stall_ms": 250}, None, "rule_after_write=stall:250,hit=1,times=1"),
+        ({"rule": "compiles"}, None, "rule_after_write=crash,hit=1,times=1,rule=compiles"),
+        (
+            {"rule": "compiles", "evaluation": 0, "hit": 2},
+            "cand-42",
+            "rule_after_write=crash,hit=2,times=1,rule=compiles,attempt_id=cand-42",
+        ),
+    ],
+)
+def test_failpoint_spec_rendering(
+    values: dict[str, Any], attempt_id: str | None, spec: str
+) -> None:
+    fault = _fp(**values)
+    assert fault.to_spec(attempt_id) == spec
+    # the engine reads back exactly what the scenario asked for
+    (parsed,) = parse_specs(spec)
+    assert parsed.spec() == spec
+    assert (parsed.name, parsed.action, parsed.hit, parsed.times, parsed.rule) == (
+        fault.failpoint,
+        fault.action,
+        fault.hit,
+        fault.times,
+        fault.rule,
+    )
+    assert parsed.stall_ms == (fault.stall_ms or 0)
+    assert parsed.attempt_id == attempt_id
+
+
+def test_failpoint_spec_needs_a_writable_attempt_id() -> None:
+    with pytest.raises(ValueError, match="needs its attempt id"):
+        _fp(evaluation=0).to_spec(None)
+    for bad in ("a,b", "a;b", "a=b", "a b", ""):
+        with pytest.raises(ValueError, match="cannot be written"):
+            _fp().to_spec(bad)
+
+
+def test_failpoint_specs_per_worker() -> None:
+    loaded = load(
+        minimal(
+            workers=3,
+            plans=[{"path": TINY, "evaluations": 2}],
+            faults=[
+                {"failpoint": "after_ack", "workers": "all"},
+                {"failpoint": "rule_before_call", "workers": [1, 2], "evaluation": 1},
+                {"at_s": 1, "action": "kill_worker"},
+            ],
+        )
+    )
+    ids = ["e0", "e1"]
+    assert loaded.failpoint_specs(0, ids) == "after_ack=crash,hit=1,times=1"
+    assert loaded.failpoint_specs(2, ids) == (
+        "after_ack=crash,hit=1,times=1;rule_before_call=crash,hit=1,times=1,attempt_id=e1"
+    )
+    assert [f.name for f in parse_specs(loaded.failpoint_specs(1, ids))] == [
+        "after_ack",
+        "rule_before_call",
+    ]
+    with pytest.raises(ValueError, match="expected 2 attempt ids"):
+        loaded.failpoint_specs(0, ["e0"])
+
+
+def test_ruleless_failpoints_are_failpoints() -> None:
+    assert RULELESS_FAILPOINTS.issubset(FAILPOINTS)
+
+
+def test_invariant_names() -> None:
+    assert INVARIANT_NAMES == (
+        "no_completed_rerun",
+        "prune_only_dependents",
+        "idempotent_results",
+        "all_terminal",
+        "attempts_monotonic",
+        "retry_delays_respected",
+        "single_final_result",
+        "state_keys_expire",
+    )
+    assert load(minimal(invariants=["state_keys_expire"])).spec.invariants == ("state_keys_expire",)
+
+
+# --- the fault schedule ------------------------------------------------------------------------
+
+
+def _schedule_scenario(seed: int) -> Scenario:
+    return load(
+        minimal(
+            seed=seed,
+            workers=16,
+            plans=[{"path": TINY, "evaluations": 10}],
+            faults=[
+                {"failpoint": "after_ack"},  # not the runner's: never in the schedule
+                {"at_s": 2, "action": "kill_worker", "count": 3, "every_s": 1.5, "name": "k"},
+                {
+                    "random_at_s": [0, 10],
+                    "action": "restart_worker",
+                    "target": "random",
+                    "count": 5,
+                },
+                {
+                    "after": {"event": "acked", "count": 2},
+                    "action": "kill_broker",
+                    "count": 2,
+                    "every_s": 0.5,
+                    "restart_after_s": None,
+                },
+                {"random_at_s": [1, 9], "action": "cancel", "target": "random", "count": 4},
+            ],
+        )
+    ).spec
+
+
+def test_fault_schedule_expands_and_sorts() -> None:
+    plan = fault_schedule(_schedule_scenario(1), random.Random(1))
+    assert len(plan) == 3 + 5 + 2 + 4
+    timed = [p for p in plan if p.at_s is not None]
+    assert [p.at_s for p in timed] == sorted(p.at_s for p in timed)  # type: ignore[misc]
+    assert plan[-2:] == [p for p in plan if p.after is not None], "event triggers come last"
+    kills = [p for p in plan if p.fault == 1]
+    assert [(p.at_s, p.target, p.repetition, p.name) for p in kills] == [
+        (2.0, 0, 0, "k"),
+        (3.5, 0, 1, "k"),
+        (5.0, 0, 2, "k"),
+    ]
+    assert all(p.restart_after_s == 0.5 for p in kills)
+    assert [p.label for p in kills] == ["k", "k#1", "k#2"]
+    broker = [p for p in plan if p.fault == 3]
+    assert [(p.at_s, p.delay_s, p.restart_after_s, p.name) for p in broker] == [
+        (None, 0.0, None, "faults[3]"),
+        (None, 0.5, None, "faults[3]"),
+    ]
+    assert broker[0].after is not None and broker[0].after.event == "acked"
+    restarts = [p for p in plan if p.fault == 2]
+    assert all(0 <= p.at_s <= 10 and 0 <= p.target < 16 for p in restarts)  # type: ignore[operator]
+    cancels = [p for p in plan if p.fault == 4]
+    assert all(1 <= p.at_s <= 9 and 0 <= p.target < 10 for p in cancels)  # type: ignore[operator]
+    assert all(p.restart_after_s is None for p in cancels)
+    assert all(isinstance(p, PlannedFault) and p.target != "random" for p in plan)
+
+
+def test_fault_schedule_is_deterministic_per_seed() -> None:
+    def draw(seed: int) -> list[tuple[Any, ...]]:
+        plan = fault_schedule(_schedule_scenario(seed), random.Random(seed))
+        return [(p.fault, p.repetition, p.at_s, p.target) for p in plan]
+
+    state = random.getstate()
+    assert draw(1) == draw(1)
+    assert random.getstate() == state, "the global random module is never used"
+    one, two = draw(1), draw(2)
+    assert one != two
+    by_fault = {f: ([x for x in one if x[0] == f], [x for x in two if x[0] == f]) for f in (2, 4)}
+    for a, b in by_fault.values():
+        assert [x[2] for x in a] != [x[2] for x in b], "random_at_s draws differ"
+        assert [x[3] for x in a] != [x[3] for x in b], "random targets differ"
+    fixed = [x for x in one if x[0] == 1]
+    assert fixed == [x for x in two if x[0] == 1], "fixed faults do not depend on the seed"
+    # the default rng is the scenario seed, and a LoadedScenario works as well
+    loaded = load(minimal(seed=5, faults=[{"random_at_s": [0, 9], "action": "kill_worker"}]))
+    assert loaded.schedule() == fault_schedule(loaded.spec, random.Random(5))
+
+
+# --- the published JSON Schema -----------------------------------------------------------------
+
+
+def test_committed_schema_is_current() -> None:
+    committed = (ROOT / "scenarios" / "schema.json").read_text(encoding="utf-8")
+    assert committed == schema_text(), "run: python -m chaos.scenario"
+    schema = json.loads(committed)
+    assert schema["$defs"]["RunnerFault"]["properties"]["action"]["enum"] == [
+        "kill_worker",
+        "restart_worker",
+        "kill_redis",
+        "kill_broker",
+        "cancel",
+    ]
+    assert schema["properties"]["invariants"]["items"]["enum"] == list(INVARIANT_NAMES)
+
+
+def test_write_schema(tmp_path: Path) -> None:
+    out = write_schema(tmp_path / "schema.json")
+    assert out.read_text(encoding="utf-8") == schema_text()
+    assert json.loads(schema_text())["title"] == "Scenario"
+
+
+def test_schema_accepts_what_the_loader_accepts() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads(schema_text()))
+    validator.check_schema(validator.schema)
+    full = yaml.safe_load(FULL.read_text())
+    assert list(validator.iter_errors(full)) == []
+    assert list(validator.iter_errors({"name": "t", "plan": TINY, "evaluations": 2})) == []
+    for data in (
+        {**full, "retires": 3},  # unknown field
+        {"name": "t"},  # no plan at all
+        {"name": "t", "plan": TINY, "plans": [{"path": TINY}]},  # both forms
+        {"name": "t", "plans": [{"path": TINY}], "evaluations": 2},  # evaluations alone
+        {**full, "faults": [{"failpoint": "nope"}]},
+        {**full, "faults": [{"at_s": 1, "action": "explode"}]},
+        {**full, "invariants": ["no_rerun"]},
+    ):
+        assert list(validator.iter_errors(data)), data
+
+
+# --- fuzzing: nothing but ScenarioError ever escapes -------------------------------------------
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 40)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+field_names = st.sampled_from(
+    [
+        "name",
+        "plan",
+        "plans",
+        "path",
+        "evaluations",
+        "agent",
+        "retry",
+        "engine",
+        "faults",
+        "failpoint",
+        "action",
+        "stall_ms",
+        "workers",
+        "evaluation",
+        "rule",
+        "at_s",
+        "random_at_s",
+        "after",
+        "event",
+        "target",
+        "count",
+        "every_s",
+        "invariants",
+        "budgets",
+        "tiers_ms",
+        "stale_ms",
+        "seed",
+        "fail_rules",
+        "extra",
+    ]
+)
+interesting = st.sampled_from(
+    [
+        "random",
+        "all",
+        "stall",
+        "cancel",
+        "kill_worker",
+        "after_ack",
+        "compiles",
+        TINY,
+        "a\nb",
+        "\u2028",
+        0,
+        1,
+        2,
+        16,
+        10**30,
+        -1,
+        0.5,
+        1e308,
+        float("inf"),
+        [0, 1],
+        [3, 1],
+        {"event": "acked"},
+        {"failpoint": "after_ack"},
+    ]
+).map(copy.deepcopy)  # a fresh copy: a later edit must not change the strategy
+
+odd_keys = st.text(max_size=4) | st.sampled_from(["a\nb", "id\r", "x\u2028", "\x00"])
+VALID_FULL: dict[str, Any] = yaml.safe_load(FULL.read_text())
+VALID_FULL["plans"] = [{"path": str(ROOT / TINY), "evaluations": 2}, {"path": CODE_REVIEW}]
+
+
+def _containers(node: Any, here: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [here] if isinstance(node, dict | list) else []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _containers(v, (*here, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _containers(v, (*here, i))
+    return out
+
+
+@st.composite
+def mutated_scenarios(draw: st.DrawFn) -> Any:
+    """The full example with a few random edits: keys deleted, values replaced, unknown
+    keys added; most results are broken, a few are still valid."""
+    data = copy.deepcopy(VALID_FULL)
+    for _ in range(draw(st.integers(1, 4))):
+        where = draw(st.sampled_from(_containers(data)))
+        node = data
+        for key in where:
+            node = node[key]
+        op = draw(st.sampled_from(["set", "set", "delete", "replace_root"]))
+        if op == "replace_root":
+            return draw(json_values)
+        if isinstance(node, dict):
+            key = draw(field_names | odd_keys | st.sampled_from(list(node) or ["x"]))
+            if op == "delete":
+                node.pop(key, None)
+            else:
+                node[key] = draw(json_values | interesting)
+        elif node:
+            i = draw(st.integers(0, len(node) - 1))
+            if op == "delete":
+                del node[i]
+            else:
+                node[i] = draw(json_values | interesting)
+    return data
+
+
+def _only_scenario_errors(call: Callable[[], Any], source: str) -> None:
+    try:
+        call()
+    except ScenarioError as exc:
+        _assert_one_line(exc, source)
+
+
+@settings(max_examples=300, deadline=None)
+@given(mutated_scenarios())
+def test_fuzz_scenario_from_dict(data: Any) -> None:
+    _only_scenario_errors(
+        lambda: scenario_from_dict(data, source="fuzz.yaml", base_dir=ROOT), "fuzz.yaml"
+    )
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One directory for every example (hypothesis refuses function-scoped fixtures)."""
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def _yaml_dump(data: Any) -> str:
+    try:
+        return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    except yaml.YAMLError:
+        return str(data)
+
+
+#: YAML text: mutated scenarios, random text, the full example with a slice replaced
+scenario_texts = st.one_of(
+    mutated_scenarios().map(_yaml_dump),
+    st.text(max_size=200),
+    st.tuples(
+        st.just(_yaml_dump(VALID_FULL)),
+        st.integers(0, 2000),
+        st.integers(0, 40),
+        st.text(max_size=6),
+    ).map(lambda t: t[0][: t[1]] + t[3] + t[0][t[1] + t[2] :]),
+    st.binary(max_size=64).map(lambda b: b.decode("latin-1")),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario_texts)
+def test_fuzz_load_scenario_text(fuzz_dir: Path, text: str) -> None:
+    path = fuzz_dir / "fuzz.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogateescape")
+    _only_scenario_errors(lambda: load_scenario(path), str(path))
+
+
+def test_fuzz_mutation_reaches_deep_errors() -> None:
+    """The fuzzer's mutations do reach field errors (a mutation that only broke the top
+    level would prove little)."""
+    seen: set[str] = set()
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(mutated_scenarios())
+    def collect(data: Any) -> None:
+        try:
+            scenario_from_dict(data, source="f", base_dir=ROOT)
+        except ScenarioError as exc:
+            field = re.match(r"f: ([a-z_]+)", str(exc))
+            if field:
+                seen.add(field.group(1))
+
+    collect()
+    assert {"faults", "plans"} <= seen, seen
