@@ -339,9 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     mutant = MUTANTS.get(args[0]) if args else None
     if mutant is None:
-        given = repr(args[0]) if args else "none"
+        problem = f"unknown mutant {args[0]!r}" if args else "no mutant given"
         names = ", ".join(MUTANTS)
-        print(f"chaos.mutants: unknown mutant {given}; valid: {names}", file=sys.stderr)
+        print(f"chaos.mutants: {problem}; valid: {names}", file=sys.stderr)
         return 2
     mutant.apply()
     return engine.worker.main(args[1:])

@@ -783,7 +783,9 @@ def scenario_from_dict(
         found = _find_plan(ref.path, base_dir)
         if found is None:
             where = f"{base_dir} and the current directory" if base_dir else "the current directory"
-            raise ScenarioError(f"{source}: {field}: no plan file {_got(ref.path)} (looked in {where})")
+            raise ScenarioError(
+                f"{source}: {field}: no plan file {_got(ref.path)} (looked in {where})"
+            )
         try:
             plan = load_plan(found)
         except PlanError as exc:
@@ -845,7 +847,7 @@ def _check_rules(loaded: LoadedScenario, source: str) -> None:
             where = f"plan {plan.id}" if plan is not None else "any plan of the scenario"
             hint = difflib.get_close_matches(rule, sorted(rules), n=1)
             tip = f"; did you mean {hint[0]!r}?" if hint else ""
-            raise ScenarioError(f"{source}: {path}: no rule {rule!r} in {where}{tip}")
+            raise ScenarioError(f"{source}: {path}: no rule {_got(rule)} in {where}{tip}")
 
     for i, fault in enumerate(loaded.spec.faults):
         if isinstance(fault, FailpointFault) and fault.rule is not None:

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -158,30 +157,6 @@ def test_reset_attempts_on_recovery_in_the_core() -> None:
 # --- mutants run as worker processes, beside a normal worker --------------------------------
 
 
-class MutantWorker(WorkerProcess):
-    """`python -m chaos.mutants NAME ...`, or `python -m engine.worker ...` for None."""
-
-    def __init__(self, mutant: str | None, args: list[str], log_path: Path, name: str) -> None:
-        super().__init__(args, log_path=log_path, name=name)
-        self.mutant = mutant
-
-    def start(self) -> MutantWorker:
-        module = ["chaos.mutants", self.mutant] if self.mutant else ["engine.worker"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINE_")}
-        assert self.log_path is not None
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", *module, *self.args],
-                env=env,
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        return self
-
-
 class Slice(Live):
     """One namespace of the live stack, whose workers run `mutant` (None: the engine)."""
 
@@ -196,7 +171,7 @@ class Slice(Live):
         agent: dict[str, Any] | None = None,
         failpoints: list[str] | None = None,
         **opts: str,
-    ) -> MutantWorker:
+    ) -> WorkerProcess:
         """Start a worker (not waiting for it: see `_ready`)."""
         args: list[str] = []
         for key, value in {**self.base_args, **opts}.items():
@@ -206,9 +181,12 @@ class Slice(Live):
             args += ["--agent", json.dumps(agent)]
         for fp in failpoints or []:
             args += ["--failpoint", fp]
+        module = ("chaos.mutants", self.mutant) if self.mutant else ("engine.worker",)
         n = len(self.workers)
-        w = MutantWorker(self.mutant, args, self.tmp / f"worker{n}.log", f"worker{n}").start()
-        self.workers.append(w)
+        w = WorkerProcess(
+            args, log_path=self.tmp / f"worker{n}.log", name=f"worker{n}", module=module
+        )
+        self.workers.append(w.start())
         return w
 
     def events(self, ev: str, attempt_id: str, **match: Any) -> list[dict[str, Any]]:
@@ -219,7 +197,7 @@ class Slice(Live):
         ]
 
 
-def _ready(*workers: MutantWorker) -> None:
+def _ready(*workers: WorkerProcess) -> None:
     for w in workers:
         assert w.log_path is not None
         if not w.wait_for_log("ready", 20):
@@ -239,7 +217,7 @@ def _pair(tmp: Path, mutant: str, **base_args: str) -> Iterator[tuple[Slice, Sli
             s.close()
 
 
-def _both(mut: Slice, ref: Slice, *flags: str, **kw: Any) -> tuple[MutantWorker, MutantWorker]:
+def _both(mut: Slice, ref: Slice, *flags: str, **kw: Any) -> tuple[WorkerProcess, WorkerProcess]:
     """The same worker in each slice, started side by side."""
     pair = mut.worker(*flags, **kw), ref.worker(*flags, **kw)
     _ready(*pair)
