@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -123,6 +124,9 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
     if out.exists() and any(out.iterdir()):
         print(f"--out: {out} exists and is not empty; expected a new folder", file=sys.stderr)
         return EXIT_INPUT
+    # The client's reconnect chatter during a broker restart is expected, not news.
+    for name in ("aio_pika", "aiormq"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     # SIGTERM behaves like Ctrl-C: everything started is stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     services: Services | None = None

@@ -94,15 +94,20 @@ class ScenarioRun:
         self.mutant = mutant
         self.on_progress = on_progress or (lambda p: None)
         self.ns = f"chaos{uuid.uuid4().hex[:8]}."
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.raw_history = run_dir / "history.raw.jsonl"
         self.history = FileHistory(self.raw_history, "runner")
         self.rng = random.Random(self.seed)
         self.schedule: list[PlannedFault] = fault_schedule(self.spec, self.rng)
+        # attemptIds come from the scenario and the seed, not from the run: the fake agent
+        # draws from them, so the same seed replays the same calls. Queues and index keys
+        # are the run's own (`ns`); leftovers of an earlier run of the same ids are cleared.
+        self.id_prefix = f"{self.spec.name}-s{self.seed}-"
         self.attempt_ids: list[str] = []
         self.plans: dict[str, Plan] = {}
         for plan, count in loaded.plans:
             for k in range(count):
-                attempt_id = f"{self.ns}{plan.id}-{k}"
+                attempt_id = f"{self.id_prefix}{plan.id}-{k}"
                 self.attempt_ids.append(attempt_id)
                 self.plans[attempt_id] = plan
         self.cancelled: set[str] = set()
@@ -311,24 +316,22 @@ class ScenarioRun:
                     counts[i] += 1
                     if counts[i] >= trig.count:
                         done[i] = True
-                        await self._fire(f)
+                        if f.delay_s:  # a repetition: `every_s` after the one before
+                            self._later(f.delay_s, self._fire(f))
+                        else:
+                            await self._fire(f)
 
     # --- the run ------------------------------------------------------------------------
 
     async def run(self) -> Outcome:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         spec = self.spec
-        by_worker: dict[int, list[str]] = {i: [] for i in range(spec.workers)}
-        for fault in spec.faults:
-            if getattr(fault, "failpoint", None) is None:
-                continue
-            idx = fault.evaluation
-            attempt_id = self.attempt_ids[idx] if idx is not None else None
-            targets = range(spec.workers) if fault.workers == "all" else fault.workers
-            for i in targets:
-                by_worker[i].append(fault.to_spec(attempt_id))
-        self.workers = [_Worker(i, by_worker[i]) for i in range(spec.workers)]
+        self.workers = [
+            _Worker(i, [s for s in [self.loaded.failpoint_specs(i, self.attempt_ids)] if s])
+            for i in range(spec.workers)
+        ]
         started = time.monotonic()
+        await self._clear_earlier_runs()
         self.history.record("run_started", scenario=spec.name, seed=self.seed, mutant=self.mutant)
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -365,6 +368,16 @@ class ScenarioRun:
             final=final,
             extra={"seed": self.seed, "mutant": self.mutant, "namespace": self.ns},
         )
+
+    async def _clear_earlier_runs(self) -> None:
+        store = RedisStore(self.config())
+        try:
+            pattern = f"attempt:{self.id_prefix}*"
+            keys = [k async for k in store.redis.scan_iter(match=pattern, count=1000)]
+            for i in range(0, len(keys), 1000):
+                await store.redis.delete(*keys[i : i + 1000])
+        finally:
+            await store.close()
 
     async def _wait_terminal(self, client: EngineClient, tasks: list[asyncio.Task[None]]) -> None:
         deadline = self._t0 + self.spec.deadline_s
@@ -428,7 +441,8 @@ class ScenarioRun:
                     statuses=dict(snap.statuses),
                 )
             ttls: dict[str, int] = {}
-            keys = [k async for k in store.redis.scan_iter(match=f"attempt:{self.ns}*", count=1000)]
+            pattern = f"attempt:{self.id_prefix}*"
+            keys = [k async for k in store.redis.scan_iter(match=pattern, count=1000)]
             if keys:
                 async with store.redis.pipeline(transaction=False) as pipe:
                     for k in keys:
@@ -453,6 +467,9 @@ class ScenarioRun:
             budgets={
                 "max_duplicated_tokens": budgets.max_duplicated_tokens,
                 "max_reruns": budgets.max_reruns,
-                "max_retry_latency_s": budgets.max_retry_latency_s,
+                # the scenario states it in engine time; the checker measures real time
+                "max_retry_latency_s": None
+                if budgets.max_retry_latency_s is None
+                else budgets.max_retry_latency_s * self.spec.time_scale,
             },
         )

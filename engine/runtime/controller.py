@@ -15,6 +15,8 @@ its lease is taken over at once, without waiting for the heartbeat to go stale.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -37,6 +39,7 @@ class EvaluationController:
         self.reevaluate = ReEvaluateUseCase(rt)
         self._slots = asyncio.Semaphore(rt.config.max_evaluations)
         self._plans: dict[str, Plan] = {}
+        self._guards: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self.private_queue = ""
 
     # --- deliveries ---------------------------------------------------------------------
@@ -89,6 +92,29 @@ class EvaluationController:
             published_ms=body.get("published_ms"),
             delay_ms=body.get("delay_ms"),
         )
+        # One delivery of an evaluation is set up at a time in this worker: a second one
+        # (two retries due together) waits, then finds the evaluation in memory.
+        async with self._guard(attempt_id):
+            await self._dispatch(kind, attempt_id, body, message)
+
+    @contextlib.asynccontextmanager
+    async def _guard(self, attempt_id: str) -> AsyncIterator[None]:
+        entry = self._guards.setdefault(attempt_id, (asyncio.Lock(), [0]))
+        entry[1][0] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1][0] -= 1
+            if not entry[1][0]:
+                del self._guards[attempt_id]
+
+    async def _dispatch(
+        self, kind: str, attempt_id: str, body: dict[str, Any], message: AbstractIncomingMessage
+    ) -> None:
+        rt = self.rt
+        rule_id = body.get("rule_id")
+        attempt = int(body.get("attempt", 0))
         orch = self.evaluations.get(attempt_id)
         if orch is not None:
             if kind == "retry" and rule_id is not None:

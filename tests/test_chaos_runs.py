@@ -1,0 +1,182 @@
+"""The harness can fail: every mutant breaks the invariant it targets on its scenario.
+
+For each mutant there is a scenario that passes on the real engine and fails, on exactly
+the invariant the mutant removes, when the workers run the mutant. The runs share one
+private Redis and RabbitMQ (started once: the node takes seconds), and the command line's
+exit codes and clean-up are checked on real `python -m chaos` processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chaos.mutants import MUTANTS
+from chaos.runner import Outcome, ScenarioRun
+from chaos.scenario import load_scenario
+from chaos.services import Services
+from chaos.stack import OWNER_ENV, _marked_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = ROOT / "scenarios"
+
+#: The scenario on which each mutant must be caught.
+CATCHES = {
+    "no_redis_results": "crash_after_ack",
+    "no_sweeper": "crash_after_ack",
+    "prune_everything": "permanent_failure_prunes",
+    "prune_nothing": "permanent_failure_prunes",
+    "nondeterministic_agent": "crash_in_write_window",
+    "reset_attempts_on_recovery": "delay_tiers",
+    "per_message_ttl": "delay_tiers",
+    "result_without_ttl": "permanent_failure_prunes",
+    "double_final_publish": "permanent_failure_prunes",
+}
+
+
+def test_every_mutant_has_a_scenario() -> None:
+    assert set(CATCHES) == set(MUTANTS)
+
+
+@pytest.fixture(scope="module")
+def services() -> Iterator[Services]:
+    env = {k: os.environ.pop(k) for k in ("REDIS_URL", "AMQP_URL") if k in os.environ}
+    stack = Services.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+        os.environ.update(env)
+
+
+@pytest.fixture(scope="module")
+def baseline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return {}
+
+
+def run(services: Services, name: str, out: Path, mutant: str | None = None) -> Outcome:
+    loaded = load_scenario(SCENARIOS / f"{name}.yaml")
+    outcome = asyncio.run(ScenarioRun(loaded, services, out, mutant=mutant).run())
+    for svc in (services.redis, services.broker):  # a scenario may leave one down
+        if svc is not None and not svc.alive:
+            svc.restart()
+    return outcome
+
+
+@pytest.mark.parametrize("mutant", sorted(CATCHES))
+def test_mutant_is_caught(mutant: str, services: Services, baseline: dict, tmp_path: Path) -> None:
+    name = CATCHES[mutant]
+    if name not in baseline:
+        baseline[name] = run(services, name, tmp_path / "clean")
+    clean = baseline[name]
+    assert clean.result.ok, (name, clean.result.verdicts, clean.result.budget_failures)
+    broken = run(services, name, tmp_path / "mutant", mutant)
+    breaks = MUTANTS[mutant].breaks
+    assert not broken.result.ok
+    assert broken.result.verdicts[breaks] == "fail", broken.result.verdicts
+    assert any(v.invariant == breaks for v in broken.result.violations)
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def chaos(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "AMQP_URL")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "chaos", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_cli_exit_codes_without_and_with_a_mutant(tmp_path: Path) -> None:
+    scenario = "scenarios/permanent_failure_prunes.yaml"
+    ok = chaos("run", scenario, "--quiet", "--out", str(tmp_path / "a"))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for name in ("history.jsonl", "journal.json"):
+        assert (tmp_path / "a" / "permanent_failure_prunes" / name).is_file()
+    assert "<testsuites" in (tmp_path / "a" / "junit.xml").read_text()
+    bad = chaos(
+        "run", scenario, "--quiet", "--mutant", "prune_nothing", "--out", str(tmp_path / "b")
+    )
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "prune_only_dependents" in bad.stdout
+
+
+def test_cli_rejects_bad_input_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nplan: plans/tiny.yaml\nworkers: 0\n")
+    for args in (
+        ("run", str(bad)),
+        ("validate", str(bad)),
+        ("run", "scenarios/crash_after_ack.yaml", "--mutant", "nope"),
+    ):
+        out = chaos(*args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_kill_faults_are_refused_against_shared_services() -> None:
+    out = chaos(
+        "run",
+        "scenarios/redis_restart.yaml",
+        env={"REDIS_URL": "redis://127.0.0.1:6379/0", "AMQP_URL": "amqp://guest:guest@127.0.0.1/"},
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and "redis" in out.stderr
+    assert "guest" not in out.stderr  # credentials are never printed
+
+
+def test_missing_services_say_what_to_install(tmp_path: Path) -> None:
+    out = chaos("run", "scenarios/crash_after_ack.yaml", env={"PATH": str(tmp_path)})
+    assert out.returncode == 3
+    assert out.stderr.count("\n") == 1 and "redis-server" in out.stderr
+
+
+def test_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "AMQP_URL")}
+    env["CHAOS_TEST_TAG"] = tmp_path.name
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chaos", "run", "scenarios/worker_kill_storm.yaml", "--quiet",
+         "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    history = tmp_path / "out" / "worker_kill_storm" / "history.raw.jsonl"
+    while time.monotonic() < deadline and not (history.exists() and history.stat().st_size):
+        time.sleep(0.1)
+    assert history.exists(), "the run never started"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    leftovers = subprocess.run(
+        ["pgrep", "-f", f"{tmp_path / 'out'}"], capture_output=True, text=True, check=False
+    ).stdout.split()
+    assert not leftovers, leftovers
+    owner = f"{proc.pid}:"
+    survivors = [p for p, env in _marked_processes() if env.get(OWNER_ENV, "").startswith(owner)]
+    assert not survivors, "a throwaway Redis or RabbitMQ survived"
+    for owner_file in Path(tempfile.gettempdir()).glob("chaos-*-*/.owner"):
+        assert not owner_file.read_text().startswith(owner), "a temp folder survived"
