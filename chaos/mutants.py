@@ -27,6 +27,7 @@ import orjson
 from aio_pika.exceptions import PublishError
 
 import engine.worker
+from chaos.checker import INVARIANTS
 from engine.agent import FakeAgent
 from engine.core import (
     AckRetry,
@@ -43,16 +44,7 @@ from engine.runtime.broker import _TRANSIENT, Broker, Unroutable, log
 from engine.runtime.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
-INVARIANT_NAMES = (
-    "no_completed_rerun",
-    "prune_only_dependents",
-    "idempotent_results",
-    "all_terminal",
-    "attempts_monotonic",
-    "retry_delays_respected",
-    "single_final_result",
-    "state_keys_expire",
-)
+INVARIANT_NAMES = tuple(INVARIANTS)
 
 
 @dataclasses.dataclass(frozen=True)

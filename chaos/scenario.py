@@ -62,23 +62,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from chaos.checker import INVARIANTS
 from engine.agent import AgentProfile, AgentProfileError
 from engine.config import EngineConfig
-from engine.failpoints import FAILPOINTS
+from engine.failpoints import FAILPOINTS, RULELESS_FAILPOINTS
 from engine.plan import ID_PATTERN, Plan, PlanError, load_plan
 from engine.policy import RetryPolicy
 
 #: The invariants the checker knows; a scenario checks all of them unless it lists some.
-INVARIANT_NAMES: tuple[str, ...] = (
-    "no_completed_rerun",
-    "prune_only_dependents",
-    "idempotent_results",
-    "all_terminal",
-    "attempts_monotonic",
-    "retry_delays_respected",
-    "single_final_result",
-    "state_keys_expire",
-)
+INVARIANT_NAMES: tuple[str, ...] = tuple(INVARIANTS)
 
 #: What a runner fault does.
 RUNNER_ACTIONS: tuple[str, ...] = (
@@ -90,18 +82,6 @@ RUNNER_ACTIONS: tuple[str, ...] = (
 )
 WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker"})
 
-#: Failpoints the engine hits with no rule (see the `failpoints.hit` calls in
-#: engine/runtime): a `rule` filter on them would never match, so the fault would never
-#: fire and the scenario would prove nothing.
-RULELESS_FAILPOINTS: frozenset[str] = frozenset(
-    {
-        "before_ack",
-        "after_ack",
-        "before_pass_publish",
-        "before_final_publish",
-        "after_final_publish",
-    }
-)
 
 MAX_EVALUATIONS_PER_PLAN = 10_000
 MAX_WORKERS = 16

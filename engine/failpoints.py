@@ -33,6 +33,17 @@ FAILPOINTS: dict[str, str] = {
     "after_final_publish": "evaluation.completed is published; the evaluation is still indexed",
 }
 
+#: Failpoints hit with no rule: a `rule` filter on one of them would never match.
+RULELESS_FAILPOINTS: frozenset[str] = frozenset(
+    {
+        "before_ack",
+        "after_ack",
+        "before_pass_publish",
+        "before_final_publish",
+        "after_final_publish",
+    }
+)
+
 ACTIONS = ("crash", "raise", "stall")
 
 
