@@ -121,6 +121,16 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
     if problem is not None:
         print(f"chaos run: {problem}", file=sys.stderr)
         return EXIT_STACK
+    from chaos.runner import refusal
+
+    killable = {
+        n for n, var in (("redis", "REDIS_URL"), ("broker", "AMQP_URL")) if var not in os.environ
+    }
+    for sc in loaded:
+        problem = refusal(sc, killable)
+        if problem:
+            print(problem, file=sys.stderr)
+            return EXIT_INPUT
     if out.exists() and any(out.iterdir()):
         print(f"--out: {out} exists and is not empty; expected a new folder", file=sys.stderr)
         return EXIT_INPUT
@@ -196,7 +206,10 @@ async def _run_all(
         result = outcome.result
         write_outputs(run_dir, sc.spec.name, outcome.history, result, outcome.extra)
         suites.append((sc.spec.name, result, outcome.duration_s))
-        _summary(console, sc.spec.name, outcome, time.monotonic() - started, run_dir)
+        (run_dir / "history.raw.jsonl").unlink(missing_ok=True)  # merged into history.jsonl
+        _summary(console, sc.spec.name, outcome, time.monotonic() - started)
+        if not result.ok:
+            console.print(f"  evidence: {run_dir / 'journal.json'}")
         for v in result.violations[:10]:
             console.print(format_violation(v), markup=False)
         if not result.ok:
@@ -213,7 +226,7 @@ async def _ensure_services(services: Any) -> None:
             await asyncio.to_thread(svc.restart)
 
 
-def _summary(console: Console, name: str, outcome: Any, took: float, run_dir: Path) -> None:
+def _summary(console: Console, name: str, outcome: Any, took: float) -> None:
     result = outcome.result
     mark = "[green]PASS[/]" if result.ok else "[red]FAIL[/]"
     failed = [k for k, v in result.verdicts.items() if v == "fail"]
@@ -228,7 +241,6 @@ def _summary(console: Console, name: str, outcome: Any, took: float, run_dir: Pa
             else ""
         )
     )
-    _ = (os, run_dir)
 
 
 if __name__ == "__main__":  # pragma: no cover

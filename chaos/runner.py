@@ -41,6 +41,20 @@ class RunRefused(ValueError):
     """The scenario cannot run in this mode (a kill fault against a shared service)."""
 
 
+def refusal(loaded: LoadedScenario, killable: set[str]) -> str | None:
+    """Why the scenario cannot run against these services, in one line (None: it can)."""
+    kills = {"kill_redis": "redis", "kill_broker": "broker"}
+    needed = {kills[f.action] for f in loaded.spec.faults if getattr(f, "action", "") in kills}
+    missing = needed - killable
+    if not missing:
+        return None
+    names = " and ".join(sorted(missing))
+    return (
+        f"{loaded.path}: faults: kills {names}, but this run uses a shared service "
+        "(REDIS_URL/AMQP_URL); unset them to let the run start its own"
+    )
+
+
 @dataclass
 class Progress:
     """What the display shows while a scenario runs."""
@@ -120,18 +134,9 @@ class ScenarioRun:
     # --- set-up -------------------------------------------------------------------------
 
     def _refuse_unsupported(self) -> None:
-        needed = {
-            {"kill_redis": "redis", "kill_broker": "broker"}[f.action]
-            for f in self.schedule
-            if f.action in ("kill_redis", "kill_broker")
-        }
-        missing = needed - self.services.killable
-        if missing:
-            names = " and ".join(sorted(missing))
-            raise RunRefused(
-                f"{self.loaded.path}: faults: kills {names}, but this run uses a shared "
-                f"service (REDIS_URL/AMQP_URL); unset them to let the run start its own"
-            )
+        problem = refusal(self.loaded, self.services.killable)
+        if problem:
+            raise RunRefused(problem)
 
     def config(self) -> EngineConfig:
         e = self.spec.engine
