@@ -282,11 +282,14 @@ class AgentProfile:
         except ValidationError as exc:
             raise AgentProfileError(_describe(exc)) from None
         values = spec.model_dump(exclude_unset=True)
-        if "latency_ms" in values:
-            values["latency_ms"] = _latency_from(values["latency_ms"])
-        if "always_fail_rules" in values:
-            values["always_fail_rules"] = frozenset(values["always_fail_rules"])
-        return cls(**values)
+        try:
+            if "latency_ms" in values:
+                values["latency_ms"] = _latency_from(values["latency_ms"])
+            if "always_fail_rules" in values:
+                values["always_fail_rules"] = frozenset(values["always_fail_rules"])
+            return cls(**values)
+        except OverflowError:  # an integer too large for a float
+            raise AgentProfileError("agent profile: a number is too large") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The profile as `from_dict` reads it (for recording a run's configuration)."""
