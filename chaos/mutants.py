@@ -15,16 +15,12 @@ loudly if that seam is gone, rather than silently running the correct engine.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
-import aio_pika
 import orjson
-from aio_pika.exceptions import PublishError
 
 import engine.worker
 from chaos.checker import INVARIANTS
@@ -40,7 +36,7 @@ from engine.core import (
 )
 from engine.plan import Plan
 from engine.runtime import controller, orchestrator, store
-from engine.runtime.broker import _TRANSIENT, Broker, Unroutable, log
+from engine.runtime.broker import Broker
 from engine.runtime.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
@@ -219,38 +215,12 @@ def per_message_ttl() -> None:
     ) -> None:
         # The TTL the tier's queue would have had (see `Broker.declare`), on the message.
         ttl_ms = max(1, round(self.config.policy.delay_ms(tier, bucket) * self.config.time_scale))
-        message = aio_pika.Message(
-            orjson.dumps(body),
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            content_type="application/json",
-            message_id=message_id,
-            expiration=timedelta(milliseconds=ttl_ms),
-        )
-        await _publish(self, self.delay_queues[(tier, bucket)], message)
+        queue = self.delay_queues[(tier, bucket)]
+        raw = orjson.dumps(body)
+        await self._publish_raw(None, queue, raw, message_id, True, expiration_ms=ttl_ms)
 
     Broker.declare = declare_shared
     Broker.publish_retry = publish_with_expiration
-
-
-async def _publish(broker: Broker, queue: str, message: aio_pika.Message) -> None:
-    """`Broker._publish_raw`'s confirmed, mandatory publish and its reconnect loop, for a
-    message built here (that method builds its own, with no expiration)."""
-    delay = 0.05
-    for attempt in range(60):
-        try:
-            await broker._ch().default_exchange.publish(message, queue, mandatory=True)
-            return
-        except PublishError as exc:
-            raise Unroutable(f"unroutable: routing key {queue!r}") from exc
-        except _TRANSIENT as exc:
-            if attempt == 59:
-                raise
-            log.warning("publish failed (%s); retrying", type(exc).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-
-# --- events --------------------------------------------------------------------------------
 
 
 def double_final_publish() -> None:

@@ -48,7 +48,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn, TypeVar
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -68,6 +67,7 @@ from engine.config import EngineConfig
 from engine.failpoints import FAILPOINTS, RULELESS_FAILPOINTS
 from engine.plan import ID_PATTERN, Plan, PlanError, load_plan
 from engine.policy import RetryPolicy
+from engine.yamlfile import read_yaml
 
 #: The invariants the checker knows; a scenario checks all of them unless it lists some.
 INVARIANT_NAMES: tuple[str, ...] = tuple(INVARIANTS)
@@ -708,26 +708,7 @@ def fault_schedule(
 def load_scenario(path: str | Path) -> LoadedScenario:
     """Read, validate and load a scenario file and its plans."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ScenarioError(f"{path}: cannot read scenario: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ScenarioError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except ValueError as exc:  # an embedded NUL in the path
-        raise ScenarioError(f"{path}: cannot read scenario: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except RecursionError:
-        raise ScenarioError(f"{path}: not valid YAML: nested too deeply") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ScenarioError(f"{path}: not valid YAML{where}: {problem}") from None
-    except (ValueError, TypeError, OverflowError) as exc:
-        # PyYAML's constructors: a timestamp like 2024-13-45, an int of 5000 digits
-        raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path, "scenario", ScenarioError)
     return scenario_from_dict(data, source=str(path), base_dir=path.parent)
 
 

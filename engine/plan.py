@@ -15,8 +15,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.yamlfile import read_yaml
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
@@ -164,22 +165,7 @@ def _toposort(rule_ids: Iterable[str], rules: Mapping[str, Rule]) -> list[str]:
 
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file (YAML or JSON)."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlanError(f"{path}: cannot read plan: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise PlanError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    try:
-        data = yaml.safe_load(text)
-    except RecursionError:
-        raise PlanError(f"{path}: not valid YAML: nested too deeply") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise PlanError(f"{path}: not valid YAML{where}: {problem}") from None
+    data = read_yaml(path, "plan", PlanError)
     return plan_from_dict(data, source=str(path))
 
 

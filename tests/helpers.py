@@ -313,3 +313,15 @@ def run_plan(plan: Plan, agent_fn: Agent | None = None, **kwargs: Any) -> Shell:
     """Run a plan to the end with a scripted agent (default: every call succeeds); the
     shell holds the whole history."""
     return Shell(plan, agent_fn or agent(), **kwargs).run()
+
+
+def containers(node: Any, here: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The path of every dict and list inside a decoded document (for mutating fuzzers)."""
+    out = [here] if isinstance(node, dict | list) else []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += containers(v, (*here, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += containers(v, (*here, i))
+    return out

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.plan import Plan, PlanError, load_plan, plan_from_dict
-from tests.helpers import PLANS_DIR, example_plan
+from tests.helpers import PLANS_DIR, containers, example_plan
 
 # --- the example plans ------------------------------------------------------------------------
 
@@ -356,24 +356,13 @@ field_names = st.sampled_from(
 )
 
 
-def _containers(node: Any, here: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [here] if isinstance(node, dict | list) else []
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _containers(v, (*here, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _containers(v, (*here, i))
-    return out
-
-
 @st.composite
 def mutated_plans(draw: st.DrawFn) -> Any:
     """The tiny plan with a few random edits: values replaced, keys added or removed,
     dependencies rewired; most results are broken, a few are still valid."""
     data = copy.deepcopy(TINY)
     for _ in range(draw(st.integers(1, 4))):
-        where = draw(st.sampled_from(_containers(data)))
+        where = draw(st.sampled_from(containers(data)))
         node = data
         for key in where:
             node = node[key]

@@ -36,6 +36,7 @@ from chaos.scenario import (
 from engine.failpoints import FAILPOINTS, parse_specs
 from engine.plan import load_plan
 from engine.policy import RetryPolicy
+from tests.helpers import containers
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "plans/tiny.yaml"
@@ -1115,24 +1116,13 @@ VALID_FULL: dict[str, Any] = yaml.safe_load(FULL.read_text())
 VALID_FULL["plans"] = [{"path": str(ROOT / TINY), "evaluations": 2}, {"path": CODE_REVIEW}]
 
 
-def _containers(node: Any, here: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [here] if isinstance(node, dict | list) else []
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _containers(v, (*here, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _containers(v, (*here, i))
-    return out
-
-
 @st.composite
 def mutated_scenarios(draw: st.DrawFn) -> Any:
     """The full example with a few random edits: keys deleted, values replaced, unknown
     keys added; most results are broken, a few are still valid."""
     data = copy.deepcopy(VALID_FULL)
     for _ in range(draw(st.integers(1, 4))):
-        where = draw(st.sampled_from(_containers(data)))
+        where = draw(st.sampled_from(containers(data)))
         node = data
         for key in where:
             node = node[key]

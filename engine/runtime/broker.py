@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any
 
 import aio_pika
@@ -166,12 +167,16 @@ class Broker:
         raw: bytes,
         msg_id: str | None,
         mandatory: bool,
+        expiration_ms: int | None = None,
     ) -> None:
+        """Publish with confirms, retrying while the broker is away. `expiration_ms` is a
+        per-message TTL, which the engine never uses (see the module docstring)."""
         message = aio_pika.Message(
             raw,
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             content_type="application/json",
             message_id=msg_id,
+            expiration=None if expiration_ms is None else timedelta(milliseconds=expiration_ms),
         )
         ch = self._ch()
         delay = 0.05
