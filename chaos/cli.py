@@ -1,6 +1,8 @@
-"""`python -m chaos`: run, validate and list scenarios.
+"""`python -m chaos`: run, explore, validate and list scenarios.
 
-    python -m chaos run scenarios/crash_after_ack.yaml [--seed N] [--out DIR] [--mutant NAME]
+    python -m chaos run scenarios/crash_after_ack.yaml [--mode auto|live|sim] [--seed N]
+                        [--out DIR] [--mutant NAME]
+    python -m chaos sim scenarios/crash_after_ack.yaml --seeds 1000 [--jobs J] [--shrink]
     python -m chaos validate scenarios/*.yaml
     python -m chaos list
 
@@ -32,11 +34,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run scenarios and check their invariants")
     run.add_argument("scenarios", nargs="+", metavar="SCENARIO")
-    run.add_argument("--mode", choices=["live"], default="live")
+    run.add_argument(
+        "--mode",
+        choices=["auto", "live", "sim"],
+        default="auto",
+        help="auto: live when redis-server and RabbitMQ are here, else the simulator",
+    )
     run.add_argument("--seed", type=int, help="override every scenario's seed")
     run.add_argument("--out", type=Path, help="output folder (default out/<time>)")
     run.add_argument("--mutant", help="run the workers with this deliberately broken behaviour")
     run.add_argument("--quiet", action="store_true", help="no progress display")
+    sim = sub.add_parser("sim", help="explore many seeds in the simulator, shrink failures")
+    sim.add_argument("scenario", metavar="SCENARIO")
+    sim.add_argument("--seeds", type=int, default=100, help="how many seeds (default 100)")
+    sim.add_argument("--first-seed", type=int, default=0)
+    sim.add_argument("--jobs", type=int, default=0, help="processes (default: every core)")
+    sim.add_argument("--mutant", help="explore a deliberately broken engine")
+    sim.add_argument("--shrink", action="store_true", help="shrink the first failure found")
+    sim.add_argument(
+        "--all-failpoints",
+        action="store_true",
+        help="instead of seeds: a crash at each failpoint hit of one run",
+    )
+    sim.add_argument(
+        "--regressions",
+        type=Path,
+        default=Path("scenarios/regressions"),
+        help="where --shrink writes the failing case (default scenarios/regressions)",
+    )
     val = sub.add_parser("validate", help="check scenario files without running them")
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
@@ -48,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False, highlight=False)
     if args.command == "list":
         return _list(console)
-    loaded = _load_all(args.scenarios)
+    loaded = _load_all(args.scenarios if args.command != "sim" else [args.scenario])
     if isinstance(loaded, str):
         print(loaded, file=sys.stderr)
         return EXIT_INPUT
@@ -56,18 +81,26 @@ def main(argv: list[str] | None = None) -> int:
         for sc in loaded:
             console.print(f"{sc.path}: ok ({sc.spec.name})")
         return EXIT_OK
-    if args.mutant is not None:
-        from chaos.mutants import MUTANTS
-
-        if args.mutant not in MUTANTS:
-            names = ", ".join(sorted(MUTANTS))
-            print(
-                f"--mutant: unknown mutant {args.mutant!r}; expected one of {names}",
-                file=sys.stderr,
-            )
+    if args.command == "sim":
+        if args.mutant is not None and _bad_mutant(args.mutant):
             return EXIT_INPUT
+        from chaos.simcli import explore_command
+
+        return explore_command(loaded[0], args, console)
+    if args.mutant is not None and _bad_mutant(args.mutant):
+        return EXIT_INPUT
     out = args.out or Path("out") / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     return _run(loaded, out, args, console)
+
+
+def _bad_mutant(name: str) -> bool:
+    from chaos.mutants import MUTANTS
+
+    if name in MUTANTS:
+        return False
+    names = ", ".join(sorted(MUTANTS))
+    print(f"--mutant: unknown mutant {name!r}; expected one of {names}", file=sys.stderr)
+    return True
 
 
 def _load_all(paths: list[str]) -> list[Any] | str:
@@ -118,6 +151,15 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
     from chaos.services import Services, ServicesUnavailable
 
     problem = Services.available()
+    if args.mode == "sim" or (args.mode == "auto" and problem is not None):
+        if args.mode == "auto":
+            print(f"chaos run: live mode {problem}; running in the simulator instead")
+        from chaos.simcli import run_in_sim
+
+        if out.exists() and any(out.iterdir()):
+            print(f"--out: {out} exists and is not empty; expected a new folder", file=sys.stderr)
+            return EXIT_INPUT
+        return run_in_sim(loaded, out, args, console)
     if problem is not None:
         print(f"chaos run: {problem}", file=sys.stderr)
         return EXIT_STACK

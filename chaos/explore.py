@@ -1,0 +1,270 @@
+"""Exploration and shrinking in the simulator: many seeds, then the smallest failing case.
+
+Swarm testing (Groce et al.): each seed does not only replay the scenario with other
+random draws, it also draws *which* faults take part and where, within the scenario's
+bounds: every fault is kept or left out on a coin flip, a failpoint fires on a hit drawn
+up to twice the scenario's, a timed fault at a time drawn around the scenario's. Runs that
+leave faults out reach states that the full schedule masks.
+
+A failing seed is then shrunk, Hypothesis-style, on concrete data: the variant's faults
+are first made explicit (every repetition and random draw written out), then removed one
+at a time, then made earlier and smaller, then the run itself made smaller (fewer
+evaluations, fewer workers), keeping each step only if the same invariant still breaks
+under the same seed. The result is written as a scenario file that `chaos run` replays,
+in the simulator and live.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from chaos.scenario import LoadedScenario, ScenarioError, fault_schedule, scenario_from_dict
+
+
+@dataclass(frozen=True)
+class SeedResult:
+    seed: int
+    ok: bool
+    failed: tuple[str, ...]  # invariants (and "budgets") that failed
+    history_hash: str = ""
+    message: str = ""
+    crashed: int = 0  # `crash` events: did an armed failpoint fire?
+
+
+@dataclass
+class Exploration:
+    results: list[SeedResult] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[SeedResult]:
+        return [r for r in self.results if not r.ok]
+
+
+# --- scenario documents ---------------------------------------------------------------------
+
+
+def document(loaded: LoadedScenario, plan_dir: Path | None = None) -> dict[str, Any]:
+    """The scenario as a plain document, plan paths absolute (or relative to `plan_dir`)."""
+    data = loaded.spec.model_dump(mode="json", exclude_none=True)
+    data.pop("plan", None)
+    data.pop("evaluations", None)
+    plans = []
+    for (plan, count), path in zip(loaded.plans, loaded.plan_paths, strict=True):
+        where = Path(path).resolve()
+        shown = os.path.relpath(where, plan_dir) if plan_dir is not None else str(where)
+        plans.append({"path": shown, "evaluations": count})
+        _ = plan
+    data["plans"] = plans
+    return data
+
+
+def load_document(data: dict[str, Any], source: str = "<variant>") -> LoadedScenario:
+    return scenario_from_dict(copy.deepcopy(data), source=source)
+
+
+def swarm(data: dict[str, Any], seed: int) -> dict[str, Any]:
+    """This seed's variant of the scenario: which faults, and where, within its bounds."""
+    rng = random.Random(f"swarm:{seed}")
+    out = copy.deepcopy(data)
+    faults = []
+    for fault in out.get("faults", []):
+        if rng.random() < 0.5:
+            continue
+        if "failpoint" in fault:
+            fault["hit"] = rng.randint(1, 2 * int(fault.get("hit", 1)))
+        elif "at_s" in fault:
+            at = float(fault["at_s"])
+            fault["at_s"] = round(rng.uniform(0.5 * at, 1.5 * at), 3)
+        if int(fault.get("count", 1)) > 1:
+            fault["count"] = rng.randint(1, int(fault["count"]))
+        faults.append(fault)
+    out["faults"] = faults
+    out["seed"] = seed
+    return out
+
+
+def concrete(data: dict[str, Any]) -> dict[str, Any]:
+    """The same run with every runner fault written out: one entry per firing, times and
+    targets as drawn from the seed. A shrinker can then drop one firing without shifting
+    the random draws of the others."""
+    loaded = load_document(data)
+    seed = loaded.spec.seed
+    out = copy.deepcopy(data)
+    kept = [f for f in out.get("faults", []) if "failpoint" in f]
+    for planned in fault_schedule(loaded.spec, random.Random(seed)):
+        entry: dict[str, Any] = {"action": planned.action, "name": planned.label.replace("#", "_")}
+        if planned.action not in ("kill_redis", "kill_broker"):
+            entry["target"] = planned.target
+        if planned.restart_after_s is not None or planned.action != "cancel":
+            entry["restart_after_s"] = planned.restart_after_s
+        if planned.at_s is not None:
+            entry["at_s"] = round(planned.at_s, 3)
+        else:
+            assert planned.after is not None
+            entry["after"] = planned.after.model_dump(mode="json", exclude_none=True)
+        if entry.get("restart_after_s") is None:
+            entry.pop("restart_after_s", None)
+        kept.append(entry)
+    for i, fault in enumerate(kept):
+        fault.setdefault("name", f"f{i}")
+    out["faults"] = kept
+    return out
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+Simulate = Callable[[dict[str, Any], str | None], SeedResult]
+
+
+def simulate(data: dict[str, Any], mutant: str | None = None) -> SeedResult:
+    """One simulated run of a scenario document."""
+    from sim import run_scenario
+
+    seed = int(data.get("seed", 0))
+    try:
+        loaded = load_document(data)
+    except ScenarioError as exc:
+        return SeedResult(seed, True, (), message=f"invalid variant: {exc}")
+    outcome = run_scenario(loaded, seed=seed, mutant=mutant)
+    result = outcome.result
+    failed = [k for k, v in result.verdicts.items() if v == "fail"]
+    if result.budget_failures:
+        failed.append("budgets")
+    first = result.violations[0].message if result.violations else "; ".join(result.budget_failures)
+    crashed = sum(1 for e in outcome.history if e["ev"] == "crash")
+    return SeedResult(seed, result.ok, tuple(failed), outcome.history_hash, first, crashed)
+
+
+def _one(args: tuple[dict[str, Any], int, str | None]) -> SeedResult:
+    data, seed, mutant = args
+    return simulate(swarm(data, seed), mutant)
+
+
+def explore(
+    data: dict[str, Any],
+    seeds: Iterable[int],
+    jobs: int = 0,
+    mutant: str | None = None,
+    on_result: Callable[[SeedResult], None] | None = None,
+) -> Exploration:
+    """Run every seed's swarm variant, on `jobs` processes (0: every core)."""
+    jobs = jobs or os.cpu_count() or 1
+    exploration = Exploration()
+    work = ((data, seed, mutant) for seed in seeds)
+    results: Iterator[SeedResult]
+    if jobs == 1:
+        results = map(_one, work)
+        for r in results:
+            exploration.results.append(r)
+            if on_result:
+                on_result(r)
+        return exploration
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for r in pool.map(_one, work, chunksize=16):
+            exploration.results.append(r)
+            if on_result:
+                on_result(r)
+    return exploration
+
+
+# --- shrinking ------------------------------------------------------------------------------
+
+
+def shrink(
+    data: dict[str, Any],
+    invariant: str,
+    mutant: str | None = None,
+    run: Simulate = simulate,
+    budget: int = 200,
+) -> dict[str, Any]:
+    """The smallest variant (fewest faults, earliest, smallest run) that still breaks
+    `invariant` under the same seed."""
+    tries = 0
+
+    def still_fails(candidate: dict[str, Any]) -> bool:
+        nonlocal tries
+        tries += 1
+        result = run(candidate, mutant)
+        return invariant in result.failed
+
+    best = concrete(data)
+    if not still_fails(best):  # the written-out schedule must break it too
+        best = copy.deepcopy(data)
+    improved = True
+    while improved and tries < budget:
+        improved = False
+        for candidate in _smaller(best):
+            if tries >= budget:
+                break
+            try:
+                load_document(candidate)
+            except ScenarioError:
+                continue
+            if still_fails(candidate):
+                best, improved = candidate, True
+                break
+    return best
+
+
+def _smaller(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Candidates one step smaller than `data`, the biggest steps first."""
+    faults = data.get("faults", [])
+    for i in range(len(faults)):
+        out = copy.deepcopy(data)
+        del out["faults"][i]
+        yield out
+    for i, fault in enumerate(faults):
+        for key, smaller in (("hit", _halves), ("at_s", _earlier), ("count", _halves)):
+            if key in fault:
+                for value in smaller(fault[key]):
+                    out = copy.deepcopy(data)
+                    out["faults"][i][key] = value
+                    yield out
+    for j, plan in enumerate(data.get("plans", [])):
+        if plan.get("evaluations", 1) > 1:
+            for value in _halves(plan["evaluations"]):
+                out = copy.deepcopy(data)
+                out["plans"][j]["evaluations"] = value
+                yield out
+    if data.get("workers", 1) > 1:
+        for value in _halves(data["workers"]):
+            out = copy.deepcopy(data)
+            out["workers"] = value
+            yield out
+
+
+def _halves(n: int) -> list[int]:
+    n = int(n)
+    return sorted({1, n // 2} - {n}) if n > 1 else []
+
+
+def _earlier(t: float) -> list[float]:
+    t = float(t)
+    return [v for v in (0.0, round(t / 2, 3)) if v < t]
+
+
+def write_regression(data: dict[str, Any], folder: Path, name: str, description: str) -> Path:
+    """Write a shrunk variant as a scenario file, its plan paths relative to `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = copy.deepcopy(data)
+    out["name"] = name
+    out["description"] = description
+    for plan in out.get("plans", []):
+        path = Path(plan["path"])
+        if path.is_absolute():
+            plan["path"] = os.path.relpath(path, folder)
+    path = folder / f"{name}.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(out, sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
