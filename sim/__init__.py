@@ -1,1 +1,47 @@
-"""The deterministic simulator of the engine (built on the same pure core)."""
+"""The deterministic simulator of the engine (built on the same pure core).
+
+    from chaos.scenario import load_scenario
+    from sim import run_scenario, outputs
+    outcome = run_scenario(load_scenario("scenarios/crash_after_ack.yaml"), seed=7)
+    outcome.result.ok, outcome.history_hash
+    outputs(outcome, "out/sim/crash_after_ack")
+
+A scenario file runs here as in `chaos.runner`, on simpy's simulated clock: a 10-minute
+retry tier costs nothing, and one seed gives one history, byte for byte.
+
+What decides is not modelled but run: `engine.core.Evaluation` (every decision: what runs,
+retry levels, pruning, passes, park, finish) and `engine.core.recovery`, fed the inputs the
+live shell feeds them; `engine.agent.FakeAgent.draw` (the live agent's own draw); the
+failpoint specs and firing rule of `engine.failpoints`; the runner's fault schedule
+(`chaos.scenario.fault_schedule`), and the checker (`chaos.checker.check`).
+
+What is modelled, one idea a file, each mirroring the live shell's protocol points and
+history events:
+- `sim/redis.py`: the store's keys (named by `engine.runtime.store`) and each Lua script,
+  atomic, with TTLs on simulated time; per-call latency, FIFO per connection; kills, with
+  redis-py's retries (a script may run twice when its reply is lost); optional failover
+  that loses the last N writes.
+- `sim/broker.py`: durable queues, prefetch and manual ACK, requeue at the front on a
+  dead connection, delay queues dead-lettering on TTL (queue-level, or per-message with
+  head-of-line blocking for the `per_message_ttl` mutant), exclusive private queues and
+  mandatory returns, broker kills with robust reconnection, optional `consumer_timeout`
+  and dead-letter loss.
+- `sim/worker.py`, `sim/controller.py`, `sim/orchestrator.py`, `sim/module.py`,
+  `sim/sweeper.py`: the live worker's parts, line by line; `sim/failpoints.py`; the
+  runner and its faults in `sim/run.py`; mutants in `sim/mutants.py`.
+
+What is not, and why: message bodies are not serialised (the plan travels as the `Plan`,
+results as `RuleResult`s: the live code only round-trips them); Redis calls are not
+grouped into pipeline batches (batching changes neither order nor atomicity); metrics
+and logs (no invariant reads them); the events exchange has no consumer (none in a
+run); the network between processes is a latency, not Toxiproxy's toxics (later work);
+process start-up is a seeded delay; memory, CPU and clock skew do not exist. Known
+liberties: a request is "sent" when issued (live, autopipelining sends it on the next loop
+turn, so a crash in that same turn would drop it); a channel closed by `consumer_timeout`
+is modelled as its connection closing (its private queue kept); the runner's cancel
+client waits for a broker that is down instead of failing the run.
+"""
+
+from sim.run import SimOptions, SimOutcome, outputs, run_scenario
+
+__all__ = ["SimOptions", "SimOutcome", "outputs", "run_scenario"]

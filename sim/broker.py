@@ -1,0 +1,498 @@
+"""RabbitMQ, simulated: durable queues, manual ACK, delay tiers, private queues.
+
+What the engine relies on, and nothing else:
+- durable queues of persistent messages (they survive a broker kill); consumers with a
+  prefetch window and manual ACK/NACK; a round-robin among the consumers with credit;
+- a connection that closes (its process died, the broker died, `consumer_timeout`) hands
+  its unacknowledged messages back to the front of their queues, `redelivered` set;
+- one delay queue per (tier, bucket) with a queue-level TTL that dead-letters to the work
+  queue; in `per_message_ttl` mode (the mutant) one shared delay queue whose messages
+  carry their own TTL and, as in RabbitMQ, expire only when they reach its head;
+- each worker's exclusive private queue, bound to the control fanout and deleted with
+  its connection: a mandatory publish to it then comes back unroutable;
+- dead-lettering is not confirmed: with `dead_letter_loss` > 0 a seeded draw drops some;
+- the events exchange has no consumer in a run: publishing there only costs a round trip.
+
+Frames of one connection arrive in order (TCP): each direction keeps the arrival time of
+its last frame, and a later frame never overtakes it. `BrokerClient` is one process's
+robust connection: publishes wait for a confirm, are retried with aio-pika's backoff
+while disconnected (60 attempts), and the connection comes back every
+`reconnect_interval_s` once the broker is up, with its private queue and consumers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Generator
+from typing import Any
+
+import simpy
+
+WORK_QUEUE = "evaluation.execute"
+SHARED_DELAY_QUEUE = "evaluation.retry.shared"
+EVENTS = "evaluation.events"
+CONTROL = "evaluation.control"
+
+
+class Unroutable(RuntimeError):
+    """A mandatory message came back: no queue was bound to its route."""
+
+
+class Message:
+    __slots__ = ("body", "expires_at", "message_id", "redelivered")
+
+    def __init__(self, body: dict[str, Any], message_id: str | None) -> None:
+        self.body = body
+        self.message_id = message_id
+        self.redelivered = False
+        self.expires_at = 0.0
+
+
+class Queue:
+    __slots__ = ("consumers", "delay", "messages", "name", "owner", "rr", "timer", "ttl")
+
+    def __init__(self, name: str, *, delay: bool = False, ttl: float | None = None) -> None:
+        self.name = name
+        self.messages: deque[Message] = deque()
+        self.consumers: list[Consumer] = []
+        self.rr = 0
+        self.delay = delay  # a delay queue: no consumer, messages expire to the work queue
+        self.ttl = ttl  # queue-level TTL (s); None on the shared per-message-TTL queue
+        self.owner: Connection | None = None  # exclusive queues die with their connection
+        self.timer: simpy.Event | None = None
+
+
+class Consumer:
+    __slots__ = ("conn", "handler", "prefetch", "queue", "unacked")
+
+    def __init__(
+        self, queue: Queue, conn: Connection, prefetch: int, handler: Callable[[Delivery], None]
+    ) -> None:
+        self.queue = queue
+        self.conn = conn
+        self.prefetch = prefetch
+        self.handler = handler
+        self.unacked = 0
+
+
+class Connection:
+    __slots__ = ("consumers", "in_at", "name", "on_lost", "open", "out_at", "unacked")
+
+    def __init__(self, name: str, on_lost: Callable[[Connection], None] | None) -> None:
+        self.name = name
+        self.open = True
+        self.on_lost = on_lost  # told when the broker side closes it
+        self.consumers: list[Consumer] = []
+        self.unacked: dict[int, tuple[Message, Consumer]] = {}
+        self.out_at = 0.0  # client -> broker: arrival of the last frame
+        self.in_at = 0.0  # broker -> client
+
+
+class Delivery:
+    """One delivery of a message to a consumer: what aio-pika's IncomingMessage is."""
+
+    __slots__ = ("body", "conn", "message_id", "redelivered", "settled", "tag")
+
+    def __init__(self, conn: Connection, tag: int, message: Message) -> None:
+        self.conn = conn
+        self.tag = tag
+        self.body = message.body
+        self.message_id = message.message_id
+        self.redelivered = message.redelivered
+        self.settled = False
+
+
+class SimBroker:
+    def __init__(
+        self,
+        env: simpy.Environment,
+        rng: random.Random,
+        latency_s: tuple[float, float],
+        delay_queues: dict[tuple[int, int], tuple[str, float]],
+        *,
+        per_message_ttl: bool = False,
+        dead_letter_loss: float = 0.0,
+        consumer_timeout_s: float | None = None,
+    ) -> None:
+        self.env = env
+        self.rng = rng
+        self.latency_s = latency_s
+        self.up = True
+        self.per_message_ttl = per_message_ttl
+        self.dead_letter_loss = dead_letter_loss
+        self.consumer_timeout_s = consumer_timeout_s
+        self.queues: dict[str, Queue] = {WORK_QUEUE: Queue(WORK_QUEUE)}
+        self.tier_ttl: dict[tuple[int, int], float] = {}  # (tier, bucket) -> its TTL (s)
+        self.delay_route: dict[tuple[int, int], str] = {}  # (tier, bucket) -> queue name
+        for key, (name, ttl) in delay_queues.items():
+            self.queues[name] = Queue(name, delay=True, ttl=ttl)
+            self.delay_route[key] = name
+            self.tier_ttl[key] = ttl
+        if per_message_ttl:  # the per-tier queues are still declared, and stay empty
+            self.queues[SHARED_DELAY_QUEUE] = Queue(SHARED_DELAY_QUEUE, delay=True)
+            self.delay_route = dict.fromkeys(self.delay_route, SHARED_DELAY_QUEUE)
+        self.private: dict[str, Queue] = {}  # bound to the control fanout, in creation order
+        self.connections: list[Connection] = []
+        self._tag = 0
+        self.dead_letters_lost = 0
+
+    def latency(self) -> float:
+        lo, hi = self.latency_s
+        return self.rng.uniform(lo, hi)
+
+    # --- connections ------------------------------------------------------------------
+
+    def connect(self, name: str, on_lost: Callable[[Connection], None] | None) -> Connection:
+        conn = Connection(name, on_lost)
+        self.connections.append(conn)
+        return conn
+
+    def declare_private(self, conn: Connection, name: str) -> None:
+        q = Queue(name)
+        q.owner = conn
+        self.queues[name] = q
+        self.private[name] = q
+
+    def consume(
+        self, conn: Connection, queue: str, prefetch: int, handler: Callable[[Delivery], None]
+    ) -> None:
+        q = self.queues[queue]
+        c = Consumer(q, conn, prefetch, handler)
+        q.consumers.append(c)
+        conn.consumers.append(c)
+        self._dispatch(q)
+
+    def drop(self, conn: Connection, *, exclusive_too: bool = True, tell: bool = False) -> None:
+        """The broker closes `conn`: its unacked messages go back, its queues away."""
+        if not conn.open:
+            return
+        conn.open = False
+        if conn in self.connections:
+            self.connections.remove(conn)
+        touched: list[Queue] = []
+        for c in conn.consumers:
+            c.queue.consumers.remove(c)
+        back: dict[str, list[Message]] = {}
+        for msg, c in conn.unacked.values():  # in delivery order
+            back.setdefault(c.queue.name, []).append(msg)
+            c.unacked -= 1
+        conn.unacked.clear()
+        for name, msgs in back.items():
+            q = self.queues.get(name)
+            if q is None:  # an exclusive queue deleted meanwhile: its messages go with it
+                continue
+            for msg in reversed(msgs):
+                msg.redelivered = True
+                q.messages.appendleft(msg)
+            touched.append(q)
+        if exclusive_too:
+            for name in [n for n, q in self.private.items() if q.owner is conn]:
+                del self.private[name]
+                del self.queues[name]
+        conn.consumers = []
+        for q in touched:
+            if q.name in self.queues:
+                self._dispatch(q)
+        if tell and conn.on_lost is not None:
+            conn.on_lost(conn)
+
+    def kill(self) -> None:
+        """SIGKILL the node: every connection drops; durable queues and their messages stay."""
+        self.up = False
+        for conn in list(self.connections):
+            self.drop(conn, tell=True)
+        for q in self.queues.values():
+            q.timer = None  # no TTL runs while the node is down
+
+    def restart(self) -> None:
+        self.up = True
+        for q in self.queues.values():
+            if q.delay:
+                self._arm(q)  # messages that expired meanwhile dead-letter now
+
+    # --- frames arriving at the broker ------------------------------------------------
+
+    def publish_arrive(
+        self, exchange: str, key: str, body: dict[str, Any], message_id: str | None
+    ) -> bool:
+        """Route one published message; False when nothing took it (unroutable)."""
+        if exchange == EVENTS:
+            return True  # nobody consumes events in a run; not mandatory either
+        if exchange == CONTROL:
+            for q in self.private.values():
+                self._enqueue(q, Message(body, message_id))
+            return True
+        q = self.queues.get(key)
+        if q is None:
+            return False
+        msg = Message(body, message_id)
+        if q.delay:  # published to a tier queue by name: its queue-level TTL applies
+            self._hold(q, msg, q.ttl or 0.0)
+            return True
+        self._enqueue(q, msg)
+        return True
+
+    def publish_delay(self, route: tuple[int, int], body: dict[str, Any], msg_id: str) -> bool:
+        """A retry to delay queue (tier, bucket): with queue-level TTLs, the tier's own
+        queue; in per-message-TTL mode, the shared queue, the TTL carried by the message."""
+        q = self.queues[self.delay_route[route]]
+        self._hold(q, Message(body, msg_id), self.tier_ttl[route])
+        return True
+
+    def _hold(self, q: Queue, msg: Message, ttl: float) -> None:
+        msg.expires_at = self.env.now + ttl
+        q.messages.append(msg)
+        if len(q.messages) == 1:
+            self._arm(q)
+
+    def settle_arrive(self, conn: Connection, tag: int, ack: bool) -> None:
+        entry = conn.unacked.pop(tag, None)
+        if entry is None or not conn.open:
+            return
+        msg, c = entry
+        c.unacked -= 1
+        q = c.queue
+        if not ack:
+            msg.redelivered = True
+            q.messages.appendleft(msg)
+        self._dispatch(q)
+
+    # --- queues -----------------------------------------------------------------------
+
+    def _enqueue(self, q: Queue, msg: Message) -> None:
+        q.messages.append(msg)
+        self._dispatch(q)
+
+    def _dispatch(self, q: Queue) -> None:
+        if not self.up or q.delay:
+            return
+        consumers = q.consumers
+        while q.messages and consumers:
+            n = len(consumers)
+            for i in range(n):
+                c = consumers[(q.rr + i) % n]
+                if c.unacked < c.prefetch:
+                    break
+            else:
+                return
+            q.rr = (q.rr + i + 1) % n
+            self._deliver(c, q.messages.popleft())
+
+    def _deliver(self, c: Consumer, msg: Message) -> None:
+        self._tag += 1
+        tag = self._tag
+        conn = c.conn
+        c.unacked += 1
+        conn.unacked[tag] = (msg, c)
+        delivery = Delivery(conn, tag, msg)
+        now = self.env.now
+        at = max(now + self.latency(), conn.in_at)
+        conn.in_at = at
+
+        def arrive(_: simpy.Event) -> None:
+            if conn.open and tag in conn.unacked:
+                c.handler(delivery)
+
+        self.env.timeout(at - now).callbacks.append(arrive)
+        if self.consumer_timeout_s is not None:
+
+            def overdue(_: simpy.Event) -> None:
+                if conn.open and tag in conn.unacked:
+                    # the channel is closed with PRECONDITION_FAILED; the robust client opens
+                    # a new one (the private queue belongs to the connection and stays)
+                    self.drop(conn, exclusive_too=False, tell=True)
+
+            self.env.timeout(self.consumer_timeout_s).callbacks.append(overdue)
+
+    def _arm(self, q: Queue) -> None:
+        """The TTL timer of a delay queue: its head's expiry (the only one RabbitMQ checks)."""
+        if q.timer is not None or not q.messages or not self.up:
+            return
+        timer = self.env.timeout(max(0.0, q.messages[0].expires_at - self.env.now))
+        q.timer = timer
+        timer.callbacks.append(lambda _: self._expire(q, timer))
+
+    def _expire(self, q: Queue, timer: simpy.Event) -> None:
+        if q.timer is not timer:
+            return  # the node was killed meanwhile: the restart re-armed it
+        q.timer = None
+        now = self.env.now
+        work = self.queues[WORK_QUEUE]
+        while q.messages and q.messages[0].expires_at <= now:
+            msg = q.messages.popleft()
+            if self.dead_letter_loss and self.rng.random() < self.dead_letter_loss:
+                self.dead_letters_lost += 1
+                continue
+            self._enqueue(work, Message(msg.body, msg.message_id))
+        self._arm(q)
+
+
+class BrokerClient:
+    """One process's robust AMQP connection (see the module docstring)."""
+
+    ATTEMPTS = 60
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        broker: SimBroker,
+        name: str,
+        *,
+        reconnect_interval_s: float = 0.5,
+        on_reconnected: Callable[[], None] | None = None,
+        spawn: Callable[[Generator], Any] | None = None,
+    ) -> None:
+        self.env = env
+        self.broker = broker
+        self.name = name
+        self.reconnect_interval_s = reconnect_interval_s
+        self.on_reconnected = on_reconnected
+        self._spawn = spawn
+        self.conn: Connection | None = None
+        self.closed = False
+        self._private: str | None = None
+        self._consumers: list[tuple[str, int, Callable[[Delivery], None]]] = []
+
+    # --- the connection -------------------------------------------------------------------
+
+    def connect(self) -> Generator[simpy.Event, Any, bool]:
+        """Open the connection (a few round trips); False when the broker is down."""
+        yield self.env.timeout(3 * self.broker.latency())
+        if not self.broker.up:
+            return False
+        self.conn = self.broker.connect(self.name, self._lost)
+        return True
+
+    def consume_private(
+        self, queue: str, prefetch: int, handler: Callable[[Delivery], None]
+    ) -> None:
+        assert self.conn is not None
+        self._private = queue
+        self.broker.declare_private(self.conn, queue)
+        self._consumers.append((queue, prefetch, handler))
+        self.broker.consume(self.conn, queue, prefetch, handler)
+
+    def consume(self, queue: str, prefetch: int, handler: Callable[[Delivery], None]) -> None:
+        assert self.conn is not None
+        self._consumers.append((queue, prefetch, handler))
+        self.broker.consume(self.conn, queue, prefetch, handler)
+
+    def _lost(self, conn: Connection) -> None:
+        if conn is self.conn and not self.closed and self._spawn is not None:
+            self._spawn(self._reconnect())
+
+    def _reconnect(self) -> Generator[simpy.Event, Any, None]:
+        """aio-pika's connect_robust: try again every interval, then restore the topology."""
+        while not self.closed:
+            yield self.env.timeout(self.reconnect_interval_s)
+            if self.closed:
+                return
+            if not (yield from self.connect()):
+                continue
+            conn = self.conn
+            assert conn is not None
+            for queue, prefetch, handler in self._consumers:
+                if queue == self._private:
+                    kept = self.broker.queues.get(queue)
+                    if kept is None:  # deleted with the old connection: declared again
+                        self.broker.declare_private(conn, queue)
+                    else:  # a closed channel (consumer_timeout): the queue stays, ours
+                        kept.owner = conn
+                self.broker.consume(conn, queue, prefetch, handler)
+            if self.on_reconnected is not None:
+                self.on_reconnected()
+            return
+
+    def close_now(self) -> None:
+        """The process died: the kernel closes the socket; the broker notices after the
+        frames already on their way."""
+        self.closed = True
+        conn = self.conn
+        if conn is None or not conn.open:
+            return
+        self._frame(conn).callbacks.append(lambda _: self.broker.drop(conn))
+
+    def close(self) -> Generator[simpy.Event, Any, None]:
+        """A clean close: the broker requeues what was not acknowledged."""
+        self.closed = True
+        conn = self.conn
+        if conn is None or not conn.open:
+            return
+        yield self._frame(conn)
+        self.broker.drop(conn)
+
+    def _frame(self, conn: Connection) -> simpy.Event:
+        now = self.env.now
+        at = max(now + self.broker.latency(), conn.out_at)
+        conn.out_at = at
+        return self.env.timeout(at - now)
+
+    # --- messages -------------------------------------------------------------------------
+
+    def settle(self, d: Delivery, *, ack: bool = True) -> bool:
+        """ACK (or NACK with requeue); False when the delivery's channel is gone."""
+        if d.settled or not d.conn.open:
+            return False
+        d.settled = True
+        conn, broker = d.conn, self.broker
+        self._frame(conn).callbacks.append(lambda _: broker.settle_arrive(conn, d.tag, ack))
+        return True
+
+    def publish(
+        self,
+        exchange: str,
+        key: str,
+        body: dict[str, Any],
+        message_id: str | None,
+        *,
+        mandatory: bool,
+        delay_route: tuple[int, int] | None = None,
+    ) -> Generator[simpy.Event, Any, None]:
+        """A confirmed publish; `Unroutable` when a mandatory one comes back."""
+        env, broker = self.env, self.broker
+        backoff = 0.05
+        for attempt in range(self.ATTEMPTS):
+            conn = self.conn
+            if conn is not None and conn.open:
+                box: list[bool] = []
+
+                def arrive(_: simpy.Event, conn: Connection = conn, box: list[bool] = box) -> None:
+                    if conn.open and broker.up:
+                        if delay_route is not None:
+                            box.append(broker.publish_delay(delay_route, body, message_id))
+                        else:
+                            box.append(broker.publish_arrive(exchange, key, body, message_id))
+
+                request = self._frame(conn)
+                request.callbacks.append(arrive)
+                yield request
+                if box:
+                    yield env.timeout(broker.latency())  # the confirm, or the return
+                    if conn.open:
+                        if mandatory and not box[0]:
+                            raise Unroutable(f"unroutable: routing key {key!r}")
+                        return
+            if attempt == self.ATTEMPTS - 1:
+                raise ConnectionError("broker unreachable (simulated)")
+            yield env.timeout(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    def publish_work(self, body: dict[str, Any], message_id: str) -> Generator:
+        return self.publish("", WORK_QUEUE, body, message_id, mandatory=True)
+
+    def publish_retry(
+        self, tier: int, bucket: int, body: dict[str, Any], message_id: str
+    ) -> Generator:
+        route = (tier, bucket)
+        queue = self.broker.delay_route[route]
+        return self.publish("", queue, body, message_id, mandatory=True, delay_route=route)
+
+    def forward(self, queue: str, body: dict[str, Any], message_id: str | None) -> Generator:
+        return self.publish("", queue, body, message_id, mandatory=True)
+
+    def publish_event(self, routing_key: str, body: dict[str, Any], message_id: str) -> Generator:
+        return self.publish(EVENTS, routing_key, body, message_id, mandatory=False)
+
+    def publish_control(self, body: dict[str, Any]) -> Generator:
+        return self.publish(CONTROL, "", body, None, mandatory=False)

@@ -1,0 +1,405 @@
+"""Redis, simulated: a dict with TTLs on simulated time, and the store's scripts on it.
+
+`SimRedis` keeps the keys `engine.runtime.store` names (its own key functions are used),
+and each method below is one of that module's Lua scripts or commands, with the same
+semantics, run atomically (one simpy callback, no yield inside). Values are kept as the
+objects they stand for (a `RuleResult`, a `Plan`) rather than their JSON: the scripts only
+compare and copy them. Expiry is lazy, as in Redis: a key past its TTL is gone when read.
+
+`RedisClient` is one process's connection: each call travels (seeded latency, requests and
+replies in FIFO order like one pipelined connection), is applied when it reaches Redis,
+and the reply travels back. A call in flight is applied even if its caller is cancelled
+or dies (the request was sent). While Redis is down, calls fail and are retried with
+redis-py's backoff (40 retries, then `ConnectionError`); a reply lost to a Redis kill is
+retried too, so a script can run twice, as with the live client's retry policy.
+
+Persistence is the scenario stack's: `appendfsync always`, so a kill loses nothing
+acknowledged, unless `failover_loss` > 0, which models a failover to a replica that
+lacked the last N writes (those writes are rolled back at the restart).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import Any
+
+import simpy
+
+from engine.core import PERMANENTLY_FAILED, RuleResult, Snapshot, status_rank
+from engine.core.states import TERMINAL_EVALUATION_STATUSES
+from engine.runtime.store import (
+    Begun,
+    eval_key,
+    result_key,
+    retry_member,
+    runs_key,
+    status_key,
+)
+
+TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
+_MISSING = object()
+
+
+def _rank(status: str) -> int:
+    """The rank `_WRITE_STATUS` gives a stored status (0 for anything unknown)."""
+    if status == PERMANENTLY_FAILED:
+        return 1_000_000
+    if status.startswith("failed_attempt_") and status[15:].isdigit():
+        return int(status[15:])
+    return 0
+
+
+class SimRedis:
+    def __init__(
+        self,
+        env: simpy.Environment,
+        *,
+        running_index: str,
+        retries_index: str,
+        ttl_s: int,
+        lease_ms: int,
+        result_ttl: bool = True,
+        failover_loss: int = 0,
+    ) -> None:
+        self.env = env
+        self.running_index = running_index
+        self.retries_index = retries_index
+        self.ttl = ttl_s
+        self.lease_s = lease_ms / 1000.0
+        self.result_ttl = result_ttl  # False: the result_without_ttl mutant's plain SET NX
+        self.data: dict[str, Any] = {}
+        self.expires: dict[str, float] = {}  # key -> simulated time it expires at
+        self.up = True
+        self.epoch = 0  # one more at every kill: a reply in flight across it is lost
+        self._journal: deque[dict[str, tuple[Any, float | None]]] | None = (
+            deque(maxlen=failover_loss) if failover_loss > 0 else None
+        )
+        self._op: dict[str, tuple[Any, float | None]] | None = None
+
+    # --- the server -------------------------------------------------------------------
+
+    def apply(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Run one command or script atomically (journaled when failovers may lose it)."""
+        if self._journal is None:
+            return fn(*args)
+        self._op = {}
+        try:
+            return fn(*args)
+        finally:
+            if self._op:
+                self._journal.append(self._op)
+            self._op = None
+
+    def kill(self) -> None:
+        self.up = False
+        self.epoch += 1
+
+    def restart(self) -> None:
+        if self._journal:  # a failover to a replica that missed the last writes
+            for op in reversed(self._journal):
+                for key, (value, exp) in op.items():
+                    self._restore(key, value, exp)
+            self._journal.clear()
+        self.up = True
+
+    # --- primitives -------------------------------------------------------------------
+
+    def _touch(self, key: str) -> None:
+        op = self._op
+        if op is not None and key not in op:
+            value = self.data.get(key, _MISSING)
+            op[key] = (dict(value) if isinstance(value, dict) else value, self.expires.get(key))
+
+    def _restore(self, key: str, value: Any, exp: float | None) -> None:
+        if value is _MISSING:
+            self.data.pop(key, None)
+        else:
+            self.data[key] = value
+        if exp is None:
+            self.expires.pop(key, None)
+        else:
+            self.expires[key] = exp
+
+    def get(self, key: str) -> Any:
+        exp = self.expires.get(key)
+        if exp is not None and exp < self.env.now:  # Redis: expired once now > when
+            self._del(key)
+            return None
+        return self.data.get(key)
+
+    def _set(self, key: str, value: Any, ex_s: float | None) -> None:
+        """SET key value [EX s]: without EX the key loses any TTL it had."""
+        self._touch(key)
+        self.data[key] = value
+        if ex_s is None:
+            self.expires.pop(key, None)
+        else:
+            self.expires[key] = self.env.now + ex_s
+
+    def _expire(self, key: str, s: float) -> None:
+        if self.get(key) is not None:
+            self._touch(key)
+            self.expires[key] = self.env.now + s
+
+    def _del(self, key: str) -> None:
+        self._touch(key)
+        self.data.pop(key, None)
+        self.expires.pop(key, None)
+
+    def _container(self, key: str) -> dict:
+        """A hash or sorted set, created on first write (member -> value or score)."""
+        value = self.get(key)
+        self._touch(key)
+        if value is None:
+            value = self.data[key] = {}
+        return value
+
+    def _zrem(self, key: str, member: str) -> None:
+        z = self.get(key)
+        if z is not None and member in z:
+            self._touch(key)
+            del z[member]
+
+    def _zrange_upto(self, key: str, top: float, limit: int) -> list[str]:
+        z = self.get(key) or {}
+        hits = sorted((s, m) for m, s in z.items() if s <= top)
+        return [m for _, m in hits[:limit]]
+
+    def ttl_of(self, key: str) -> int:
+        """`TTL key`: seconds left, rounded as Redis rounds; -1 no TTL; -2 no key."""
+        if self.get(key) is None:
+            return -2
+        exp = self.expires.get(key)
+        if exp is None:
+            return -1
+        return int((round((exp - self.env.now) * 1000) + 500) // 1000)
+
+    def keys(self, prefix: str) -> list[str]:
+        return sorted(
+            k for k in list(self.data) if k.startswith(prefix) and self.get(k) is not None
+        )
+
+    # --- the store's scripts and commands (engine.runtime.store), one method each ------
+
+    def ping(self) -> str:
+        return "PONG"
+
+    def write_result(
+        self, a: str, result: RuleResult, starts: Sequence[tuple[str, int]]
+    ) -> tuple[RuleResult | None, list[int]]:
+        key = result_key(a, result.rule_id)
+        existing = self.get(key)
+        if existing is None:
+            self._set(key, result, self.ttl if self.result_ttl else None)
+        self._zrem(self.retries_index, retry_member(a, result.rule_id))
+        return existing, self._count_starts(a, starts)
+
+    def _count_starts(self, a: str, starts: Sequence[tuple[str, int]]) -> list[int]:
+        counts = []
+        for rule_id, attempt in starts:
+            key = runs_key(a, rule_id)
+            runs = self._container(key)
+            field = str(attempt)
+            runs[field] = runs.get(field, 0) + 1
+            counts.append(runs[field])
+            self._expire(key, self.ttl)
+        return counts
+
+    def mark_started(self, a: str, starts: Sequence[tuple[str, int]]) -> list[int]:
+        return self._count_starts(a, starts)
+
+    def write_status(self, a: str, rule_id: str, status: str, due_ms: int | None) -> str | None:
+        key = status_key(a, rule_id)
+        cur = self.get(key)
+        if cur is not None and _rank(cur) >= status_rank(status):
+            return cur
+        self._set(key, status, self.ttl)
+        member = retry_member(a, rule_id)
+        if due_ms is not None:
+            self._container(self.retries_index)[member] = due_ms
+        else:
+            self._zrem(self.retries_index, member)
+        return None
+
+    def begin(self, a: str, me: str, rule_ids: Sequence[str], plan: Any, now_ms: int) -> Begun:
+        owner = eval_key(a, "owner")
+        cur = self.get(owner)
+        if cur is not None and cur != me:
+            return Begun(holder=cur)
+        state = self.get(eval_key(a, "state"))
+        if state in TERMINAL:
+            return Begun(terminal=state, published=bool(self.get(eval_key(a, "final_published"))))
+        plan_key = eval_key(a, "plan")
+        if plan is None:
+            plan = self.get(plan_key)
+        elif self.get(plan_key) is None:
+            self._set(plan_key, plan, self.ttl)
+        if plan is None:
+            return Begun(no_plan=True)
+        self._set(owner, me, self.lease_s)
+        self._set(eval_key(a, "state"), "running", self.ttl)
+        self._container(self.running_index)[a] = now_ms
+        return Begun(plan_json=None, snapshot=self.snapshot(a, rule_ids))
+
+    def snapshot(self, a: str, rule_ids: Sequence[str]) -> Snapshot:
+        results = {}
+        statuses = {}
+        for r in rule_ids:
+            value = self.get(result_key(a, r))
+            if value is not None:
+                results[r] = value
+        for r in rule_ids:
+            value = self.get(status_key(a, r))
+            if value is not None:
+                statuses[r] = value
+        passes = self.get(eval_key(a, "passes")) or {}
+        return Snapshot(results=results, statuses=statuses, published_passes=frozenset(passes))
+
+    def stored_plan(self, a: str) -> Any:
+        return self.get(eval_key(a, "plan"))
+
+    def record(self, a: str) -> tuple[str | None, Any, bool]:
+        return (
+            self.get(eval_key(a, "state")),
+            self.get(eval_key(a, "plan")),
+            bool(self.get(eval_key(a, "final_published"))),
+        )
+
+    def done(self, a: str, me: str) -> None:
+        self._set(eval_key(a, "final_published"), "1", self.ttl)
+        self._zrem(self.running_index, a)
+        self.release(a, me)
+
+    def park(self, a: str, me: str) -> None:
+        if self.get(eval_key(a, "state")) not in TERMINAL:
+            self._set(eval_key(a, "state"), "parked", self.ttl)
+        self._zrem(self.running_index, a)
+        self.release(a, me)
+
+    def set_state(self, a: str, state: str) -> str | None:
+        cur = self.get(eval_key(a, "state"))
+        if cur in TERMINAL:
+            return cur
+        self._set(eval_key(a, "state"), state, self.ttl)
+        return None
+
+    def mark_pass_published(self, a: str, pass_id: str, outcome: str) -> None:
+        key = eval_key(a, "passes")
+        self._container(key)[pass_id] = outcome
+        self._expire(key, self.ttl)
+
+    def mark_final_published(self, a: str) -> None:
+        self._set(eval_key(a, "final_published"), "1", self.ttl)
+
+    def steal(self, a: str, holder: str, me: str) -> bool:
+        owner = eval_key(a, "owner")
+        cur = self.get(owner)
+        if cur is None or cur == holder:
+            self._set(owner, me, self.lease_s)
+            return True
+        return False
+
+    def renew(self, ids: Iterable[str], me: str, now_ms: int) -> dict[str, bool]:
+        out = {}
+        for a in ids:
+            owner = eval_key(a, "owner")
+            if self.get(owner) != me:
+                out[a] = False
+                continue
+            self._expire(owner, self.lease_s)
+            self._container(self.running_index)[a] = now_ms
+            out[a] = True
+        return out
+
+    def release(self, a: str, me: str) -> None:
+        owner = eval_key(a, "owner")
+        if self.get(owner) == me:
+            self._del(owner)
+
+    def unindex_running(self, a: str) -> None:
+        self._zrem(self.running_index, a)
+
+    def stale_evaluations(self, older_than_ms: int, now_ms: int) -> list[str]:
+        return self._zrange_upto(self.running_index, now_ms - older_than_ms, 100)
+
+    def claim_stale(self, a: str, older_than_ms: int, now_ms: int) -> bool:
+        z = self.get(self.running_index) or {}
+        score = z.get(a)
+        if score is None or score > now_ms - older_than_ms:
+            return False
+        if self.get(eval_key(a, "owner")) is not None:
+            return False
+        self._container(self.running_index)[a] = now_ms
+        return True
+
+    def overdue_retries(self, grace_ms: int, now_ms: int) -> list[str]:
+        return self._zrange_upto(self.retries_index, now_ms - grace_ms, 100)
+
+    def claim_retry(self, member: str, grace_ms: int, now_ms: int) -> bool:
+        z = self.get(self.retries_index) or {}
+        score = z.get(member)
+        if score is None or score > now_ms - grace_ms:
+            return False
+        self._container(self.retries_index)[member] = now_ms + grace_ms
+        return True
+
+    def status_of(self, a: str, rule_id: str) -> str | None:
+        return self.get(status_key(a, rule_id))
+
+
+class RedisClient:
+    """One process's connection to `SimRedis` (see the module docstring)."""
+
+    RETRIES = 40
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        redis: SimRedis,
+        rng: random.Random,
+        latency_s: tuple[float, float],
+    ) -> None:
+        self.env = env
+        self.redis = redis
+        self._uniform = rng.uniform
+        self._lo, self._hi = latency_s
+        self._out_at = 0.0  # arrival of the last request: requests stay in order
+        self._in_at = 0.0  # arrival of the last reply: replies too
+
+    def now_ms(self) -> int:
+        return int(self.env.now * 1000)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Generator[simpy.Event, Any, Any]:
+        env, redis = self.env, self.redis
+        failures = 0
+        while True:
+            now = env.now
+            at = now + self._uniform(self._lo, self._hi)
+            if at < self._out_at:
+                at = self._out_at
+            self._out_at = at
+            box: list[Any] = []
+
+            def arrive(_: simpy.Event, box: list[Any] = box) -> None:
+                if redis.up:
+                    box.append(redis.epoch)
+                    box.append(redis.apply(fn, args))
+
+            request = env.timeout(at - now)
+            request.callbacks.append(arrive)  # runs even if the caller is interrupted
+            yield request
+            if box:
+                now = env.now
+                back = now + self._uniform(self._lo, self._hi)
+                if back < self._in_at:
+                    back = self._in_at
+                self._in_at = back
+                yield env.timeout(back - now)
+                if redis.epoch == box[0]:
+                    return box[1]
+            failures += 1  # connection refused or reset: redis-py's Retry
+            if failures > self.RETRIES:
+                raise ConnectionError("Redis unreachable (simulated)")
+            yield env.timeout(min(1.0, 0.02 * 2**failures))

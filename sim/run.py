@@ -1,0 +1,473 @@
+"""The simulated runner: one scenario file, on simulated time, judged by the live checker.
+
+`run_scenario` does what `chaos.runner.ScenarioRun.run` does, step for step, with simpy
+in place of processes and wall time: the same attempt ids, the same fault schedule
+(`chaos.scenario.fault_schedule` with `random.Random(seed)`), the same failpoint specs
+per worker (first incarnation only), the same supervision (a 50 ms poll that notes
+`worker_exited` and restarts workers), the same 20 ms watch of the history for
+event-triggered faults, the same end (every evaluation terminal and announced, no fault or
+restart pending, or the deadline), then the same `FinalState` and `CheckSpec`, and
+`chaos.checker.check`. Runner times (`at_s`, `restart_after_s`, `deadline_s`...) are
+simulated seconds; the engine's own delays are `time_scale`d as live.
+
+Randomness: the schedule draws from `random.Random(seed)` like the live runner; every
+other draw (network latencies, boot times, dead-letter losses, the nondeterministic
+agent's salts) comes from its own `random.Random` seeded with a string derived from the
+seed. Nothing reads the clock, global `random`, `hash()` or a set's order, and simpy
+orders simultaneous events by insertion: one seed, one history, byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import simpy
+
+from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
+from chaos.scenario import LoadedScenario, PlannedFault, fault_schedule
+from engine.agent import AgentProfile, FakeAgent
+from engine.config import STATE_TTL_SECONDS, EngineConfig
+from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
+from engine.plan import Plan
+from sim import mutants
+from sim.broker import BrokerClient, SimBroker
+from sim.history import Source, history_hash
+from sim.redis import RedisClient, SimRedis
+from sim.worker import EXIT_KILLED, SimWorker
+
+TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
+RUNNER_PID = 1
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """What the scenario file does not say: the simulated machines. Defaults model the
+    loopback services of a live run; the fault knobs are off."""
+
+    redis_latency_s: tuple[float, float] = (50e-6, 250e-6)  # each way, uniform
+    broker_latency_s: tuple[float, float] = (100e-6, 500e-6)  # each way, uniform
+    worker_boot_s: tuple[float, float] = (0.2, 0.4)  # interpreter start to `worker_started`
+    redis_boot_s: float = 0.05  # a restarted redis-server answering
+    broker_boot_s: float = 0.5  # a restarted RabbitMQ node answering
+    reconnect_interval_s: float = 0.5  # aio-pika connect_robust
+    consumer_timeout_s: float | None = None  # RabbitMQ's consumer_timeout; None: off
+    dead_letter_loss: float = 0.0  # probability that a dead-lettered retry is lost
+    redis_failover_loss: int = 0  # writes a Redis restart loses (a lagging replica)
+    poll_s: float = 0.05  # the runner's supervision loop
+    event_poll_s: float = 0.02  # the runner's watch of the history for `after` faults
+
+
+@dataclass
+class SimOutcome:
+    """What `chaos.runner.Outcome` holds, on simulated time, plus the history's hash.
+
+    `history` is in the order events happened (the live raw file's order); `history_hash`
+    is `sim.history.history_hash` of it: sha256 of one sorted-keys JSON object a line."""
+
+    scenario: str
+    result: CheckResult
+    history: list[dict[str, Any]]
+    final: FinalState
+    history_hash: str
+    sim_time_s: float
+    attempt_ids: list[str]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return self.sim_time_s
+
+
+@dataclass
+class _Slot:
+    """One worker index: its failpoints and its current incarnation."""
+
+    index: int
+    failpoints: str
+    worker: SimWorker | None = None
+    incarnation: int = 0
+    restart_at: float | None = None
+    stopped_on_purpose: bool = False
+
+
+class SimRun:
+    def __init__(
+        self,
+        loaded: LoadedScenario,
+        seed: int | None = None,
+        mutant: str | None = None,
+        options: SimOptions | None = None,
+    ) -> None:
+        if mutant is not None and mutant not in mutants.known():
+            raise ValueError(f"unknown mutant {mutant!r}; expected one of {mutants.known()}")
+        self.loaded = loaded
+        self.spec = spec = loaded.spec
+        self.seed = spec.seed if seed is None else seed
+        self.mutant = mutant
+        self.options = options or SimOptions()
+        self.env = simpy.Environment()
+        self.events: list[dict[str, Any]] = []
+        self.runner = Source(self.env, self.events, "runner", RUNNER_PID)
+        self.shell_errors: list[str] = []
+        tag = f"sim:{self.seed}"
+        self.net_rng = random.Random(f"{tag}:net")
+        self.boot_rng = random.Random(f"{tag}:boot")
+        self.salt_rng = random.Random(f"{tag}:salt")
+        self.schedule: list[PlannedFault] = fault_schedule(spec, random.Random(self.seed))
+        self.id_prefix = f"{spec.name}-s{self.seed}-"
+        self.attempt_ids: list[str] = []
+        self.plans: dict[str, Plan] = {}
+        for plan, count in loaded.plans:
+            for k in range(count):
+                attempt_id = f"{self.id_prefix}{plan.id}-{k}"
+                self.attempt_ids.append(attempt_id)
+                self.plans[attempt_id] = plan
+        self.cancelled: set[str] = set()
+        self.config = self._config()
+        self.profile = AgentProfile.from_dict(self.agent_dict())
+        self.agent = FakeAgent(self.profile, self.spec.time_scale, salt=0)
+        self.redis = SimRedis(
+            self.env,
+            running_index=self.config.name("engine:running"),
+            retries_index=self.config.name("engine:retries"),
+            ttl_s=self.config.state_ttl_s,
+            lease_ms=self.config.stale_ms,
+            result_ttl=mutant != "result_without_ttl",
+            failover_loss=self.options.redis_failover_loss,
+        )
+        delay_queues = {}
+        for tier, bucket, ms in self.config.policy.delay_queues():
+            ttl_ms = max(1, round(ms * spec.time_scale))
+            name = f"evaluation.retry.t{tier + 1}.b{bucket}.{ttl_ms}ms"
+            delay_queues[(tier, bucket)] = (name, ttl_ms / 1000)
+        self.broker = SimBroker(
+            self.env,
+            self.net_rng,
+            self.options.broker_latency_s,
+            delay_queues,
+            per_message_ttl=mutant == "per_message_ttl",
+            dead_letter_loss=self.options.dead_letter_loss,
+            consumer_timeout_s=self.options.consumer_timeout_s,
+        )
+        self.slots = [
+            _Slot(i, loaded.failpoint_specs(i, self.attempt_ids)) for i in range(spec.workers)
+        ]
+        self.store = RedisClient(self.env, self.redis, self.net_rng, self.options.redis_latency_s)
+        self._t0 = 0.0
+        self._later: list[simpy.Process] = []
+        self._faults: list[simpy.Process] = []
+
+    # --- set-up -------------------------------------------------------------------------
+
+    def _config(self) -> EngineConfig:
+        e = self.spec.engine
+        return EngineConfig(
+            time_scale=self.spec.time_scale,
+            policy=self.spec.retry.policy(self.seed),
+            max_evaluations=e.max_evaluations,
+            max_parallel=e.max_parallel,
+            heartbeat_ms=e.heartbeat_ms,
+            stale_ms=e.stale_ms,
+            sweeper=e.sweeper and self.mutant != "no_sweeper",
+            sweep_ms=e.sweep_ms,
+            retry_grace_ms=e.retry_grace_ms,
+            state_ttl_s=STATE_TTL_SECONDS,
+        )
+
+    def agent_dict(self) -> dict[str, Any]:
+        agent = dict(self.spec.agent)
+        agent.setdefault("seed", self.seed)
+        return agent
+
+    def _agent(self) -> FakeAgent:
+        """The agent of a new worker process: the shared one, or (mutant) one salted anew."""
+        if self.mutant != "nondeterministic_agent":
+            return self.agent
+        salt = self.salt_rng.getrandbits(64)  # per process, like os.urandom in a live one
+        return FakeAgent(self.profile, self.spec.time_scale, nondeterministic=True, salt=salt)
+
+    # --- workers ------------------------------------------------------------------------
+
+    def _start_worker(self, slot: _Slot) -> None:
+        failpoints = slot.failpoints if slot.incarnation == 0 else ""
+        w = SimWorker(
+            self,
+            slot.index,
+            slot.incarnation + 1,
+            failpoints,
+            self._agent(),
+            self.config,
+        )
+        if slot.incarnation:
+            self.runner.record("worker_restarted", worker=slot.index, pid=w.pid)
+        slot.worker = w
+        slot.incarnation += 1
+        slot.restart_at = None
+        slot.stopped_on_purpose = False
+
+    def _kill_worker(self, slot: _Slot, restart_after_s: float | None) -> None:
+        w = slot.worker
+        if w is None or not w.alive:
+            return
+        w.die(EXIT_KILLED)
+        slot.stopped_on_purpose = True
+        self.runner.record("worker_killed", worker=slot.index, pid=w.pid)
+        if restart_after_s is not None:
+            slot.restart_at = self.env.now + restart_after_s
+
+    def _supervise(self) -> None:
+        now = self.env.now
+        for slot in self.slots:
+            w = slot.worker
+            if w is not None and w.alive:
+                continue
+            if slot.restart_at is None and not slot.stopped_on_purpose and w is not None:
+                self.runner.record("worker_exited", worker=slot.index, code=w.exit_code)
+                slot.stopped_on_purpose = True
+                if self.spec.restart_crashed_workers:
+                    slot.restart_at = now + self.spec.restart_delay_s
+            if slot.restart_at is not None and now >= slot.restart_at:
+                self._start_worker(slot)
+
+    # --- faults -------------------------------------------------------------------------
+
+    def _fire(self, fault: PlannedFault) -> Generator[Any, Any, None]:
+        self.runner.record(
+            "fault_fired", fault=fault.label, action=fault.action, target=fault.target
+        )
+        if fault.action == "kill_worker":
+            self._kill_worker(self.slots[fault.target], fault.restart_after_s)
+        elif fault.action == "restart_worker":
+            slot = self.slots[fault.target]
+            if slot.worker is not None:
+                yield from slot.worker.terminate(5.0)
+                slot.stopped_on_purpose = True
+            slot.restart_at = self.env.now
+        elif fault.action in ("kill_redis", "kill_broker"):
+            name = "redis" if fault.action == "kill_redis" else "broker"
+            (self.redis if name == "redis" else self.broker).kill()
+            self.runner.record("service_killed", service=name)
+            if fault.restart_after_s is not None:
+                self._later_do(fault.restart_after_s, self._restart_service(name))
+        elif fault.action == "cancel":
+            attempt_id = self.attempt_ids[fault.target]
+            self.cancelled.add(attempt_id)
+            self.runner.record("cancel_requested", attempt_id=attempt_id)
+            yield from self._cancel(attempt_id)
+
+    def _restart_service(self, name: str) -> Generator[Any, Any, None]:
+        o = self.options
+        yield self.env.timeout(o.redis_boot_s if name == "redis" else o.broker_boot_s)
+        (self.redis if name == "redis" else self.broker).restart()
+        self.runner.record("service_restarted", service=name)
+
+    def _cancel(self, attempt_id: str) -> Generator[Any, Any, None]:
+        """`EngineClient.cancel`, on a connection of its own."""
+        client = BrokerClient(self.env, self.broker, "runner-cancel")
+        while not (yield from client.connect()):  # connect_robust waits for the node
+            yield self.env.timeout(self.options.reconnect_interval_s)
+        kept = yield from self.store.call(
+            self.redis.set_state, attempt_id, EvaluationStatus.CANCELLED.value
+        )
+        if kept is None:
+            body = {"attempt_id": attempt_id, "status": "cancelled", "verdicts": {}}
+            yield from client.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
+            yield from self.store.call(self.redis.mark_final_published, attempt_id)
+            yield from client.publish_control({"type": "cancel", "attempt_id": attempt_id})
+        yield from client.close()
+
+    def _later_do(self, delay_s: float, gen: Generator) -> None:
+        def later() -> Generator[Any, Any, None]:
+            yield self.env.timeout(delay_s)
+            yield from gen
+
+        self._later.append(self.env.process(_quiet(later())))
+
+    def _timed_faults(self) -> Generator[Any, Any, None]:
+        for fault in sorted(
+            (f for f in self.schedule if f.at_s is not None), key=lambda f: f.at_s or 0.0
+        ):
+            delay = self._t0 + (fault.at_s or 0.0) - self.env.now
+            if delay > 0:
+                yield self.env.timeout(delay)
+            yield from self._fire(fault)
+
+    def _event_faults(self) -> Generator[Any, Any, None]:
+        waiting = [f for f in self.schedule if f.after is not None]
+        counts = [0] * len(waiting)
+        done = [False] * len(waiting)
+        offset = 0
+        while not all(done):
+            yield self.env.timeout(self.options.event_poll_s)
+            fresh, offset = self.events[offset:], len(self.events)
+            for ev in fresh:
+                for i, f in enumerate(waiting):
+                    trig = f.after
+                    if done[i] or trig is None or ev.get("ev") != trig.event:
+                        continue
+                    if trig.rule is not None and ev.get("rule_id") != trig.rule:
+                        continue
+                    counts[i] += 1
+                    if counts[i] >= trig.count:
+                        done[i] = True
+                        if f.delay_s:
+                            self._later_do(f.delay_s, self._fire(f))
+                        else:
+                            yield from self._fire(f)
+
+    # --- the run ------------------------------------------------------------------------
+
+    def main(self) -> Generator[Any, Any, FinalState]:
+        env, spec = self.env, self.spec
+        started = env.now
+        self.runner.record("run_started", scenario=spec.name, seed=self.seed, mutant=self.mutant)
+        for slot in self.slots:
+            self._start_worker(slot)
+        for slot in self.slots:  # `_wait_ready`: the "ready" line, or the process gone
+            assert slot.worker is not None
+            yield slot.worker.ready | slot.worker.exited
+        client = BrokerClient(env, self.broker, "runner")
+        while not (yield from client.connect()):
+            yield env.timeout(self.options.reconnect_interval_s)
+        self._t0 = env.now
+        for attempt_id in self.attempt_ids:
+            plan = self.plans[attempt_id]
+            self.runner.record("submitted", attempt_id=attempt_id, plan=plan.id)
+            body = {
+                "type": "execute",
+                "attempt_id": attempt_id,
+                "plan": plan,  # the live message carries plan.to_dict(); the sim, the plan
+                "reason": "submit",
+                "published_ms": int(env.now * 1000),
+            }
+            yield from client.publish_work(body, attempt_id)
+        self._faults = [
+            env.process(_quiet(self._timed_faults())),
+            env.process(_quiet(self._event_faults())),
+        ]
+        yield from self._wait_terminal()
+        for proc in [*self._faults, *self._later]:
+            if proc.is_alive:
+                proc.interrupt()
+        yield from client.close()
+        for slot in self.slots:  # `_stop_workers`: SIGTERM, SIGKILL after 3 s
+            if slot.worker is not None:
+                yield from slot.worker.terminate(3.0)
+        if not self.redis.up:  # the final state needs Redis back
+            self.redis.restart()
+        final = self._final_state()
+        self.runner.record("run_finished", duration_s=round(env.now - started, 3))
+        return final
+
+    def _wait_terminal(self) -> Generator[Any, Any, None]:
+        env, redis = self.env, self.redis
+        deadline = self._t0 + self.spec.deadline_s
+        timed = self._faults[0]
+        while True:
+            self._supervise()
+            terminal = 0
+            if redis.up:
+                for a in self.attempt_ids:
+                    state, _, published = redis.record(a)
+                    terminal += state in TERMINAL and published
+            elapsed = env.now - self._t0
+            pending_faults = timed.is_alive and any(
+                f.at_s is not None and f.at_s > elapsed for f in self.schedule
+            )
+            restarting = any(s.restart_at is not None for s in self.slots) or any(
+                p.is_alive for p in self._later
+            )
+            if terminal == len(self.attempt_ids) and not pending_faults and not restarting:
+                return
+            if env.now >= deadline:
+                return
+            yield env.timeout(self.options.poll_s)
+
+    def _final_state(self) -> FinalState:
+        redis = self.redis
+        evaluations: dict[str, EvaluationFinal] = {}
+        for attempt_id in self.attempt_ids:
+            snap = redis.snapshot(attempt_id, self.plans[attempt_id].order)
+            state, _, _ = redis.record(attempt_id)
+            evaluations[attempt_id] = EvaluationFinal(
+                attempt_id=attempt_id,
+                state=state,
+                results=dict(snap.results),
+                statuses=dict(snap.statuses),
+            )
+        ttls = {k: redis.ttl_of(k) for k in redis.keys(f"attempt:{self.id_prefix}")}
+        return FinalState(evaluations=evaluations, key_ttls=ttls)
+
+    def check_spec(self) -> CheckSpec:
+        budgets = self.spec.budgets
+        return CheckSpec(
+            plans=self.plans,
+            agent=self.profile,
+            policy=self.spec.retry.policy(self.seed),
+            time_scale=self.spec.time_scale,
+            invariants=tuple(self.spec.invariants),
+            cancelled=set(self.cancelled),
+            budgets={
+                "max_duplicated_tokens": budgets.max_duplicated_tokens,
+                "max_reruns": budgets.max_reruns,
+                "max_retry_latency_s": None
+                if budgets.max_retry_latency_s is None
+                else budgets.max_retry_latency_s * self.spec.time_scale,
+            },
+        )
+
+    def run(self) -> SimOutcome:
+        with mutants.patched(self.mutant):
+            main = self.env.process(self.main())
+            self.env.run(until=main)
+            final: FinalState = main.value
+        result = check(self.events, final, self.check_spec())
+        digest = history_hash(self.events)
+        return SimOutcome(
+            scenario=self.spec.name,
+            result=result,
+            history=self.events,
+            final=final,
+            history_hash=digest,
+            sim_time_s=self.env.now,
+            attempt_ids=list(self.attempt_ids),
+            extra={
+                "mode": "sim",
+                "seed": self.seed,
+                "mutant": self.mutant,
+                "history_hash": digest,
+                "sim_time_s": round(self.env.now, 6),
+                "dead_letters_lost": self.broker.dead_letters_lost,
+                "shell_errors": list(self.shell_errors),
+            },
+        )
+
+
+def _quiet(gen: Generator) -> Generator[Any, Any, None]:
+    """A runner task cancelled at the end of the run stops where it waits."""
+    with contextlib.suppress(simpy.Interrupt):
+        yield from gen
+
+
+def run_scenario(
+    loaded: LoadedScenario,
+    seed: int | None = None,
+    mutant: str | None = None,
+    *,
+    options: SimOptions | None = None,
+) -> SimOutcome:
+    """Run a loaded scenario in the simulator and check it (`seed` overrides the file's)."""
+    return SimRun(loaded, seed, mutant, options).run()
+
+
+def outputs(outcome: SimOutcome, out_dir: str | Path) -> None:
+    """`history.jsonl` and `journal.json` in `out_dir`, as `python -m chaos run` writes them."""
+    from chaos.journal import write_outputs
+
+    extra = {**outcome.extra, "mode": "sim", "history_hash": outcome.history_hash}
+    write_outputs(out_dir, outcome.scenario, outcome.history, outcome.result, extra)

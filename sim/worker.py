@@ -1,0 +1,174 @@
+"""One simulated worker process (one incarnation): `engine.worker.Worker`, on simpy.
+
+It boots (a seeded delay for the interpreter, a Redis ping, the broker connection, its
+private queue and the work queue's consumer), then runs the heartbeat and the sweeper.
+Every process it starts goes through `spawn`, so that a death reaches all of them:
+`die` (a SIGKILL, a `crash` failpoint) interrupts each at the point it is waiting, drops
+its connection (the broker requeues what it had not acknowledged, deletes its private
+queue) and leaves its leases to expire; requests already on their way to Redis still
+land. `terminate` is SIGTERM: evaluations are abandoned, the connection closed, then
+`worker_stopped`, as the live `Worker.close` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import simpy
+
+from engine.agent import FakeAgent
+from engine.config import EngineConfig
+from sim.broker import WORK_QUEUE, BrokerClient
+from sim.controller import Controller
+from sim.failpoints import SimFailpoints
+from sim.history import Source
+from sim.orchestrator import TASK_ERRORS
+from sim.redis import RedisClient
+from sim.sweeper import heartbeat, sweeper
+
+if TYPE_CHECKING:
+    from sim.run import SimRun
+
+EXIT_KILLED = -9  # what `Popen.returncode` says of a SIGKILLed process
+EXIT_STOPPED = 0
+EXIT_CANNOT_START = 3  # engine.worker: "cannot start" (Redis or the broker away)
+
+
+class WorkerDied(BaseException):
+    """Unwinds the process that killed its own worker (a `crash` failpoint)."""
+
+
+class SimWorker:
+    def __init__(
+        self,
+        run: SimRun,
+        index: int,
+        incarnation: int,
+        failpoints: str,
+        agent: FakeAgent,
+        config: EngineConfig,
+    ) -> None:
+        env = run.env
+        self.run = run
+        self.env = env
+        self.index = index
+        self.incarnation = incarnation
+        self.worker_id = f"sim-w{index}-{incarnation}"
+        self.pid = 10_000 * (index + 1) + incarnation
+        self.config = config
+        self.agent = agent
+        self.history = Source(env, run.events, self.worker_id, self.pid)
+        self.record = self.history.record
+        self.redis = run.redis
+        self.store = RedisClient(env, run.redis, run.net_rng, run.options.redis_latency_s)
+        self.broker = BrokerClient(
+            env,
+            run.broker,
+            self.worker_id,
+            reconnect_interval_s=run.options.reconnect_interval_s,
+            spawn=self.spawn,
+        )
+        self.fp = SimFailpoints(env, failpoints, self.crash) if failpoints else None
+        self.calls: dict[tuple[str, str], int] = {}  # FakeAgent's per-process call counter
+        self.no_redis_results = run.mutant == "no_redis_results"
+        self.double_final_publish = run.mutant == "double_final_publish"
+        self.controller = Controller(self)
+        self.alive = True
+        self.exit_code: int | None = None
+        self.ready = env.event()
+        self.exited = env.event()
+        self._procs: dict[simpy.Process, None] = {}
+        self._loops: list[simpy.Process] = []
+        self.spawn(self._boot())
+
+    # --- processes ----------------------------------------------------------------------
+
+    def spawn(self, gen: Generator) -> simpy.Process | None:
+        if not self.alive:
+            gen.close()
+            return None
+        proc = self.env.process(self._guarded(gen))
+        self._procs[proc] = None
+        proc.callbacks.append(self._reap)
+        return proc
+
+    def _reap(self, proc: simpy.Event) -> None:
+        self._procs.pop(proc, None)  # type: ignore[call-overload]
+
+    def _guarded(self, gen: Generator) -> Generator[Any, Any, None]:
+        if not self.alive:  # killed before this process took its first step
+            gen.close()
+            return
+        try:
+            yield from gen
+        except (simpy.Interrupt, WorkerDied):
+            pass
+        except TASK_ERRORS:
+            pass  # what the live worker only logs (a failed task, a lost delivery)
+
+    def _boot(self) -> Generator[Any, Any, None]:
+        run, env = self.run, self.env
+        lo, hi = run.options.worker_boot_s
+        yield env.timeout(run.boot_rng.uniform(lo, hi))  # the interpreter and its imports
+        try:
+            yield from self.store.call(self.redis.ping)
+            if not (yield from self.broker.connect()):
+                raise ConnectionError("connect_robust(fail_fast=True): no broker")
+        except ConnectionError:  # `_serve`: "cannot start", the worker closed, exit 3
+            self.record("worker_stopped")
+            self.die(EXIT_CANNOT_START)
+            return
+        prefetch = self.config.max_evaluations * 4
+        yield env.timeout(2 * run.broker.latency())  # declare, bind, consume
+        self.broker.consume_private(
+            f"worker.{self.worker_id}", prefetch, self.controller.on_message
+        )
+        self.broker.consume(WORK_QUEUE, prefetch, self.controller.on_message)
+        self._loops.append(self.spawn(heartbeat(self)))  # type: ignore[arg-type]
+        if self.config.sweeper:
+            self._loops.append(self.spawn(sweeper(self)))  # type: ignore[arg-type]
+        self.record("worker_started", sweeper=self.config.sweeper)
+        self.ready.succeed()
+
+    # --- death and shutdown -------------------------------------------------------------
+
+    def crash(self, failpoint: str) -> NoReturn:
+        self.record("crash", failpoint=failpoint)
+        self.die(EXIT_KILLED)
+        raise WorkerDied
+
+    def die(self, code: int) -> None:
+        """The process is gone: every task stops where it waits, the socket closes."""
+        if not self.alive:
+            return
+        self.alive = False
+        self.history.alive = False
+        self.exit_code = code
+        self.broker.close_now()
+        active = self.env.active_process
+        for proc in list(self._procs):
+            if proc is not active and proc.is_alive:
+                proc.interrupt()
+        self._procs.clear()
+        self.exited.succeed(code)
+
+    def terminate(self, timeout_s: float) -> Generator[Any, Any, None]:
+        """SIGTERM, then SIGKILL if it has not stopped within `timeout_s` (the runner's)."""
+        if not self.alive:
+            return
+        if not self.ready.triggered:  # no signal handler yet: SIGTERM kills it
+            self.die(-15)
+            return
+        self.spawn(self._close())
+        yield self.exited | self.env.timeout(timeout_s)
+        self.die(EXIT_KILLED)
+
+    def _close(self) -> Generator[Any, Any, None]:
+        for loop in self._loops:
+            if loop.is_alive:
+                loop.interrupt()
+        yield from self.controller.shutdown()
+        yield from self.broker.close()
+        self.record("worker_stopped")
+        self.die(EXIT_STOPPED)
