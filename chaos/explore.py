@@ -54,7 +54,8 @@ class Exploration:
 
 def document(loaded: LoadedScenario, plan_dir: Path | None = None) -> dict[str, Any]:
     """The scenario as a plain document, plan paths absolute (or relative to `plan_dir`)."""
-    data = loaded.spec.model_dump(mode="json", exclude_none=True)
+    data = loaded.spec.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+    data["seed"] = loaded.spec.seed
     data.pop("plan", None)
     data.pop("evaluations", None)
     plans = []
@@ -101,13 +102,13 @@ def concrete(data: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(data)
     kept = [f for f in out.get("faults", []) if "failpoint" in f]
     for planned in fault_schedule(loaded.spec, random.Random(seed)):
-        entry: dict[str, Any] = {"action": planned.action, "name": planned.label.replace("#", "_")}
+        entry: dict[str, Any] = {"action": planned.action}
         if planned.action not in ("kill_redis", "kill_broker"):
             entry["target"] = planned.target
         if planned.restart_after_s is not None or planned.action != "cancel":
             entry["restart_after_s"] = planned.restart_after_s
         if planned.at_s is not None:
-            entry["at_s"] = round(planned.at_s, 3)
+            entry["at_s"] = planned.at_s  # exact: a rounded kill lands elsewhere
         else:
             assert planned.after is not None
             entry["after"] = planned.after.model_dump(mode="json", exclude_none=True)
@@ -115,7 +116,7 @@ def concrete(data: dict[str, Any]) -> dict[str, Any]:
             entry.pop("restart_after_s", None)
         kept.append(entry)
     for i, fault in enumerate(kept):
-        fault.setdefault("name", f"f{i}")
+        fault["name"] = f"fault{i}"
     out["faults"] = kept
     return out
 
@@ -244,8 +245,9 @@ def _smaller(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def _halves(n: int) -> list[int]:
+    """Smaller values, the smallest first: 1, half, one less."""
     n = int(n)
-    return sorted({1, n // 2} - {n}) if n > 1 else []
+    return sorted({1, n // 2, n - 1} - {n, 0}) if n > 1 else []
 
 
 def _earlier(t: float) -> list[float]:

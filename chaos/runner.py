@@ -116,7 +116,7 @@ class ScenarioRun:
         # attemptIds come from the scenario and the seed, not from the run: the fake agent
         # draws from them, so the same seed replays the same calls. Queues and index keys
         # are the run's own (`ns`); leftovers of an earlier run of the same ids are cleared.
-        self.id_prefix = f"{self.spec.name}-s{self.seed}-"
+        self.id_prefix = f"s{self.seed}-"
         self.attempt_ids: list[str] = []
         self.plans: dict[str, Plan] = {}
         for plan, count in loaded.plans:

@@ -119,7 +119,7 @@ class SimRun:
         self.boot_rng = random.Random(f"{tag}:boot")
         self.salt_rng = random.Random(f"{tag}:salt")
         self.schedule: list[PlannedFault] = fault_schedule(spec, random.Random(self.seed))
-        self.id_prefix = f"{spec.name}-s{self.seed}-"
+        self.id_prefix = f"s{self.seed}-"
         self.attempt_ids: list[str] = []
         self.plans: dict[str, Plan] = {}
         for plan, count in loaded.plans:

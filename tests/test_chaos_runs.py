@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,3 +181,41 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
     assert not survivors, "a throwaway Redis or RabbitMQ survived"
     for owner_file in Path(tempfile.gettempdir()).glob("chaos-*-*/.owner"):
         assert not owner_file.read_text().startswith(owner), "a temp folder survived"
+
+
+# --- the simulator agrees with the live stack -------------------------------------------------
+
+
+def _reran(history: list[dict]) -> set[tuple[str, str, int]]:
+    starts = Counter(
+        (e["attempt_id"], e["rule_id"], e["attempt"])
+        for e in history
+        if e["ev"] == "rule_started" and e["try_no"] == 1
+    )
+    return {key for key, n in starts.items() if n > 1}
+
+
+def _verdicts(final) -> dict[tuple[str, str], str]:
+    return {
+        (a, r): res.verdict for a, ev in final.evaluations.items() for r, res in ev.results.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["crash_in_write_window", "permanent_failure_prunes", "crash_before_ack"]
+)
+def test_sim_and_live_agree(name: str, services: Services, baseline: dict, tmp_path: Path) -> None:
+    from sim import run_scenario
+
+    if name not in baseline:
+        baseline[name] = run(services, name, tmp_path / "live")
+    live = baseline[name]
+    simulated = run_scenario(load_scenario(SCENARIOS / f"{name}.yaml"))
+    assert live.result.ok and simulated.result.ok
+    assert live.attempt_ids == simulated.attempt_ids
+    assert _reran(live.history) == _reran(simulated.history)
+    assert _verdicts(live.final) == _verdicts(simulated.final)
+    statuses = {a: ev.statuses for a, ev in live.final.evaluations.items()}
+    assert statuses == {a: ev.statuses for a, ev in simulated.final.evaluations.items()}
+    states = {a: ev.state for a, ev in live.final.evaluations.items()}
+    assert states == {a: ev.state for a, ev in simulated.final.evaluations.items()}
