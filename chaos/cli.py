@@ -126,7 +126,7 @@ def _list(console: Console) -> int:
     table.add_column("description")
     from chaos.scenario import ScenarioError, load_scenario
 
-    for path in sorted(root.glob("*.yaml")):
+    for path in [*sorted(root.glob("*.yaml")), *sorted(root.glob("regressions/*.yaml"))]:
         try:
             desc = load_scenario(path).spec.description.split("\n")[0]
         except ScenarioError as exc:

@@ -219,3 +219,20 @@ def test_sim_and_live_agree(name: str, services: Services, baseline: dict, tmp_p
     assert statuses == {a: ev.statuses for a, ev in simulated.final.evaluations.items()}
     states = {a: ev.state for a, ev in live.final.evaluations.items()}
     assert states == {a: ev.state for a, ev in simulated.final.evaluations.items()}
+
+
+def test_a_shrunk_regression_replays_in_sim_and_live(services: Services, tmp_path: Path) -> None:
+    """The file `chaos sim --shrink` wrote for no_redis_results: one crash after the first
+    result write breaks the mutant, live as in the simulator, and not the real engine."""
+    from sim import run_scenario
+
+    path = SCENARIOS / "regressions" / "crash-after-ack-no-completed-rerun-s4-no-redis-results.yaml"
+    loaded = load_scenario(path)
+    assert len(loaded.spec.faults) == 1
+    mutant = "no_redis_results"
+    assert not run_scenario(loaded, mutant=mutant).result.ok
+    assert run_scenario(loaded).result.ok
+    live_broken = asyncio.run(ScenarioRun(loaded, services, tmp_path / "a", mutant=mutant).run())
+    assert live_broken.result.verdicts["no_completed_rerun"] == "fail"
+    live_clean = asyncio.run(ScenarioRun(loaded, services, tmp_path / "b").run())
+    assert live_clean.result.ok
