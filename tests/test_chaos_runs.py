@@ -145,9 +145,14 @@ def test_kill_faults_are_refused_against_shared_services() -> None:
 
 
 def test_missing_services_say_what_to_install(tmp_path: Path) -> None:
-    out = chaos("run", "scenarios/crash_after_ack.yaml", env={"PATH": str(tmp_path)})
-    assert out.returncode == 3
-    assert out.stderr.count("\n") == 1 and "redis-server" in out.stderr
+    scenario = "scenarios/crash_after_ack.yaml"
+    live = chaos("run", scenario, "--mode", "live", env={"PATH": str(tmp_path)})
+    assert live.returncode == 3
+    assert live.stderr.count("\n") == 1 and "redis-server" in live.stderr
+    auto = chaos("run", scenario, "--out", str(tmp_path / "o"), env={"PATH": str(tmp_path)})
+    assert auto.returncode == 0, auto.stdout + auto.stderr
+    assert "running in the simulator instead" in auto.stdout
+    assert (tmp_path / "o" / "crash_after_ack" / "journal.json").is_file()
 
 
 def test_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
