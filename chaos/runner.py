@@ -461,20 +461,5 @@ class ScenarioRun:
     def check_spec(self) -> CheckSpec:
         from engine.agent import AgentProfile
 
-        budgets = self.spec.budgets
-        return CheckSpec(
-            plans=self.plans,
-            agent=AgentProfile.from_dict(self.agent_dict()),
-            policy=self.spec.retry.policy(self.seed),
-            time_scale=self.spec.time_scale,
-            invariants=tuple(self.spec.invariants),
-            cancelled=set(self.cancelled),
-            budgets={
-                "max_duplicated_tokens": budgets.max_duplicated_tokens,
-                "max_reruns": budgets.max_reruns,
-                # the scenario states it in engine time; the checker measures real time
-                "max_retry_latency_s": None
-                if budgets.max_retry_latency_s is None
-                else budgets.max_retry_latency_s * self.spec.time_scale,
-            },
-        )
+        agent = AgentProfile.from_dict(self.agent_dict())
+        return self.loaded.check_spec(self.seed, self.plans, self.cancelled, agent)

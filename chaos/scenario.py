@@ -61,7 +61,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from chaos.checker import INVARIANTS
+from chaos.checker import INVARIANTS, CheckSpec
 from engine.agent import AgentProfile, AgentProfileError
 from engine.config import EngineConfig
 from engine.failpoints import FAILPOINTS, RULELESS_FAILPOINTS
@@ -609,6 +609,27 @@ class LoadedScenario:
     @property
     def path(self) -> Path:
         return Path(self.source)
+
+    def check_spec(
+        self, seed: int, plans: dict[str, Plan], cancelled: set[str], agent: AgentProfile
+    ) -> CheckSpec:
+        """What the checker needs of this scenario, for a run under `seed` (live or sim)."""
+        budgets = self.spec.budgets
+        latency = budgets.max_retry_latency_s
+        return CheckSpec(
+            plans=plans,
+            agent=agent,
+            policy=self.spec.retry.policy(seed),
+            time_scale=self.spec.time_scale,
+            invariants=tuple(self.spec.invariants),
+            cancelled=set(cancelled),
+            budgets={
+                "max_duplicated_tokens": budgets.max_duplicated_tokens,
+                "max_reruns": budgets.max_reruns,
+                # the scenario states it in engine time; the checker measures run time
+                "max_retry_latency_s": None if latency is None else latency * self.spec.time_scale,
+            },
+        )
 
     @cached_property
     def submissions(self) -> tuple[Submission, ...]:

@@ -404,22 +404,7 @@ class SimRun:
         return FinalState(evaluations=evaluations, key_ttls=ttls)
 
     def check_spec(self) -> CheckSpec:
-        budgets = self.spec.budgets
-        return CheckSpec(
-            plans=self.plans,
-            agent=self.profile,
-            policy=self.spec.retry.policy(self.seed),
-            time_scale=self.spec.time_scale,
-            invariants=tuple(self.spec.invariants),
-            cancelled=set(self.cancelled),
-            budgets={
-                "max_duplicated_tokens": budgets.max_duplicated_tokens,
-                "max_reruns": budgets.max_reruns,
-                "max_retry_latency_s": None
-                if budgets.max_retry_latency_s is None
-                else budgets.max_retry_latency_s * self.spec.time_scale,
-            },
-        )
+        return self.loaded.check_spec(self.seed, self.plans, self.cancelled, self.profile)
 
     def run(self) -> SimOutcome:
         with mutants.patched(self.mutant):
