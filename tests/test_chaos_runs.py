@@ -60,7 +60,8 @@ def services() -> Iterator[Services]:
 
 
 @pytest.fixture(scope="module")
-def baseline(services: Services, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def baseline(services: Services) -> dict:
+    """Clean live runs, by scenario, shared by the tests of this module."""
     return {}
 
 
