@@ -90,7 +90,7 @@ def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: C
         f"{loaded.spec.name}: {n} seeds in {took:.1f} s ({n / took:.0f} seeds/s), "
         f"{len(failures)} failing" + (f" with mutant {args.mutant}" if args.mutant else "")
     )
-    for r in sorted(failures, key=lambda r: r.seed)[:50]:
+    for r in sorted(failures, key=lambda r: r.seed):
         console.print(f"  seed {r.seed}: {', '.join(r.failed)}: {r.message}", markup=False)
     if failures and args.shrink:
         first = min(failures, key=lambda r: r.seed)
@@ -150,6 +150,6 @@ def _all_failpoints(data: dict[str, Any], args: argparse.Namespace, console: Con
     console.print(
         f"{tried} crash points tried in {time.monotonic() - started:.1f} s, {len(failures)} failing"
     )
-    for name, hit, r in failures[:50]:
+    for name, hit, r in failures:
         console.print(f"  {name} hit {hit}: {', '.join(r.failed)}: {r.message}", markup=False)
     return EXIT_VIOLATION if failures else EXIT_OK
