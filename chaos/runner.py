@@ -113,17 +113,11 @@ class ScenarioRun:
         self.history = FileHistory(self.raw_history, "runner")
         self.rng = random.Random(self.seed)
         self.schedule: list[PlannedFault] = fault_schedule(self.spec, self.rng)
-        # attemptIds come from the scenario and the seed, not from the run: the fake agent
-        # draws from them, so the same seed replays the same calls. Queues and index keys
-        # are the run's own (`ns`); leftovers of an earlier run of the same ids are cleared.
-        self.id_prefix = f"s{self.seed}-"
-        self.attempt_ids: list[str] = []
-        self.plans: dict[str, Plan] = {}
-        for plan, count in loaded.plans:
-            for k in range(count):
-                attempt_id = f"{self.id_prefix}{plan.id}-{k}"
-                self.attempt_ids.append(attempt_id)
-                self.plans[attempt_id] = plan
+        # Queues and index keys are the run's own (`ns`); the attemptIds are the seed's,
+        # and leftovers of an earlier run of the same ids are cleared first.
+        self.id_prefix = loaded.id_prefix(self.seed)
+        self.plans: dict[str, Plan] = loaded.evaluations(self.seed)
+        self.attempt_ids: list[str] = list(self.plans)
         self.cancelled: set[str] = set()
         self.workers: list[_Worker] = []
         self.progress = Progress(self.spec.name, len(self.attempt_ids))

@@ -610,6 +610,19 @@ class LoadedScenario:
     def path(self) -> Path:
         return Path(self.source)
 
+    @staticmethod
+    def id_prefix(seed: int) -> str:
+        return f"s{seed}-"
+
+    def evaluations(self, seed: int) -> dict[str, Plan]:
+        """The attemptIds of a run under `seed`, in submission order, with their plans.
+
+        They come from the seed and the plans, not from the run: the fake agent draws from
+        them, so the same seed replays the same calls, live and simulated alike.
+        """
+        prefix = self.id_prefix(seed)
+        return {f"{prefix}{plan.id}-{k}": plan for plan, count in self.plans for k in range(count)}
+
     def check_spec(
         self, seed: int, plans: dict[str, Plan], cancelled: set[str], agent: AgentProfile
     ) -> CheckSpec:

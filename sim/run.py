@@ -119,14 +119,9 @@ class SimRun:
         self.boot_rng = random.Random(f"{tag}:boot")
         self.salt_rng = random.Random(f"{tag}:salt")
         self.schedule: list[PlannedFault] = fault_schedule(spec, random.Random(self.seed))
-        self.id_prefix = f"s{self.seed}-"
-        self.attempt_ids: list[str] = []
-        self.plans: dict[str, Plan] = {}
-        for plan, count in loaded.plans:
-            for k in range(count):
-                attempt_id = f"{self.id_prefix}{plan.id}-{k}"
-                self.attempt_ids.append(attempt_id)
-                self.plans[attempt_id] = plan
+        self.id_prefix = loaded.id_prefix(self.seed)
+        self.plans: dict[str, Plan] = loaded.evaluations(self.seed)
+        self.attempt_ids: list[str] = list(self.plans)
         self.cancelled: set[str] = set()
         self.config = self._config()
         self.profile = AgentProfile.from_dict(self.agent_dict())
