@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.scenario import LoadedScenario, PlannedFault, fault_schedule
+from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
 from chaos.services import Services
 from chaos.workers import WorkerProcess
 from engine.config import EngineConfig
@@ -133,20 +133,11 @@ class ScenarioRun:
             raise RunRefused(problem)
 
     def config(self) -> EngineConfig:
-        e = self.spec.engine
-        return EngineConfig(
+        return self.spec.engine_config(
             redis_url=self.services.redis_url,
             amqp_url=self.services.amqp_url,
             namespace=self.ns,
-            time_scale=self.spec.time_scale,
             policy=self.spec.retry.policy(self.seed),
-            max_evaluations=e.max_evaluations,
-            max_parallel=e.max_parallel,
-            heartbeat_ms=e.heartbeat_ms,
-            stale_ms=e.stale_ms,
-            sweeper=e.sweeper,
-            sweep_ms=e.sweep_ms,
-            retry_grace_ms=e.retry_grace_ms,
         )
 
     def worker_args(self, failpoints: list[str]) -> list[str]:
@@ -286,13 +277,9 @@ class ScenarioRun:
             await self._fire(fault)
 
     async def _event_faults(self) -> None:
-        waiting = [f for f in self.schedule if f.after is not None]
-        if not waiting:
-            return
-        counts = [0] * len(waiting)
-        done = [False] * len(waiting)
+        triggers = EventTriggers(self.schedule)
         offset = 0
-        while not all(done):
+        while not triggers.done:
             await asyncio.sleep(0.02)
             if not self.raw_history.exists():
                 continue
@@ -306,19 +293,11 @@ class ScenarioRun:
                     ev = json.loads(line)
                 except ValueError:
                     continue
-                for i, f in enumerate(waiting):
-                    trig = f.after
-                    if done[i] or trig is None or ev.get("ev") != trig.event:
-                        continue
-                    if trig.rule is not None and ev.get("rule_id") != trig.rule:
-                        continue
-                    counts[i] += 1
-                    if counts[i] >= trig.count:
-                        done[i] = True
-                        if f.delay_s:  # a repetition: `every_s` after the one before
-                            self._later(f.delay_s, self._fire(f))
-                        else:
-                            await self._fire(f)
+                for fault in triggers.feed(ev):
+                    if fault.delay_s:  # a repetition: `every_s` after the one before
+                        self._later(fault.delay_s, self._fire(fault))
+                    else:
+                        await self._fire(fault)
 
     # --- the run ------------------------------------------------------------------------
 

@@ -736,6 +736,38 @@ def fault_schedule(
     return out
 
 
+class EventTriggers:
+    """Which `after`-triggered faults of a schedule fire, fed the history one event at a time.
+
+    Pure, so the live runner (tailing the history file) and the simulator (reading its
+    event list) fire exactly the same faults on the same events.
+    """
+
+    def __init__(self, schedule: Sequence[PlannedFault]) -> None:
+        self._waiting = [f for f in schedule if f.after is not None]
+        self._counts = [0] * len(self._waiting)
+        self._done = [False] * len(self._waiting)
+
+    @property
+    def done(self) -> bool:
+        return all(self._done)
+
+    def feed(self, event: Mapping[str, Any]) -> list[PlannedFault]:
+        """The faults whose trigger this event completes (each fires once)."""
+        fired = []
+        for i, fault in enumerate(self._waiting):
+            trig = fault.after
+            if self._done[i] or trig is None or event.get("ev") != trig.event:
+                continue
+            if trig.rule is not None and event.get("rule_id") != trig.rule:
+                continue
+            self._counts[i] += 1
+            if self._counts[i] >= trig.count:
+                self._done[i] = True
+                fired.append(fault)
+        return fired
+
+
 # --- loading ---------------------------------------------------------------------------------
 
 

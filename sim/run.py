@@ -29,9 +29,9 @@ from typing import Any
 import simpy
 
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.scenario import LoadedScenario, PlannedFault, fault_schedule
+from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
 from engine.agent import AgentProfile, FakeAgent
-from engine.config import STATE_TTL_SECONDS, EngineConfig
+from engine.config import EngineConfig
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.plan import Plan
 from sim import mutants
@@ -160,18 +160,9 @@ class SimRun:
     # --- set-up -------------------------------------------------------------------------
 
     def _config(self) -> EngineConfig:
-        e = self.spec.engine
-        return EngineConfig(
-            time_scale=self.spec.time_scale,
+        return self.spec.engine_config(
             policy=self.spec.retry.policy(self.seed),
-            max_evaluations=e.max_evaluations,
-            max_parallel=e.max_parallel,
-            heartbeat_ms=e.heartbeat_ms,
-            stale_ms=e.stale_ms,
-            sweeper=e.sweeper and self.mutant != "no_sweeper",
-            sweep_ms=e.sweep_ms,
-            retry_grace_ms=e.retry_grace_ms,
-            state_ttl_s=STATE_TTL_SECONDS,
+            sweeper=self.spec.engine.sweeper and self.mutant != "no_sweeper",
         )
 
     def agent_dict(self) -> dict[str, Any]:
@@ -293,27 +284,17 @@ class SimRun:
             yield from self._fire(fault)
 
     def _event_faults(self) -> Generator[Any, Any, None]:
-        waiting = [f for f in self.schedule if f.after is not None]
-        counts = [0] * len(waiting)
-        done = [False] * len(waiting)
+        triggers = EventTriggers(self.schedule)
         offset = 0
-        while not all(done):
+        while not triggers.done:
             yield self.env.timeout(self.options.event_poll_s)
             fresh, offset = self.events[offset:], len(self.events)
             for ev in fresh:
-                for i, f in enumerate(waiting):
-                    trig = f.after
-                    if done[i] or trig is None or ev.get("ev") != trig.event:
-                        continue
-                    if trig.rule is not None and ev.get("rule_id") != trig.rule:
-                        continue
-                    counts[i] += 1
-                    if counts[i] >= trig.count:
-                        done[i] = True
-                        if f.delay_s:
-                            self._later_do(f.delay_s, self._fire(f))
-                        else:
-                            yield from self._fire(f)
+                for fault in triggers.feed(ev):
+                    if fault.delay_s:
+                        self._later_do(fault.delay_s, self._fire(fault))
+                    else:
+                        yield from self._fire(fault)
 
     # --- the run ------------------------------------------------------------------------
 
