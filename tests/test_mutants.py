@@ -31,7 +31,7 @@ from engine.core import AckRetry, Evaluation, RunRule, SkipRules, Snapshot
 from engine.plan import Plan
 from engine.runtime.store import RedisStore
 from tests.helpers import PERMANENT, agent, example_plan, result_for, run_plan
-from tests.live.conftest import ROOT, Live, _broker_objects
+from tests.live.conftest import PATIENCE_S, ROOT, Live, _broker_objects
 from tests.live.test_engine_live import reference_verdicts
 
 TINY = example_plan("tiny")
@@ -189,18 +189,11 @@ class Slice(Live):
         self.workers.append(w.start())
         return w
 
-    def events(self, ev: str, attempt_id: str, **match: Any) -> list[dict[str, Any]]:
-        return [
-            e
-            for e in self.history(attempt_id)
-            if e["ev"] == ev and all(e.get(k) == v for k, v in match.items())
-        ]
-
 
 def _ready(*workers: WorkerProcess) -> None:
     for w in workers:
         assert w.log_path is not None
-        if not w.wait_for_log("ready", 20):
+        if not w.wait_for_log("ready", PATIENCE_S):
             raise AssertionError(f"worker did not start:\n{w.log_path.read_text()}")
 
 
@@ -250,34 +243,43 @@ def test_result_without_ttl(tmp_path: Path) -> None:
 @live
 def test_double_final_publish(tmp_path: Path) -> None:
     with _pair(tmp_path, "double_final_publish") as (mut, ref):
-        _both(mut, ref)
+        workers = _both(mut, ref)
 
-        async def completed_events(s: Slice) -> list[AbstractIncomingMessage]:
-            conn = await aio_pika.connect(DEFAULT_AMQP_URL)
+        async def bind(s: Slice) -> tuple[aio_pika.abc.AbstractConnection, aio_pika.Queue]:
+            conn = await aio_pika.connect(DEFAULT_AMQP_URL, timeout=PATIENCE_S)
+            ch = await conn.channel()
+            ex = await ch.get_exchange(s.config().name("evaluation.events"))
+            q = await ch.declare_queue(exclusive=True)
+            await q.bind(ex, "evaluation.completed")
+            return conn, q
+
+        async def drain(q: aio_pika.Queue) -> list[AbstractIncomingMessage]:
+            out = []
+            while (msg := await q.get(fail=False, timeout=PATIENCE_S)) is not None:
+                out.append(msg)
+                await msg.ack()
+            return out
+
+        async def run() -> dict[Slice, list[AbstractIncomingMessage]]:
+            bound = {s: await bind(s) for s in (mut, ref)}
             try:
-                ch = await conn.channel()
-                ex = await ch.get_exchange(s.config().name("evaluation.events"))
-                q = await ch.declare_queue(exclusive=True)
-                await q.bind(ex, "evaluation.completed")
-                [a] = s.ids(1)
-                await asyncio.to_thread(s.submit, TINY, [a])
-                assert await asyncio.to_thread(s.wait, [a]) == {a: "completed"}
-                await asyncio.to_thread(
-                    s.wait_for, lambda: s.events("final_published", a), what="the final event"
-                )
-                await asyncio.sleep(0.3)  # a second copy would be out by now
-                out = []
-                while (msg := await q.get(fail=False, timeout=2)) is not None:
-                    out.append(msg)
-                    await msg.ack()
-                return out
+                for s, copies in ((mut, 2), (ref, 1)):
+                    [a] = s.ids(1)
+                    await asyncio.to_thread(s.submit, TINY, [a])
+                    # Each copy is recorded once the broker has confirmed it.
+                    await asyncio.to_thread(
+                        s.wait_for,
+                        lambda s=s, a=a, n=copies: len(s.events("final_published", a)) >= n,
+                        what="the final event",
+                    )
+                # Stopped workers publish nothing more: what the queues hold is all there is.
+                await asyncio.to_thread(lambda: [w.terminate() for w in workers])
+                return {s: await drain(q) for s, (_, q) in bound.items()}
             finally:
-                await conn.close()
+                for conn, _ in bound.values():
+                    await conn.close()
 
-        async def both() -> list[list[AbstractIncomingMessage]]:
-            return list(await asyncio.gather(completed_events(mut), completed_events(ref)))
-
-        got = dict(zip((mut, ref), asyncio.run(both()), strict=True))
+        got = asyncio.run(run())
         for s, copies in ((mut, 2), (ref, 1)):
             [a] = s.ids(1)
             msgs = got[s]
@@ -403,7 +405,7 @@ def test_no_redis_results(tmp_path: Path) -> None:
         for s in (mut, ref):
             s.submit(CODE_REVIEW, s.ids(1))
         for w in first:
-            assert w.wait_exit(10) == -9
+            assert w.wait_exit(PATIENCE_S) == -9
         _both(mut, ref)
         for s, w in zip((mut, ref), first, strict=True):
             [a] = s.ids(1)

@@ -32,6 +32,9 @@ from engine.submit import EngineClient
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = ROOT / "plans"
+#: How long a test waits for an event that must come. Only a broken engine uses it up, so it
+#: is generous: CI runs on a busy 2-core machine, and a fast one never waits this long.
+PATIENCE_S = 120.0
 
 pytestmark = pytest.mark.live
 
@@ -104,7 +107,7 @@ class Live:
         n = len(self.workers)
         w = WorkerProcess(args, log_path=self.tmp / f"worker{n}.log", name=f"worker{n}").start()
         self.workers.append(w)
-        if ready and not w.wait_for_log("ready", 20):
+        if ready and not w.wait_for_log("ready", PATIENCE_S):
             raise AssertionError(f"worker did not start:\n{w.log_path.read_text()}")
         return w
 
@@ -128,14 +131,14 @@ class Live:
 
         return asyncio.run(go())
 
-    def wait(self, ids: list[str], timeout: float = 20.0) -> dict[str, str | None]:
+    def wait(self, ids: list[str], timeout: float = PATIENCE_S) -> dict[str, str | None]:
         async def go() -> dict[str, str | None]:
             async with EngineClient(self.config()) as client:
                 return await client.wait(ids, timeout)
 
         return asyncio.run(go())
 
-    def wait_for(self, predicate: Any, timeout: float = 10.0, what: str = "") -> None:
+    def wait_for(self, predicate: Any, timeout: float = PATIENCE_S, what: str = "") -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if predicate():
@@ -152,6 +155,13 @@ class Live:
         if attempt_id is not None:
             events = [e for e in events if e.get("attempt_id") == attempt_id]
         return sorted(events, key=lambda e: e["t"])
+
+    def events(self, ev: str, attempt_id: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.history(attempt_id)
+            if e["ev"] == ev and all(e.get(k) == v for k, v in match.items())
+        ]
 
     def starts(self, attempt_id: str) -> Counter[str]:
         """How many times each rule attempt round was started (immediate retries excluded)."""

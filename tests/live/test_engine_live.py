@@ -19,7 +19,7 @@ import aio_pika
 from engine.agent import AgentProfile, FakeAgent
 from engine.config import DEFAULT_AMQP_URL, STATE_TTL_SECONDS
 from engine.plan import Plan
-from tests.live.conftest import ROOT, Live
+from tests.live.conftest import PATIENCE_S, ROOT, Live
 
 
 def reference_verdicts(plan: Plan, attempt_id: str, profile: AgentProfile | None = None) -> dict:
@@ -58,8 +58,14 @@ def test_golden_run(live: Live, code_review: Plan) -> None:
         await asyncio.to_thread(live.submit, code_review, ids)
         final = await asyncio.to_thread(live.wait, ids)
         assert set(final.values()) == {"completed"}, final
+        # evaluation.completed follows the terminal state; it is recorded once confirmed.
+        await asyncio.to_thread(
+            live.wait_for,
+            lambda: all(live.events("final_published", a) for a in ids),
+            what="every final event",
+        )
         events = []
-        while (msg := await q.get(fail=False, timeout=2)) is not None:
+        while (msg := await q.get(fail=False, timeout=PATIENCE_S)) is not None:
             events.append((msg.routing_key or "", json.loads(msg.body)))
             await msg.ack()
         await conn.close()
@@ -176,7 +182,7 @@ def test_sigkill_before_ack_is_redelivered(live: Live, code_review: Plan) -> Non
     w1 = live.worker(failpoints=["before_ack=crash"])
     [a] = live.ids(1)
     live.submit(code_review, [a])
-    assert w1.wait_exit(10) == -9
+    assert w1.wait_exit(PATIENCE_S) == -9
     assert not live.starts(a)  # it died before any rule
     live.worker("--no-sweeper")  # redelivery alone must bring it back
     assert live.wait([a]) == {a: "completed"}
@@ -195,7 +201,7 @@ def test_crash_during_a_retry_redelivers_the_retry(live: Live, tiny: Plan) -> No
     )
     [a] = live.ids(1)
     live.submit(tiny, [a])
-    assert w1.wait_exit(10) == -9
+    assert w1.wait_exit(PATIENCE_S) == -9
     finished = persisted_before(live, a, w1.pid)
     assert {"compiles", "style_check"} <= finished
     live.worker("--no-sweeper")
@@ -211,7 +217,7 @@ def test_sigkill_after_ack_is_resumed_by_the_sweeper(live: Live, code_review: Pl
     w1 = live.worker(failpoints=["rule_after_write=crash,hit=3"])
     [a] = live.ids(1)
     live.submit(code_review, [a])
-    assert w1.wait_exit(10) == -9
+    assert w1.wait_exit(PATIENCE_S) == -9
     finished = persisted_before(live, a, w1.pid)
     assert len(finished) == 3
     live.worker()
@@ -231,7 +237,7 @@ def test_without_the_sweeper_the_hole_after_ack_stays_open(live: Live, tiny: Pla
     w1 = live.worker(failpoints=["after_ack=crash"])
     [a] = live.ids(1)
     live.submit(tiny, [a])
-    assert w1.wait_exit(10) == -9
+    assert w1.wait_exit(PATIENCE_S) == -9
     live.worker("--no-sweeper")
     time.sleep(3.0)  # five times the stale threshold
     assert live.redis.get(f"attempt:{a}:state") == "running"
@@ -244,7 +250,7 @@ def test_crash_in_the_write_window_reruns_only_that_rule(live: Live, tiny: Plan)
     w1 = live.worker(failpoints=["rule_after_call_before_write=crash,rule=unit_tests"])
     [a] = live.ids(1)
     live.submit(tiny, [a])
-    assert w1.wait_exit(10) == -9
+    assert w1.wait_exit(PATIENCE_S) == -9
     finished = persisted_before(live, a, w1.pid)
     assert "unit_tests" not in finished and "compiles" in finished
     first = next(
@@ -269,7 +275,7 @@ def test_lost_retry_is_found_by_the_sweeper(live: Live, tiny: Plan) -> None:
     )
     [a] = live.ids(1)
     live.submit(tiny, [a])
-    assert w1.wait_exit(10) == -9
+    assert w1.wait_exit(PATIENCE_S) == -9
     assert live.status(a, "unit_tests") == "failed_attempt_1"
     live.worker()
     assert live.wait([a]) == {a: "completed"}
@@ -287,7 +293,7 @@ def test_duplicate_retry_after_publish_before_ack_is_dropped(live: Live, tiny: P
     )
     [a] = live.ids(1)
     live.submit(tiny, [a])
-    assert w1.wait_exit(10) == -9
+    assert w1.wait_exit(PATIENCE_S) == -9
     assert live.status(a, "unit_tests") == "failed_attempt_2"
     live.worker("--no-sweeper")
     assert live.wait([a]) == {a: "completed"}
