@@ -5,28 +5,38 @@
     python -m chaos sim scenarios/crash_after_ack.yaml --seeds 1000 [--jobs J] [--shrink]
     python -m chaos validate scenarios/*.yaml
     python -m chaos list
+    python -m chaos clean     # stop and delete what a SIGKILLed run left behind
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
-3 the stack could not be started.
+3 the stack could not be started, 130 / 143 interrupted by SIGINT / SIGTERM (at any moment:
+everything the command started is stopped first; one line on stderr). `clean` exits 0, or 1
+when a process would not die. A live run starts with the same reaping as `clean`: only what
+belongs to a dead runner is touched, never a live one's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
 import time
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
 
+from chaos import stack  # stdlib only: the signal handler must not import anything
+
 EXIT_OK, EXIT_VIOLATION, EXIT_INPUT, EXIT_STACK = 0, 1, 2, 3
+NO_WRAP_WIDTH = 100_000  # the console width off a terminal: wider than any line printed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,22 +75,54 @@ def build_parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check scenario files without running them")
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
+    sub.add_parser("clean", help="stop and delete what killed runs left (their runner is dead)")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
+    """Run one command. SIGINT or SIGTERM at any moment, even during start-up or clean-up,
+    stops everything it started and returns 130 or 143 with one line on stderr.
+
+    `exiting`: the process ends right after (`python -m chaos`): the signals are then
+    ignored instead of handed back, since everything is stopped and the interpreter resets
+    its handlers to the defaults while it exits (a late Ctrl-C would kill it mid-exit).
+    """
+    previous = _catch_signals()  # first: before anything is started
+    name = _command_name(argv)
+    try:
+        try:
+            code = _main(argv)
+        finally:
+            _Guard.armed = False  # from here on a signal is only noted
+    except BaseException as exc:
+        if _Guard.signum is None and not isinstance(exc, KeyboardInterrupt):
+            raise
+        code = _interrupted(name)
+    else:
+        if _Guard.signum is not None:  # it came as the command was returning
+            code = _interrupted(name)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_IGN if exiting else handler)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(stderr=False, highlight=False)
+    console = make_console()
+    if args.command == "clean":
+        return _clean(console)
     if args.command == "list":
         return _list(console)
-    loaded = _load_all(args.scenarios if args.command != "sim" else [args.scenario])
-    if isinstance(loaded, str):
-        print(loaded, file=sys.stderr)
-        return EXIT_INPUT
+    loaded, errors = _load_all(args.scenarios if args.command != "sim" else [args.scenario])
+    for line in errors:  # every bad file, before anything runs
+        print(line, file=sys.stderr)
     if args.command == "validate":
         for sc in loaded:
-            console.print(f"{sc.path}: ok ({sc.spec.name})")
-        return EXIT_OK
+            console.print(f"{sc.path}: ok ({sc.spec.name})", markup=False)
+        return EXIT_INPUT if errors else EXIT_OK
+    if errors:
+        return EXIT_INPUT
     if args.command == "sim":
         if args.mutant is not None and _bad_mutant(args.mutant):
             return EXIT_INPUT
@@ -93,6 +135,105 @@ def main(argv: list[str] | None = None) -> int:
     return _run(loaded, out, args, console)
 
 
+# --- interrupts and leftovers -------------------------------------------------------------
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_COMMANDS = ("run", "sim", "validate", "list", "clean")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM. A KeyboardInterrupt, so asyncio and every `except Exception` let
+    it through and each `finally` on the way out runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Guard:
+    """What the handler knows: whether it may still raise, and the first signal seen."""
+
+    armed = False
+    signum: int | None = None
+    stderr: TextIO | None = None  # the real one, kept for the last line
+
+
+def _catch_signals() -> dict[int, Any]:
+    """Install the handlers and return the ones they replace. A signal the caller ignores
+    (a background job of a script) stays ignored; off the main thread Python delivers
+    none, so nothing is installed."""
+    _Guard.armed, _Guard.signum, _Guard.stderr = True, None, None
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for sig in _SIGNALS:
+        handler = signal.getsignal(sig)
+        if handler is not signal.SIG_IGN and handler is not None:
+            previous[sig] = signal.signal(sig, _on_signal)
+    return previous
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    """The first signal kills what the run started at once (nothing of an interrupted run
+    is kept) and unwinds the command. Any later one is only noted: the clean-up that
+    follows must not itself be interrupted (a second Ctrl-C used to end in a traceback
+    from the middle of it, leaving processes behind)."""
+    if _Guard.signum is not None:
+        return
+    _Guard.signum = signum
+    if not _Guard.armed:
+        return
+    _quiet()
+    stack.kill_owned()
+    raise Interrupted(signum)
+
+
+def _quiet() -> None:
+    """After an interrupt only its one line is news: the connection errors, unretrieved
+    task exceptions and warnings of the unwinding are not printed."""
+    if _Guard.stderr is None:
+        _Guard.stderr = sys.stderr
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
+    logging.disable(logging.CRITICAL)
+    warnings.simplefilter("ignore")
+    sys.unraisablehook = lambda _unraisable: None
+    threading.excepthook = lambda _args: None
+
+
+def _interrupted(name: str) -> int:
+    """Stop whatever the unwinding left (workers, services, anything carrying this
+    process's owner mark, its temp dirs) and say so in one line; 128 + the signal."""
+    signum = _Guard.signum or signal.SIGINT
+    _quiet()
+    workers = sys.modules.get("chaos.workers")  # not imported: no worker was started
+    for stop in (getattr(workers, "stop_all", None), stack.stop_all):
+        if stop is not None:
+            with contextlib.suppress(Exception):  # the sweep below is the last word
+                stop()
+    reaped = stack.stop_owned()
+    what = signal.Signals(signum).name
+    if reaped.survivors:
+        line = f"{name}: interrupted ({what}); still running: {reaped.survivors}"
+    else:
+        line = f"{name}: interrupted ({what}); everything it started is stopped"
+    print(line, file=_Guard.stderr or sys.__stderr__, flush=True)
+    return 128 + signum
+
+
+def _command_name(argv: list[str] | None) -> str:
+    words = sys.argv[1:] if argv is None else argv
+    command = next((w for w in words if not w.startswith("-")), "")
+    return f"chaos {command}" if command in _COMMANDS else "chaos"
+
+
+def _clean(console: Console) -> int:
+    """`chaos clean`: stop and delete what runs whose runner died (SIGKILL, OOM, a CI
+    timeout) left behind: services, workers, pool processes, temp dirs."""
+    reaped = stack.reap_dead_owners()
+    console.print(f"chaos clean: {reaped.summary()}", markup=False)
+    return EXIT_VIOLATION if reaped.survivors else EXIT_OK
+
+
 def _bad_mutant(name: str) -> bool:
     from chaos.mutants import MUTANTS
 
@@ -103,16 +244,19 @@ def _bad_mutant(name: str) -> bool:
     return True
 
 
-def _load_all(paths: list[str]) -> list[Any] | str:
+def _load_all(paths: list[str]) -> tuple[list[Any], list[str]]:
+    """The scenarios that load, and one error line per file that does not: a user fixing
+    files learns of every bad one at once, not one per attempt."""
     from chaos.scenario import ScenarioError, load_scenario
 
     out = []
+    errors = []
     for path in paths:
         try:
             out.append(load_scenario(path))
         except ScenarioError as exc:
-            return str(exc)
-    return out
+            errors.append(str(exc))
+    return out, errors
 
 
 def _list(console: Console) -> int:
@@ -121,7 +265,7 @@ def _list(console: Console) -> int:
     from engine.failpoints import FAILPOINTS
 
     root = Path(__file__).resolve().parents[1] / "scenarios"
-    table = Table(title="scenarios", show_lines=False)
+    table = Table(title="scenarios", show_lines=False, **_table_style(console))
     table.add_column("file")
     table.add_column("description")
     from chaos.scenario import ScenarioError, load_scenario
@@ -138,7 +282,7 @@ def _list(console: Console) -> int:
         ("failpoints", FAILPOINTS.items()),
         ("mutants", ((m.name, f"{m.description} (breaks {m.breaks})") for m in MUTANTS.values())),
     ):
-        t = Table(title=title)
+        t = Table(title=title, **_table_style(console))
         t.add_column("name")
         t.add_column("meaning")
         for name, meaning in rows:
@@ -179,8 +323,9 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
     # The client's reconnect chatter during a broker restart is expected, not news.
     for name in ("aio_pika", "aiormq"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    # SIGTERM behaves like Ctrl-C: everything started is stopped on the way out.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    reaped = stack.reap_dead_owners()  # what a SIGKILLed run left; a live one's is kept
+    if reaped.pids or reaped.dirs:
+        console.print(f"chaos run: left by a killed run: {reaped.summary()}", markup=False)
     services: Services | None = None
     try:
         with console.status("starting Redis and RabbitMQ...", spinner="dots"):
@@ -190,17 +335,14 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
                 print(f"chaos run: cannot start the stack: {exc}", file=sys.stderr)
                 return EXIT_STACK
         return asyncio.run(_run_all(loaded, services, out, args, console))
-    except KeyboardInterrupt:
-        print("chaos run: interrupted; everything it started is stopped", file=sys.stderr)
-        return 130
     finally:
+        # Also on an error or an interrupt (then `main` sweeps whatever this one missed).
         if services is not None:
             services.stop()
-        from chaos.stack import stop_all
         from chaos.workers import stop_all as stop_workers
 
         stop_workers()
-        stop_all()
+        stack.stop_all()
 
 
 async def _run_all(
@@ -209,7 +351,7 @@ async def _run_all(
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as Bar
 
-    from chaos.journal import format_violation, write_junit, write_outputs
+    from chaos.journal import Ticker, format_violation, write_junit, write_outputs
     from chaos.runner import RunRefused, ScenarioRun
 
     out.mkdir(parents=True, exist_ok=True)
@@ -235,10 +377,12 @@ async def _run_all(
             print(str(exc), file=sys.stderr)
             return EXIT_INPUT
         task = bar.add_task(sc.spec.name, total=len(run.attempt_ids), info="")
+        ticker = Ticker(enabled=not args.quiet and not console.is_terminal)
 
-        def show(p: Any, task: Any = task, bar: Any = bar) -> None:
+        def show(p: Any, task: Any = task, bar: Any = bar, ticker: Ticker = ticker) -> None:
             info = f"workers {p.workers_alive} faults {p.faults_fired} {p.note}"
             bar.update(task, completed=p.terminal, info=info)
+            ticker.tick(lambda took: live_progress_line(p, took))
 
         run.on_progress = show
         started = time.monotonic()
@@ -246,18 +390,19 @@ async def _run_all(
             outcome = await run.run()
         await _ensure_services(services)
         result = outcome.result
-        write_outputs(run_dir, sc.spec.name, outcome.history, result, outcome.extra)
+        extra = {**outcome.extra, "mode": "live"}
+        write_outputs(run_dir, sc.spec.name, outcome.history, result, extra)
         suites.append((sc.spec.name, result, outcome.duration_s))
         (run_dir / "history.raw.jsonl").unlink(missing_ok=True)  # merged into history.jsonl
         _summary(console, sc.spec.name, outcome, time.monotonic() - started)
         if not result.ok:
-            console.print(f"  evidence: {run_dir / 'journal.json'}")
+            console.print(f"  evidence: {run_dir / 'journal.json'}", markup=False)
         for v in result.violations[:10]:
             console.print(format_violation(v), markup=False)
         if not result.ok:
             worst = EXIT_VIOLATION
     write_junit(out / "junit.xml", suites)
-    console.print(f"outputs: {out}")
+    console.print(f"outputs: {out}", markup=False)
     return worst
 
 
@@ -269,21 +414,40 @@ async def _ensure_services(services: Any) -> None:
 
 
 def _summary(console: Console, name: str, outcome: Any, took: float) -> None:
-    result = outcome.result
-    mark = "[green]PASS[/]" if result.ok else "[red]FAIL[/]"
-    failed = [k for k, v in result.verdicts.items() if v == "fail"]
-    stats = result.stats
-    console.print(
-        f"{mark} {name}: {len(outcome.attempt_ids)} evaluations in {took:.1f} s; "
-        f"reruns {stats.get('reruns', 0)}, duplicated tokens {stats.get('duplicated_tokens', 0)}"
-        + (f"; [red]broken: {', '.join(failed)}[/]" if failed else "")
-        + (
-            f"; [red]budgets: {'; '.join(result.budget_failures)}[/]"
-            if result.budget_failures
-            else ""
-        )
+    """One line per scenario: mode, faults fired, reruns by kind (`summary_line`)."""
+    from chaos.journal import summary_line
+
+    n = len(outcome.attempt_ids)
+    console.print(summary_line(name, "live", outcome.result, n, f"in {took:.1f} s"))
+
+
+def live_progress_line(p: Any, took: float) -> str:
+    """The log's progress line of a live scenario (`chaos.runner.Progress` `p`)."""
+    faults = f"{p.faults_fired} fault{'s' if p.faults_fired != 1 else ''} fired"
+    note = f", {p.note}" if p.note else ""
+    return (
+        f"chaos run {p.scenario} (live): {p.terminal}/{p.total} evaluations terminal, "
+        f"{p.workers_alive} workers alive, {faults}{note}, {took:.1f} s"
     )
 
 
+def _table_style(console: Console) -> dict[str, Any]:
+    """Boxes on a terminal; in a log, plain aligned columns (no box-drawing characters)."""
+    if console.is_terminal:
+        return {}
+    return {"box": None, "pad_edge": False, "title_justify": "left"}
+
+
+def make_console() -> Console:
+    """Lines are soft-wrapped: rich never cuts a path or a replay command with a newline
+    (on a terminal, the terminal folds it and a copy stays whole). Off a terminal (a pipe,
+    a file, a CI log) rich would also size tables to 80 columns: there the width is one no
+    line reaches, and no escape code is written (no colour system)."""
+    console = Console(highlight=False, emoji=False, soft_wrap=True)
+    if console.is_terminal:
+        return console
+    return Console(highlight=False, emoji=False, soft_wrap=True, width=NO_WRAP_WIDTH)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(main(exiting=True))

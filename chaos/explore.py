@@ -16,28 +16,37 @@ in the simulator and live.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
+import multiprocessing
 import os
 import random
+import signal
+import sys
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from chaos.scenario import LoadedScenario, ScenarioError, fault_schedule, scenario_from_dict
+from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
 
 
 @dataclass(frozen=True)
 class SeedResult:
     seed: int
     ok: bool
-    failed: tuple[str, ...]  # invariants (and "budgets") that failed
+    failed: tuple[str, ...]  # invariants (and "budgets", "exercised") that failed
     history_hash: str = ""
     message: str = ""
     crashed: int = 0  # `crash` events: did an armed failpoint fire?
+    unknown: tuple[str, ...] = ()  # invariants that judged nothing (or a broken history)
 
 
 @dataclass
@@ -89,8 +98,34 @@ def swarm(data: dict[str, Any], seed: int) -> dict[str, Any]:
             fault["count"] = rng.randint(1, int(fault["count"]))
         faults.append(fault)
     out["faults"] = faults
+    _swarm_services(out, rng)
     out["seed"] = seed
     return out
+
+
+def _swarm_services(out: dict[str, Any], rng: random.Random) -> None:
+    """The scenario's broker and Redis faults (`broker:`, `redis:`) take part like the
+    others: each kept on a coin flip, at a strength drawn up to the scenario's. Drawn after
+    the faults, so a scenario without them keeps the variants it always had."""
+    for section, key in (
+        ("broker", "consumer_timeout_s"),
+        ("broker", "dead_letter_loss"),
+        ("redis", "lose_last_writes"),
+    ):
+        settings = out.get(section)
+        if not isinstance(settings, dict) or not settings.get(key):
+            continue
+        value = settings[key]
+        if rng.random() < 0.5:
+            del settings[key]
+        elif key == "lose_last_writes":
+            settings[key] = rng.randint(1, int(value))
+        elif key == "dead_letter_loss":
+            settings[key] = round(rng.uniform(0.5 * value, value), 3)
+        else:  # a timeout: around the scenario's, never below the schema's floor
+            settings[key] = round(max(0.1, rng.uniform(0.5 * value, 1.5 * value)), 3)
+        if not settings:
+            del out[section]
 
 
 def concrete(data: dict[str, Any]) -> dict[str, Any]:
@@ -141,9 +176,16 @@ def simulate(data: dict[str, Any], mutant: str | None = None) -> SeedResult:
     failed = [k for k, v in result.verdicts.items() if v == "fail"]
     if result.budget_failures:
         failed.append("budgets")
-    first = result.violations[0].message if result.violations else "; ".join(result.budget_failures)
+    if result.exercise_failures:  # the scenario judged less than it promised
+        failed.append("exercised")
+    first = (
+        result.violations[0].message
+        if result.violations
+        else "; ".join(result.budget_failures + result.exercise_failures)
+    )
     crashed = sum(1 for e in outcome.history if e["ev"] == "crash")
-    return SeedResult(seed, result.ok, tuple(failed), outcome.history_hash, first, crashed)
+    unknown = tuple(k for k, v in result.verdicts.items() if v == "unknown")
+    return SeedResult(seed, result.ok, tuple(failed), outcome.history_hash, first, crashed, unknown)
 
 
 def _one(args: tuple[dict[str, Any], int, str | None]) -> SeedResult:
@@ -170,12 +212,71 @@ def explore(
             if on_result:
                 on_result(r)
         return exploration
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        for r in pool.map(_one, work, chunksize=16):
+    # Spawned, not forked: only an exec puts the owner mark where a /proc scan sees it.
+    context = multiprocessing.get_context("spawn")
+    resource_tracker.ensure_running()  # started unmarked: it must outlive a sweep
+    pool = ProcessPoolExecutor(jobs, context, initializer=_pool_worker, initargs=(os.getpid(),))
+    try:
+        with _marked_spawns():  # map() submits every chunk, so it starts every process
+            results = pool.map(_one, work, chunksize=16)
+        for r in results:
             exploration.results.append(r)
             if on_result:
                 on_result(r)
+    except BaseException:
+        _abandon(pool)  # an interrupt or an error: never wait for thousands of queued seeds
+        raise
+    pool.shutdown()
     return exploration
+
+
+@contextlib.contextmanager
+def _marked_spawns() -> Iterator[None]:
+    """Processes spawned inside carry the stack's marker and owner variables, so that an
+    interrupt, the next `chaos run` or `chaos clean` finds them even if this process was
+    SIGKILLed; SIGINT is blocked meanwhile, so a terminal's Ctrl-C (it reaches the whole
+    process group) finds them ignoring it (`_pool_worker`): the parent alone handles it."""
+    saved = {k: os.environ.get(k) for k in (MARKER_ENV, OWNER_ENV)}
+    os.environ[MARKER_ENV] = f"pool-{uuid.uuid4().hex}"
+    os.environ[OWNER_ENV] = owner_token()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # last: a pending SIGINT lands
+
+
+def _pool_worker(parent: int) -> None:
+    """In each pool process: Ctrl-C is the parent's business, and the process dies with its
+    parent (Linux `PR_SET_PDEATHSIG`) rather than wait forever on a queue nobody feeds."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _abandon(pool: ProcessPoolExecutor) -> None:
+    """Drop the queued work and SIGKILL the pool's processes (a seed is pure computation:
+    nothing is lost), then reap them."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        with contextlib.suppress(OSError, ValueError):
+            proc.kill()
+    for proc in processes:
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            proc.join(5.0)
 
 
 # --- shrinking ------------------------------------------------------------------------------
@@ -191,6 +292,9 @@ def shrink(
     """The smallest variant (fewest faults, earliest, smallest run) that still breaks
     `invariant` under the same seed."""
     tries = 0
+    if invariant != "exercised":
+        # The minimum case counts speak of the full run; a smaller one judges fewer cases.
+        data = {k: v for k, v in data.items() if k != "exercised"}
 
     def still_fails(candidate: dict[str, Any]) -> bool:
         nonlocal tries
@@ -231,6 +335,11 @@ def _smaller(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
                     out = copy.deepcopy(data)
                     out["faults"][i][key] = value
                     yield out
+    for section in ("broker", "redis"):  # the broker's and Redis's own faults, off
+        if data.get(section):
+            out = copy.deepcopy(data)
+            del out[section]
+            yield out
     for j, plan in enumerate(data.get("plans", [])):
         if plan.get("evaluations", 1) > 1:
             for value in _halves(plan["evaluations"]):

@@ -1,12 +1,19 @@
-"""A run's records for people and machines: the merged history, the journal, JUnit XML.
+"""A run's records for people and machines: the merged history, the journal, JUnit XML,
+the one-line summary and the progress lines of a log.
 
 `write_outputs` leaves, in one directory, `history.jsonl` (every event of the run, sorted
-by time, then source and sequence) and `journal.json` (verdicts, violations with their
-timelines, stats, budget failures and whatever the runner adds: seed, mode, mutant,
-duration). `write_junit` turns the verdicts of several scenarios into one JUnit report,
-one test case per (scenario, invariant), so CI shows each named anomaly on its own.
-Every file is written to a temporary name and moved into place: a reader never sees half
-a file, and a crash leaves the previous one.
+by time, then source and sequence) and `journal.json` (the mode, verdicts, violations with
+their timelines, stats, how long each check took, budget failures and whatever the runner
+adds: seed, mutant, duration). `write_junit` turns the verdicts of several scenarios into
+one JUnit report, one test case per (scenario, invariant), so CI shows each named anomaly
+on its own, with the time its own check took. Every file is written to a temporary name
+and moved into place: a reader never sees half a file, and a crash leaves the previous
+one.
+
+`summary_line` is the line a run prints per scenario: mode, faults fired, reruns by kind
+(a rerun in the write window or of a call in flight is the engine's promise kept; one after
+completion is the violation). `Ticker` prints a progress line every few seconds where no
+progress bar can be drawn (a pipe, a CI log), so a long run is never silent.
 """
 
 from __future__ import annotations
@@ -14,17 +21,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+from rich.text import Text
 
 from chaos.checker import INVARIANTS, CheckResult, Violation, sort_key
 
 #: Fields every event has; the rest is what a timeline line shows.
 _ENVELOPE = ("t", "src", "pid", "seq", "ev", "attempt_id")
 _FIELD_WIDTH = 48
+#: Seconds between two progress lines of a log (`Ticker`); read when a ticker is made.
+PROGRESS_EVERY_S = 5.0
 
 
 def write_outputs(
@@ -42,24 +55,34 @@ def write_outputs(
     _atomic_write(out / "history.jsonl", lines)
     journal = {
         "scenario": scenario_name,
+        "mode": (extra or {}).get("mode"),
         "ok": result.ok,
         "verdicts": dict(result.verdicts),
+        "cases": dict(result.cases),
         "invariants": {name: INVARIANTS[name] for name in result.verdicts},
         "violations": [v.to_dict() for v in result.violations],
         "stats": dict(result.stats),
+        "check_durations_s": {k: round(v, 6) for k, v in result.durations_s.items()},
         "budget_failures": list(result.budget_failures),
+        "exercise_failures": list(result.exercise_failures),
         "extra": dict(extra or {}),
     }
     _atomic_write(out / "journal.json", json.dumps(journal, indent=2, default=str) + "\n")
 
 
-def junit_cases(scenario_name: str, result: CheckResult, duration_s: float) -> list[ET.Element]:
-    """One `<testcase>` per invariant judged (classname = scenario, name = invariant): a
-    `<failure>` with the violations and their timelines, `<skipped>` for "unknown"; plus
-    a `budgets` case when any budget was set (`stats["budgets"]` lists them)."""
+def junit_cases(
+    scenario_name: str, result: CheckResult, duration_s: float = 0.0
+) -> list[ET.Element]:
+    """One `<testcase>` per invariant judged (classname = scenario, name = invariant), timed
+    by its own check (`result.durations_s`): a `<failure>` with the violations and their
+    timelines, `<skipped>` for "unknown"; plus a `budgets` case (time 0: comparing numbers)
+    when any budget was set (`stats["budgets"]` lists them). The scenario's run time is the
+    suite's; only a result built without timings (by hand) puts `duration_s` on its first
+    case, as before."""
     cases: list[ET.Element] = []
     for name, verdict in result.verdicts.items():
-        case = ET.Element("testcase", classname=scenario_name, name=name, time="0")
+        took = _seconds(result.durations_s.get(name, 0.0))
+        case = ET.Element("testcase", classname=scenario_name, name=name, time=took)
         found = [v for v in result.violations if v.invariant == name]
         if verdict == "fail":
             failure = ET.SubElement(
@@ -70,7 +93,9 @@ def junit_cases(scenario_name: str, result: CheckResult, duration_s: float) -> l
             )
             failure.text = "\n\n".join(format_violation(v) for v in found)
         elif verdict == "unknown":
-            ET.SubElement(case, "skipped", message="unknown: the history holds no evidence")
+            n = result.cases.get(name, 0)
+            why = "no case judged" if n == 0 else f"{n} case(s) on an incomplete history"
+            ET.SubElement(case, "skipped", message=f"unknown: {why}")
         cases.append(case)
     budgets = result.stats.get("budgets")
     if result.budget_failures or budgets:
@@ -81,9 +106,14 @@ def junit_cases(scenario_name: str, result: CheckResult, duration_s: float) -> l
             )
             failure.text = "\n".join(result.budget_failures)
         cases.append(case)
-    if cases:
-        cases[0].set("time", f"{max(duration_s, 0.0):.3f}")
+    if cases and not result.durations_s:
+        cases[0].set("time", _seconds(duration_s))
     return cases
+
+
+def _seconds(value: float) -> str:
+    """JUnit seconds at microsecond precision: a check often takes under a millisecond."""
+    return f"{max(value, 0.0):.6f}"
 
 
 def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult, float]]) -> None:
@@ -118,6 +148,98 @@ def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult, float
     ET.indent(root)
     text = ET.tostring(root, encoding="unicode", xml_declaration=True)
     _atomic_write(Path(path), text + "\n")
+
+
+def rerun_split(stats: Mapping[str, Any]) -> str:
+    """`reruns 9 (write window 2, in flight 7, after completion 0)`: the total is every
+    rerun; only the last kind breaks `no_completed_rerun`."""
+    kinds = stats.get("rerun_kinds")
+    if not isinstance(kinds, Mapping):  # a journal from before the split
+        return f"reruns {stats.get('reruns', 0)}"
+    window, flight, after = (
+        int(kinds.get(k, 0)) for k in ("write_window", "in_flight", "after_completion")
+    )
+    return (
+        f"reruns {window + flight + after} (write window {window}, in flight {flight}, "
+        f"after completion {after})"
+    )
+
+
+def faults_text(stats: Mapping[str, Any]) -> str:
+    """`faults kill_worker x6, crash@rule_after_write`: what was done to the run."""
+    fired = stats.get("faults_fired")
+    if not isinstance(fired, Mapping) or not fired:
+        return "faults none"
+    return "faults " + ", ".join(k if n == 1 else f"{k} x{n}" for k, n in fired.items())
+
+
+def summary_line(
+    name: str, mode: str, result: CheckResult, evaluations: int, timing: str, tail: str = ""
+) -> Text:
+    """The one line a run prints per scenario, in a pipe as on a terminal (the styles are
+    dropped where colours are): verdict, scenario, mode, size and time, faults fired,
+    reruns by kind, duplicated tokens, the cases judged in all, then `tail` (e.g. the
+    sim's history hash) and only what broke or stayed unknown, with its case count.
+    `timing` is already worded ("in 4.2 s", "in 12.0 s simulated (0.31 s real)")."""
+    stats = result.stats
+    failed = [k for k, v in result.verdicts.items() if v == "fail"]
+    unknown = [k for k, v in result.verdicts.items() if v == "unknown"]
+    line = Text.assemble(
+        ("PASS", "green") if result.ok else ("FAIL", "red"),
+        f" {name} ({mode}): {evaluations} evaluation{'' if evaluations == 1 else 's'} {timing}; "
+        f"{faults_text(stats)}; "
+        f"{rerun_split(stats)}, duplicated tokens {stats.get('duplicated_tokens', 0)}",
+    )
+    if result.cases:
+        line.append(f"; {sum(result.cases.values())} cases judged")
+    if tail:
+        line.append(f"; {tail}")
+    if failed:
+        line.append(f"; broken: {_with_cases(result, failed)}", style="red")
+    if unknown:
+        line.append(f"; unknown: {_with_cases(result, unknown)}", style="yellow")
+    if result.exercise_failures:
+        line.append(f"; exercised: {'; '.join(result.exercise_failures)}", style="red")
+    if result.budget_failures:
+        line.append(f"; budgets: {'; '.join(result.budget_failures)}", style="red")
+    return line
+
+
+def _with_cases(result: CheckResult, names: list[str]) -> str:
+    """`a (3 cases), b (0 cases)`: what each verdict was judged on."""
+    return ", ".join(f"{n} ({result.cases.get(n, 0)} cases)" for n in names)
+
+
+class Ticker:
+    """A progress line every `every_s` seconds, for a log where no progress bar can be
+    drawn (stdout a pipe or a file): a run of minutes is never silent. The lines go to
+    `stream` (stderr by default, so stdout keeps only results); `clock` is injectable so
+    tests never wait on wall time."""
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        every_s: float | None = None,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.enabled = enabled
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+        self.stream = stream
+        self.clock = clock
+        self.started = self.last = clock()
+
+    def tick(self, line: Callable[[float], str]) -> bool:
+        """Print `line(elapsed seconds)` if `every_s` passed since the last one; whether it
+        printed. `line` is only called then: formatting costs nothing between lines."""
+        if not self.enabled:
+            return False
+        now = self.clock()
+        if now - self.last < self.every_s:
+            return False
+        self.last = now
+        print(line(now - self.started), file=self.stream or sys.stderr, flush=True)
+        return True
 
 
 def format_violation(v: Violation) -> str:

@@ -28,13 +28,16 @@ from engine.agent import FakeAgent
 from engine.core import (
     AckRetry,
     Evaluation,
+    PublishPassResult,
     Recovery,
     RuleState,
     SkipRules,
     Snapshot,
     classify,
 )
+from engine.history import FileHistory
 from engine.plan import Plan
+from engine.policy import RetryPolicy
 from engine.runtime import controller, orchestrator, store
 from engine.runtime.broker import Broker
 from engine.runtime.reevaluate import ReEvaluateUseCase
@@ -89,6 +92,20 @@ def result_without_ttl() -> None:
         raise RuntimeError("result_without_ttl: the result write script changed")
     store._WRITE_RESULT = store._WRITE_RESULT.replace(
         with_ttl, "redis.call('SET', KEYS[1], ARGV[1], 'NX')"
+    )
+
+
+def overwrite_result() -> None:
+    """idempotent_results: rule results are written with a plain `SET ... EX` instead of
+    `SET NX`, so the last write wins and every write reports that it won. A late write by an
+    execution that lost its lease (a frozen worker waking up in the write window) then
+    replaces the result the owner wrote and announced first. The rest of the script is
+    unchanged: the source is replaced before `RedisStore.__init__` registers it."""
+    first_wins = "redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])"
+    if first_wins not in store._WRITE_RESULT:
+        raise RuntimeError("overwrite_result: the result write script changed")
+    store._WRITE_RESULT = store._WRITE_RESULT.replace(
+        first_wins, "redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])"
     )
 
 
@@ -237,6 +254,233 @@ def double_final_publish() -> None:
     controller.publish_completed = publish_twice
 
 
+# --- the core's graph and retry levels ----------------------------------------------------
+
+
+def ignore_dag() -> None:
+    """dag_order: every rule is ready at once, whatever its dependencies (`Evaluation._ready`
+    answers yes), so a dependent starts beside the rules it depends on, before their results
+    exist. Pruning is unchanged: a dependent still pending when a dependency fails for good
+    is skipped."""
+
+    def always_ready(self: Evaluation, rule_id: str) -> bool:
+        return True
+
+    Evaluation._ready = always_ready
+
+
+def no_immediate_retries() -> None:
+    """retry_budget: level 1 is gone. The core's policy has `immediate_retries` 0 whatever
+    the config says, so the first transient failure of an attempt writes `failed_attempt_N`
+    and schedules a delayed retry (or gives up, at the last attempt). The worker's other
+    settings, and the agent's numbering of calls, are unchanged."""
+    init = Evaluation.__init__
+
+    def without_level_1(self: Evaluation, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.policy = dataclasses.replace(self.policy, immediate_retries=0)
+
+    Evaluation.__init__ = without_level_1
+
+
+def give_up_early() -> None:
+    """retry_budget: the last attempt is never made: `Evaluation.max_attempts` answers one
+    less than the plan or the policy says (at least 1), so a rule whose attempt
+    `max_attempts - 1` fails is written `permanently_failed`."""
+    max_attempts = Evaluation.max_attempts
+
+    def one_less(self: Evaluation, rule_id: str) -> int:
+        return max(1, max_attempts(self, rule_id) - 1)
+
+    Evaluation.max_attempts = one_less
+
+
+def slow_tier() -> None:
+    """retry_delays_respected: the retry after `failed_attempt_N` goes to the tier after the
+    one the policy gives (the last tier stays the last): `RetryPolicy.tier_for` answers one
+    tier more, so the core publishes it to the longer tier's queue with that tier's delay
+    (and the retries index agrees)."""
+    tier_for = RetryPolicy.tier_for
+
+    def one_tier_later(self: RetryPolicy, failed_attempt: int) -> int:
+        return min(tier_for(self, failed_attempt) + 1, len(self.tiers_ms) - 1)
+
+    RetryPolicy.tier_for = one_tier_later
+
+
+# --- the history ---------------------------------------------------------------------------
+
+#: `drop_history_events` loses every DROP_EVERY-th event a worker records.
+DROP_EVERY = 7
+
+
+def history_drops(seq: int) -> bool:
+    """Whether `drop_history_events` loses the event a worker numbers `seq` (the simulator
+    asks the same)."""
+    return seq % DROP_EVERY == 0
+
+
+def drop_history_events() -> None:
+    """history_complete: the worker's history writer loses every 7th event it records,
+    still counting it: `FileHistory.record` advances `seq` and writes nothing, so the
+    source's numbering has a gap where the event was."""
+    record = FileHistory.record
+
+    def lossy_record(self: FileHistory, ev: str, **fields: Any) -> None:
+        if history_drops(self._seq + 1):
+            self._seq += 1
+            return
+        record(self, ev, **fields)
+
+    FileHistory.record = lossy_record
+
+
+# --- cancels, announcements, indexes and leases ---------------------------------------------
+
+
+def ignore_cancel(owner: Any) -> None:
+    """`start_after_cancel` on an orchestrator class: the live `PassExecutionOrchestrator`,
+    or the simulator's mirror of it (`sim.orchestrator.Orchestrator`, same seam)."""
+    look = owner._look
+
+    def blind_look(self: Any, over: str | None) -> None:
+        look(self, None)
+        if over is not None:  # the store counted none of these starts: none to mark
+            self._starts = []
+
+    def deaf_cancel(self: Any) -> None:
+        return None
+
+    owner._look = blind_look
+    owner.cancel = deaf_cancel
+
+
+def start_after_cancel() -> None:
+    """cancel_respected: the owner ignores a cancel. The broadcast reaches its controller
+    (`cancel_received`) but the orchestrator's `cancel` does nothing, and the terminal state
+    its writes read back from Redis is not looked at (no `cancel_seen`): it goes on starting
+    rules and scheduling retries to the end, then loses the final state to the cancel's."""
+    ignore_cancel(orchestrator.PassExecutionOrchestrator)
+
+
+def spurious_cancel() -> None:
+    """cancel_respected: a cancel broadcast cancels every evaluation the worker holds, not
+    only the one it names: the others end `cancelled` (their owner writes and announces it)
+    although nobody cancelled them."""
+    on_cancel = controller.EvaluationController._on_cancel
+
+    async def cancel_all(
+        self: controller.EvaluationController, attempt_id: str, message: Any
+    ) -> None:
+        others = [o for a, o in self.evaluations.items() if a != attempt_id]
+        await on_cancel(self, attempt_id, message)
+        for orch in others:
+            orch.cancel()
+
+    controller.EvaluationController._on_cancel = cancel_all
+
+
+def all_passes_complete() -> None:
+    """pass_results_correct: every pass is announced `complete`, whatever it lost: the core's
+    `PublishPassResult` says so even when a rule of the pass failed for good or was skipped
+    (its rules and their verdicts are unchanged)."""
+    advance = Evaluation._advance
+
+    def optimistic_advance(self: Evaluation) -> list:
+        return [
+            dataclasses.replace(a, outcome="complete") if isinstance(a, PublishPassResult) else a
+            for a in advance(self)
+        ]
+
+    Evaluation._advance = optimistic_advance
+
+
+class _CompletedDropped:
+    """The worker's broker, dropping `evaluation.completed` on the way out."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._broker, name)
+
+    async def publish_event(self, routing_key: str, *args: Any, **kwargs: Any) -> None:
+        if routing_key != "evaluation.completed":
+            await self._broker.publish_event(routing_key, *args, **kwargs)
+
+
+def no_completed_event() -> None:
+    """completed_delivered: `evaluation.completed` is never published. Everything around it
+    happens as usual (the flag in Redis, the indexes, the lease, `final_published` in the
+    history): the engine believes it announced the result, and no consumer ever hears."""
+    publish_completed = orchestrator.publish_completed
+
+    async def publish_nothing(rt: Any, attempt_id: str, status: str, verdicts: dict) -> bool:
+        muted = dataclasses.replace(rt, broker=_CompletedDropped(rt.broker))
+        return await publish_completed(muted, attempt_id, status, verdicts)
+
+    orchestrator.publish_completed = publish_nothing
+    controller.publish_completed = publish_nothing
+
+
+#: What takes an evaluation out of the running index, by script: `leak_running_index`
+#: removes each (a terminal evaluation is the only one these lines ever remove).
+_RUNNING_UNINDEX = {
+    "_DONE": "redis.call('ZREM', KEYS[2], ARGV[2])\n",
+    "_BEGIN": "  if published ~= '' then redis.call('ZREM', KEYS[5], ARGV[6]) end\n",
+    "_UNINDEX": "redis.call('ZREM', KEYS[1], ARGV[1])\n",
+    "_CLAIM_STALE": "  redis.call('ZREM', KEYS[1], ARGV[1])\n",
+}
+
+
+def leak_running_index() -> None:
+    """quiet_state: a terminal evaluation is left in the running index. No script takes it
+    out any more: not the owner's `done` once it is announced, not `unindex` (another final
+    state won), not `begin` nor the sweeper's claim when they meet it announced (the claim
+    still declines it, so it is never re-swept: it only stays). The sources are edited
+    before `RedisStore.__init__` registers them."""
+    for name, line in _RUNNING_UNINDEX.items():
+        source = getattr(store, name)
+        if source.count(line) != 1:
+            raise RuntimeError(f"leak_running_index: the script {name} changed")
+        setattr(store, name, source.replace(line, ""))
+
+
+#: `needless_rerun`: the renewal (counted per evaluation and worker) that gives the lease up.
+GIVE_UP_AT_RENEWAL = 2
+
+
+def needless_rerun() -> None:
+    """reruns_explained: the worker gives up a lease it holds. The second renewal of each
+    evaluation reports the lease lost although Redis renewed it, so the heartbeat abandons
+    the evaluation (its lease released, its deliveries handed back); the sweeper resumes it
+    once its stamp is stale and the rules that were in flight run again, with no fault to
+    explain it. Once per evaluation and process, so the run still ends."""
+    renew = store.RedisStore.renew
+    renewals: dict[str, int] = {}
+
+    async def careless_renew(self: store.RedisStore, attempt_ids: Any, me: str) -> dict[str, bool]:
+        held = await renew(self, attempt_ids, me)
+        for a, ours in held.items():
+            renewals[a] = renewals.get(a, 0) + 1
+            if ours and renewals[a] == GIVE_UP_AT_RENEWAL:
+                held[a] = False
+        return held
+
+    store.RedisStore.renew = careless_renew
+
+
+def ignore_lease() -> None:
+    """reruns_explained: `begin` ignores the lease. A delivery for an evaluation another live
+    worker owns (a retry, a redelivered copy) no longer finds it held, and is not forwarded:
+    the worker takes the lease and runs the evaluation beside its owner, rerunning the rules
+    the owner has in flight. The source is edited before `RedisStore.__init__` registers it."""
+    check = "if cur and cur ~= ARGV[1] then return {'held', cur} end\n"
+    if store._BEGIN.count(check) != 1:
+        raise RuntimeError("ignore_lease: the begin script changed")
+    store._BEGIN = store._BEGIN.replace(check, "")
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -289,9 +533,74 @@ MUTANTS: dict[str, Mutant] = {
             "rule results are written without their TTL and never expire",
         ),
         _mutant(
+            overwrite_result,
+            "idempotent_results",
+            "rule results are written last-write-wins: a late write replaces the first",
+        ),
+        _mutant(
             double_final_publish,
             "single_final_result",
             "evaluation.completed is published twice, with the same body",
+        ),
+        _mutant(
+            ignore_dag,
+            "dag_order",
+            "rules start at once, before their dependencies have a result",
+        ),
+        _mutant(
+            no_immediate_retries,
+            "retry_budget",
+            "immediate_retries is 0: the first transient failure of an attempt ends it",
+        ),
+        _mutant(
+            give_up_early,
+            "retry_budget",
+            "a rule is permanently_failed one attempt before max_attempts",
+        ),
+        _mutant(
+            slow_tier,
+            "retry_delays_respected",
+            "a delayed retry goes to the tier after the one the policy gives",
+        ),
+        _mutant(
+            drop_history_events,
+            "history_complete",
+            "the worker's history loses every 7th event, its seq still counted",
+        ),
+        _mutant(
+            start_after_cancel,
+            "cancel_respected",
+            "the owner ignores a cancel and keeps starting rules to the end",
+        ),
+        _mutant(
+            spurious_cancel,
+            "cancel_respected",
+            "a cancel broadcast cancels every evaluation the worker holds",
+        ),
+        _mutant(
+            all_passes_complete,
+            "pass_results_correct",
+            "every pass is announced complete, whatever it lost",
+        ),
+        _mutant(
+            no_completed_event,
+            "completed_delivered",
+            "evaluation.completed is never published, though flagged as published",
+        ),
+        _mutant(
+            leak_running_index,
+            "quiet_state",
+            "a terminal evaluation is left in the running index",
+        ),
+        _mutant(
+            needless_rerun,
+            "reruns_explained",
+            "the heartbeat gives up a lease it holds: the resume reruns the rules in flight",
+        ),
+        _mutant(
+            ignore_lease,
+            "reruns_explained",
+            "begin ignores the lease: a second worker runs the evaluation beside its owner",
         ),
     )
 }

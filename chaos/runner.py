@@ -4,7 +4,9 @@ Jepsen's split, in small pieces: the *client* submits evaluations and cancels th
 (`engine.submit.EngineClient`); the *nemesis* fires the scenario's faults (SIGKILL a worker,
 Redis or the broker and bring it back, arm failpoints in worker processes); the *generator*
 is the fault schedule, planned as data from the scenario's seed before the run starts;
-the *checker* (`chaos.checker`) reads the recorded history and the final Redis state once
+a *consumer* of `evaluation.completed`, bound before the first submit, records what a
+downstream service would receive; the *checker* (`chaos.checker`) reads the recorded
+history and the final Redis state (its keys, TTLs and the engine's indexes) once
 everything has stopped. The runner itself only supervises: it restarts crashed workers,
 watches the history for event-triggered faults, and waits until every evaluation is
 terminal or the deadline passes.
@@ -13,6 +15,9 @@ terminal or the deadline passes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import itertools
 import json
 import random
 import time
@@ -22,7 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
+
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
+from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
 from chaos.services import Services
 from chaos.workers import WorkerProcess
@@ -30,11 +44,21 @@ from engine.config import EngineConfig
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.history import FileHistory, read_history
 from engine.plan import Plan
-from engine.runtime.store import RedisStore
+from engine.runtime.store import RedisStore, eval_key, glob_escape
 from engine.submit import EngineClient
 
 TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
 READY_TIMEOUT_S = 30.0
+#: The harness's durable queue of `evaluation.completed` (in the run's namespace).
+COMPLETED_QUEUE = "chaos.completed"
+#: How long the end of a run waits for the consumer to hold every announced evaluation.
+DELIVERY_PATIENCE_S = 10.0
+
+
+def run_prefix(namespace: str, *, shared_redis: bool) -> str:
+    """What a run puts before the seed's attemptIds: its unique namespace on a shared Redis
+    (another run of the same seed may be using it), nothing on its own."""
+    return namespace if shared_redis else ""
 
 
 class RunRefused(ValueError):
@@ -43,16 +67,28 @@ class RunRefused(ValueError):
 
 def refusal(loaded: LoadedScenario, killable: set[str]) -> str | None:
     """Why the scenario cannot run against these services, in one line (None: it can)."""
+    spec = loaded.spec
     kills = {"kill_redis": "redis", "kill_broker": "broker"}
-    needed = {kills[f.action] for f in loaded.spec.faults if getattr(f, "action", "") in kills}
+    needed = {kills[f.action] for f in spec.faults if getattr(f, "action", "") in kills}
     missing = needed - killable
-    if not missing:
-        return None
-    names = " and ".join(sorted(missing))
-    return (
-        f"{loaded.path}: faults: kills {names}, but this run uses a shared service "
-        "(REDIS_URL/AMQP_URL); unset them to let the run start its own"
-    )
+    if missing:
+        names = " and ".join(sorted(missing))
+        return (
+            f"{loaded.path}: faults: kills {names}, but this run uses a shared service "
+            "(REDIS_URL/AMQP_URL); unset them to let the run start its own"
+        )
+    # settings only the run's own instances take: a node's consumer_timeout, an AOF to cut
+    owned = [
+        ("broker.consumer_timeout_s", "broker", "AMQP_URL", spec.broker.consumer_timeout_s),
+        ("redis.lose_last_writes", "redis", "REDIS_URL", spec.redis.lose_last_writes or None),
+    ]
+    for field_name, service, variable, value in owned:
+        if value is not None and service not in killable:
+            return (
+                f"{loaded.path}: {field_name}: needs the run's own {service}, but this run "
+                f"uses a shared one ({variable}); unset it to let the run start its own"
+            )
+    return None
 
 
 @dataclass
@@ -87,6 +123,8 @@ class _Worker:
     incarnation: int = 0
     restart_at: float | None = None  # monotonic time of a pending restart
     stopped_on_purpose: bool = False
+    heals: list[int] = field(default_factory=list)  # fault ids healed once it is ready again
+    log_offset: int = 0  # where the current incarnation's log starts
 
 
 class ScenarioRun:
@@ -113,13 +151,21 @@ class ScenarioRun:
         self.history = FileHistory(self.raw_history, "runner")
         self.rng = random.Random(self.seed)
         self.schedule: list[PlannedFault] = fault_schedule(self.spec, self.rng)
-        # Queues and index keys are the run's own (`ns`); the attemptIds are the seed's,
-        # and leftovers of an earlier run of the same ids are cleared first.
-        self.id_prefix = loaded.id_prefix(self.seed)
-        self.plans: dict[str, Plan] = loaded.evaluations(self.seed)
+        # Queues and index keys are the run's own (`ns`). On the run's own Redis the
+        # attemptIds are the seed's (as the simulator's are), and leftovers of an earlier run
+        # of the same ids are cleared first; on a shared one (REDIS_URL) they carry `ns` too,
+        # so two runs of one seed never read, overwrite or delete each other's keys.
+        self.run_prefix = run_prefix(self.ns, shared_redis=services.redis is None)
+        self.id_prefix = self.run_prefix + loaded.id_prefix(self.seed)
+        self.seed_plans: dict[str, Plan] = loaded.evaluations(self.seed)
+        self.plans: dict[str, Plan] = {self.run_prefix + a: p for a, p in self.seed_plans.items()}
         self.attempt_ids: list[str] = list(self.plans)
         self.cancelled: set[str] = set()
         self.workers: list[_Worker] = []
+        self._events_conn: AbstractRobustConnection | None = None  # the consumer's
+        self._events_queue: AbstractQueue | None = None
+        self._received: set[str] = set()  # attemptIds whose evaluation.completed arrived
+        self._fault_ids = itertools.count(1)  # fault_fired / worker_exited -> fault_healed
         self.progress = Progress(self.spec.name, len(self.attempt_ids))
         self._t0 = 0.0
         self._pending: list[asyncio.Task[None]] = []
@@ -161,6 +207,8 @@ class ScenarioRun:
         ]  # fmt: skip
         if e.retry_grace_ms is not None:
             args += ["--retry-grace-ms", str(e.retry_grace_ms)]
+        if self.run_prefix:  # the agent draws what the seed's ids draw
+            args += ["--agent-id-prefix", self.run_prefix]
         if not e.sweeper:
             args.append("--no-sweeper")
         for fp in failpoints:
@@ -177,6 +225,8 @@ class ScenarioRun:
     def _start_worker(self, w: _Worker) -> None:
         failpoints = w.failpoints if w.incarnation == 0 else []
         module = ("chaos.mutants", self.mutant) if self.mutant else ("engine.worker",)
+        log = self.run_dir / f"worker{w.index}.log"
+        w.log_offset = log.stat().st_size if log.exists() else 0
         w.proc = WorkerProcess(
             self.worker_args(failpoints),
             env={"REDIS_URL": self.services.redis_url, "AMQP_URL": self.services.amqp_url},
@@ -197,8 +247,10 @@ class ScenarioRun:
         if not ok and proc.alive:
             raise RuntimeError(f"worker {w.index} did not get ready in {READY_TIMEOUT_S:.0f} s")
 
-    def _kill_worker(self, w: _Worker, restart_after_s: float | None) -> None:
+    def _kill_worker(self, w: _Worker, restart_after_s: float | None, fault_id: int) -> None:
+        """SIGKILL; the fault heals once a restarted worker is ready (never without one)."""
         if w.proc is None or not w.proc.alive:
+            self._healed(fault_id)  # nothing to kill: nothing broken
             return
         pid = w.proc.pid
         w.proc.kill()
@@ -206,6 +258,19 @@ class ScenarioRun:
         self.history.record("worker_killed", worker=w.index, pid=pid)
         if restart_after_s is not None:
             w.restart_at = time.monotonic() + restart_after_s
+            w.heals.append(fault_id)
+
+    def _healed(self, fault_id: int) -> None:
+        """The fault's window closes: the checker reads it from here, not from guesses."""
+        self.history.record("fault_healed", fault_id=fault_id)
+
+    def _ready(self, w: _Worker) -> bool:
+        """Whether the current incarnation has said "ready" in its log (no waiting)."""
+        if w.proc is None or w.proc.log_path is None or not w.proc.log_path.exists():
+            return False
+        with open(w.proc.log_path, "rb") as fh:
+            fh.seek(w.log_offset)
+            return b" ready: " in fh.read()
 
     def _supervise(self) -> None:
         """Restart workers that crashed (a failpoint) or were killed, when it is time."""
@@ -214,13 +279,22 @@ class ScenarioRun:
         for w in self.workers:
             if w.proc is not None and w.proc.alive:
                 alive += 1
+                if w.heals and self._ready(w):
+                    for fault_id in w.heals:
+                        self._healed(fault_id)
+                    w.heals.clear()
                 continue
             if w.restart_at is None and not w.stopped_on_purpose and w.proc is not None:
-                code = w.proc.returncode
-                self.history.record("worker_exited", worker=w.index, code=code)
+                code, pid = w.proc.returncode, w.proc.pid
+                # a crash: a fault window from the worker's `crash` to the restart's "ready"
+                fault_id = next(self._fault_ids)
+                self.history.record(
+                    "worker_exited", worker=w.index, code=code, pid=pid, fault_id=fault_id
+                )
                 w.stopped_on_purpose = True  # noted once
                 if self.spec.restart_crashed_workers:
                     w.restart_at = now + self.spec.restart_delay_s
+                    w.heals.append(fault_id)
             if w.restart_at is not None and now >= w.restart_at:
                 self._start_worker(w)
                 alive += 1
@@ -229,36 +303,99 @@ class ScenarioRun:
     # --- faults -------------------------------------------------------------------------
 
     async def _fire(self, fault: PlannedFault) -> None:
+        """Fire one fault. Its `fault_fired` carries a `fault_id`, and the same id's
+        `fault_healed` is recorded when the runner has undone it (a worker restarted and
+        ready, a service back, a cancel sent); a fault never undone stays open."""
         self.progress.faults_fired += 1
+        fault_id = next(self._fault_ids)
         self.history.record(
-            "fault_fired", fault=fault.label, action=fault.action, target=fault.target
+            "fault_fired",
+            fault=fault.label,
+            action=fault.action,
+            target=fault.target,
+            fault_id=fault_id,
         )
         if fault.action == "kill_worker":
-            self._kill_worker(self.workers[fault.target], fault.restart_after_s)
+            self._kill_worker(self.workers[fault.target], fault.restart_after_s, fault_id)
         elif fault.action == "restart_worker":
             w = self.workers[fault.target]
             if w.proc is not None:
                 await asyncio.to_thread(w.proc.terminate)
                 w.stopped_on_purpose = True
             w.restart_at = time.monotonic()
+            w.heals.append(fault_id)
         elif fault.action in ("kill_redis", "kill_broker"):
             name = "redis" if fault.action == "kill_redis" else "broker"
             svc = self.services.service(name)
             await asyncio.to_thread(svc.kill)
             self.history.record("service_killed", service=name)
             if fault.restart_after_s is not None:
-                self._later(fault.restart_after_s, self._restart_service(name))
+                self._later(fault.restart_after_s, self._restart_service(name, fault_id))
         elif fault.action == "cancel":
             attempt_id = self.attempt_ids[fault.target]
             self.cancelled.add(attempt_id)
             self.history.record("cancel_requested", attempt_id=attempt_id)
             async with EngineClient(self.config()) as client:
-                await client.cancel(attempt_id)
+                state = await client.cancel(attempt_id)
+            self.history.record("cancel_written", attempt_id=attempt_id, state=state)
+            self._healed(fault_id)
 
-    async def _restart_service(self, name: str) -> None:
+    async def _restart_service(self, name: str, fault_id: int) -> None:
         svc = self.services.service(name)
+        extra = {}
+        if name == "redis" and self.spec.redis.lose_last_writes:
+            extra["lost_writes"] = await self._lose_redis_writes()
         await asyncio.to_thread(svc.restart)
-        self.history.record("service_restarted", service=name)
+        self.history.record("service_restarted", service=name, **extra)
+        self._healed(fault_id)
+
+    async def _lose_redis_writes(self) -> int:
+        """`redis.lose_last_writes`: the stopped server's append-only file loses its last
+        writes before it comes back (`chaos.aof`), as after a failover to a lagging replica."""
+        return await asyncio.to_thread(
+            self.services.lose_redis_writes, self.spec.redis.lose_last_writes
+        )
+
+    async def _lose_retries(self, client: EngineClient) -> None:
+        """`broker.dead_letter_loss`: each delayed retry the workers publish is lost or not,
+        by the draw the simulator makes on the same id (`BrokerSpec.loses`); a lost one is
+        taken off its delay queue and acknowledged before its TTL sends it on."""
+        broker = self.spec.broker
+        if not broker.dead_letter_loss or client.broker.connection is None:
+            return
+        channel = await client.broker.connection.channel()
+        offset = 0
+        try:
+            while True:
+                await asyncio.sleep(0.02)
+                if not self.raw_history.exists():
+                    continue
+                with open(self.raw_history, "rb") as fh:
+                    fh.seek(offset)
+                    chunk = fh.read()
+                end = chunk.rfind(b"\n") + 1
+                offset += end
+                for line in chunk[:end].splitlines():
+                    try:
+                        ev = json.loads(line)
+                    except ValueError:
+                        continue
+                    if ev.get("ev") != "retry_published":
+                        continue
+                    a, rule, n = ev.get("attempt_id"), ev.get("rule_id"), ev.get("attempt")
+                    seed_id = f"{str(a).removeprefix(self.run_prefix)}:{rule}:{n}"
+                    if broker.loses(self.seed, seed_id):
+                        queue = client.broker.delay_queues.get((int(ev["tier"]) - 1, ev["bucket"]))
+                        taken = queue is not None and await _take(channel, queue, f"{a}:{rule}:{n}")
+                        self.history.record(
+                            "retry_lost" if taken else "retry_loss_missed",
+                            attempt_id=a,
+                            rule_id=rule,
+                            attempt=n,
+                        )
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
 
     def _later(self, delay_s: float, coro: Any) -> None:
         async def run() -> None:
@@ -309,6 +446,7 @@ class ScenarioRun:
             for i in range(spec.workers)
         ]
         started = time.monotonic()
+        await asyncio.to_thread(self.services.configure, spec.broker.consumer_timeout_s)
         await self._clear_earlier_runs()
         self.history.record("run_started", scenario=spec.name, seed=self.seed, mutant=self.mutant)
         tasks: list[asyncio.Task[None]] = []
@@ -317,6 +455,7 @@ class ScenarioRun:
                 self._start_worker(w)
             await asyncio.gather(*(self._wait_ready(w) for w in self.workers))
             async with EngineClient(self.config()) as client:
+                await self._bind_consumer()
                 self._t0 = time.monotonic()
                 for attempt_id in self.attempt_ids:
                     plan = self.plans[attempt_id]
@@ -325,29 +464,83 @@ class ScenarioRun:
                 tasks = [
                     asyncio.ensure_future(self._timed_faults()),
                     asyncio.ensure_future(self._event_faults()),
+                    asyncio.ensure_future(self._lose_retries(client)),
                 ]
                 await self._wait_terminal(client, tasks)
+                await self._wait_delivered(client)
         finally:
             for task in [*tasks, *self._pending]:
                 task.cancel()
             await asyncio.gather(*tasks, *self._pending, return_exceptions=True)
             await self._stop_workers()
+            await self._close_consumer()
         final = await self._final_state()
         self.history.record("run_finished", duration_s=round(time.monotonic() - started, 3))
         self.history.close()
-        history = read_history(self.raw_history)
+        history, final = self._as_seed_run(
+            read_history(self.raw_history, keep_unreadable=True), final
+        )
         result = check(history, final, self.check_spec())
+        extra: dict[str, Any] = {"seed": self.seed, "mutant": self.mutant, "namespace": self.ns}
+        if self.run_prefix:
+            extra["attempt_id_prefix"] = self.run_prefix
         return Outcome(
             scenario=spec.name,
             result=result,
             history=history,
             duration_s=time.monotonic() - started,
-            attempt_ids=self.attempt_ids,
+            attempt_ids=list(self.seed_plans),
             final=final,
-            extra={"seed": self.seed, "mutant": self.mutant, "namespace": self.ns},
+            extra=extra,
         )
 
+    def _as_seed_run(
+        self, history: list[dict[str, Any]], final: FinalState
+    ) -> tuple[list[dict[str, Any]], FinalState]:
+        """The run as the seed's ids name it: the checker, the outputs and the comparisons
+        with the simulator see `s7-plan-0`, whatever prefix kept it apart in a shared Redis
+        (`extra.attempt_id_prefix` records it). The workers' agent drew from these ids."""
+        prefix = self.run_prefix
+        if not prefix:
+            return history, final
+
+        def bare(value: Any) -> Any:
+            return value.removeprefix(prefix) if isinstance(value, str) else value
+
+        def event(ev: dict[str, Any]) -> dict[str, Any]:
+            a = ev.get("attempt_id")
+            if isinstance(a, str) and a.startswith(prefix):
+                ev = {**ev, "attempt_id": a.removeprefix(prefix)}
+            if ev.get("ev") == "completed_received":  # the message names the run's ids
+                body = ev.get("body")
+                if isinstance(body, dict):
+                    body = {**body, "attempt_id": bare(body.get("attempt_id"))}
+                ev = {**ev, "message_id": bare(ev.get("message_id")), "body": body}
+            return ev
+
+        evaluations = {
+            a.removeprefix(prefix): dataclasses.replace(f, attempt_id=a.removeprefix(prefix))
+            for a, f in final.evaluations.items()
+        }
+        key_ttls = {
+            k.replace(f"attempt:{prefix}", "attempt:", 1): ttl for k, ttl in final.key_ttls.items()
+        }
+        indexes = None
+        if final.indexes is not None:
+            indexes = {
+                key: {bare(m): score for m, score in members.items()}
+                for key, members in final.indexes.items()
+            }
+        seed_final = dataclasses.replace(
+            final, evaluations=evaluations, key_ttls=key_ttls, indexes=indexes
+        )
+        return [event(ev) for ev in history], seed_final
+
     async def _clear_earlier_runs(self) -> None:
+        """Leftovers of an earlier run of the same seed on the run's own Redis. On a shared
+        one there are none to clear: the ids carry this run's own prefix."""
+        if self.run_prefix:
+            return
         store = RedisStore(self.config())
         try:
             pattern = f"attempt:{self.id_prefix}*"
@@ -400,10 +593,79 @@ class ScenarioRun:
 
         await asyncio.to_thread(stop)
 
+    # --- the harness's consumer of evaluation.completed ---------------------------------
+
+    async def _bind_consumer(self) -> None:
+        """Before the first submit: a durable queue (a broker kill keeps what it holds and
+        what was confirmed into it) bound to the events exchange for `evaluation.completed`,
+        consumed on a robust connection of its own. Every delivery is recorded as
+        `completed_received`, then acknowledged. `x-expires` removes the queue should the
+        runner die before deleting it."""
+        config = self.config()
+        url = self.services.amqp_url
+        self._events_conn = await aio_pika.connect_robust(url, reconnect_interval=0.5)
+        channel = await self._events_conn.channel()
+        await channel.set_qos(prefetch_count=64)
+        exchange = await channel.declare_exchange(
+            config.name("evaluation.events"), aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        name = config.name(COMPLETED_QUEUE)
+        queue = await channel.declare_queue(name, durable=True, arguments={"x-expires": 600_000})
+        await queue.bind(exchange, routing_key="evaluation.completed")
+        await queue.consume(self._on_completed, no_ack=False)
+        self._events_queue = queue
+        self.history.record("events_consumer_bound", queue=name, routing_key="evaluation.completed")
+
+    async def _on_completed(self, message: AbstractIncomingMessage) -> None:
+        try:
+            body: Any = json.loads(message.body)
+        except ValueError:
+            body = message.body.decode("utf-8", "replace")
+        self.history.record(
+            "completed_received",
+            attempt_id=body.get("attempt_id") if isinstance(body, dict) else None,
+            message_id=message.message_id,
+            body=body,
+            redelivered=message.redelivered,
+        )
+        if isinstance(body, dict):
+            self._received.add(str(body.get("attempt_id")))
+        with contextlib.suppress(Exception):  # the channel went with the broker: redelivered
+            await message.ack()
+
+    async def _wait_delivered(self, client: EngineClient) -> None:
+        """Until the consumer holds an evaluation.completed of every evaluation announced
+        (Redis' `final_published`), or `DELIVERY_PATIENCE_S` passed: deliveries trail the
+        publisher's confirm by a little."""
+        until = time.monotonic() + DELIVERY_PATIENCE_S
+        ids = list(self.attempt_ids)
+        while time.monotonic() < until:
+            try:
+                flags = await client.store.redis.mget([eval_key(a, "final_published") for a in ids])
+            except Exception:  # Redis is down (a fault): look again shortly
+                flags = [None] * len(ids)
+            got = self._received
+            if all(a in got for a, flag in zip(ids, flags, strict=True) if flag):
+                return
+            await asyncio.sleep(0.05)
+
+    async def _close_consumer(self) -> None:
+        """Delete the queue (a shared broker keeps nothing of the run) and disconnect."""
+        queue, conn = self._events_queue, self._events_conn
+        self._events_queue = self._events_conn = None
+        if queue is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(queue.delete(if_unused=False, if_empty=False), 5.0)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 5.0)
+
     async def _final_state(self) -> FinalState:
         for name in ("redis",):  # the final state needs Redis up
             svc = self.services.redis if name == "redis" else None
             if svc is not None and not svc.alive:
+                if self.spec.redis.lose_last_writes:
+                    await self._lose_redis_writes()
                 await asyncio.to_thread(svc.restart)
         store = RedisStore(self.config())
         try:
@@ -412,22 +674,32 @@ class ScenarioRun:
                 plan = self.plans[attempt_id]
                 snap = await store.snapshot(attempt_id, plan.order)
                 record = await store.record(attempt_id)
+                passes = await store.redis.hgetall(eval_key(attempt_id, "passes"))
                 evaluations[attempt_id] = EvaluationFinal(
                     attempt_id=attempt_id,
                     state=record.state,
                     results=dict(snap.results),
                     statuses=dict(snap.statuses),
+                    published=record.final_published,
+                    passes=dict(sorted(passes.items())),
                 )
+            # Every key the engine wrote: the evaluations' and its own (`{ns}engine:*`, named
+            # without the namespace, as the simulator names them), with their TTLs.
             ttls: dict[str, int] = {}
-            pattern = f"attempt:{self.id_prefix}*"
-            keys = [k async for k in store.redis.scan_iter(match=pattern, count=1000)]
+            keys: list[str] = []
+            for pattern in (f"attempt:{self.id_prefix}*", f"{glob_escape(self.ns)}*"):
+                keys += [k async for k in store.redis.scan_iter(match=pattern, count=1000)]
             if keys:
                 async with store.redis.pipeline(transaction=False) as pipe:
                     for k in keys:
                         pipe.ttl(k)
                     for k, ttl in zip(keys, await pipe.execute(), strict=True):
-                        ttls[k] = int(ttl)
-            return FinalState(evaluations=evaluations, key_ttls=ttls)
+                        ttls[k.removeprefix(self.ns)] = int(ttl)
+            indexes: dict[str, dict[str, float]] = {}
+            for key in (store.running_index, store.retries_index):
+                members = await store.redis.zrange(key, 0, -1, withscores=True)
+                indexes[key.removeprefix(self.ns)] = {str(m): float(v) for m, v in members}
+            return FinalState(evaluations=evaluations, key_ttls=ttls, indexes=indexes)
         finally:
             await store.close()
 
@@ -435,4 +707,28 @@ class ScenarioRun:
         from engine.agent import AgentProfile
 
         agent = AgentProfile.from_dict(self.agent_dict())
-        return self.loaded.check_spec(self.seed, self.plans, self.cancelled, agent)
+        cancelled = {a.removeprefix(self.run_prefix) for a in self.cancelled}
+        spec = self.loaded.check_spec(self.seed, self.seed_plans, cancelled, agent)
+        return dataclasses.replace(spec, scheduling_slack_s=LIVE_SCHEDULING_SLACK_S)
+
+
+async def _take(channel: AbstractChannel, queue_name: str, message_id: str) -> bool:
+    """Take the message `message_id` off a queue for good (get, then ACK), handing back the
+    ones got before it (NACK with requeue: they keep their place and their TTL)."""
+    queue = await channel.get_queue(queue_name, ensure=False)
+    others: list[AbstractIncomingMessage] = []
+    found = False
+    try:
+        while True:
+            message = await queue.get(no_ack=False, fail=False, timeout=5.0)
+            if message is None:
+                break
+            if message.message_id == message_id:
+                await message.ack()
+                found = True
+                break
+            others.append(message)
+    finally:
+        for message in others:
+            await message.nack(requeue=True)
+    return found

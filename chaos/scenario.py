@@ -32,6 +32,12 @@ directory. Runner times (`at_s`, `random_at_s`, `every_s`, `restart_after_s`,
 `deadline_s`) are seconds of the run's wall clock: `time_scale` scales the engine's own
 delays (retry tiers, agent latency), not them. `budgets.max_retry_latency_s` is in engine
 time (before `time_scale`), so it reads like the retry tiers whatever the scale.
+
+What `validate` accepts, `run` runs: every number is bounded by what the engine holds (the
+bounds of engine.policy, which the worker's flags meet too: 64-bit seeds, no lease or
+retry wait that outlives the 7-day state keys, finite floats), a key given twice in one
+mapping is an error (engine.yamlfile), and each plan file is listed once with a plan id
+of its own, since a run's attemptIds are made of plan ids.
 """
 
 from __future__ import annotations
@@ -61,12 +67,22 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from chaos.checker import INVARIANTS, CheckSpec
+from chaos.checker import INVARIANTS, CheckSpec, RetrySettings
 from engine.agent import AgentProfile, AgentProfileError
 from engine.config import EngineConfig
 from engine.failpoints import FAILPOINTS, RULELESS_FAILPOINTS
 from engine.plan import ID_PATTERN, Plan, PlanError, load_plan
-from engine.policy import RetryPolicy
+from engine.policy import (
+    ENGINE_BOUNDS,
+    MAX_ATTEMPTS,
+    MAX_IMMEDIATE_RETRIES,
+    MAX_SEED,
+    MAX_TIER_MS,
+    MAX_TIERS,
+    MAX_TIME_SCALE,
+    STATE_TTL_MS,
+    RetryPolicy,
+)
 from engine.yamlfile import read_yaml
 
 #: The invariants the checker knows; a scenario checks all of them unless it lists some.
@@ -85,6 +101,14 @@ WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker"})
 
 MAX_EVALUATIONS_PER_PLAN = 10_000
 MAX_WORKERS = 16
+#: Runner times (deadline_s and every time before it, restart delays): a day of wall clock.
+MAX_RUN_S = 86_400.0
+#: Failpoint hit counts and event counts.
+MAX_HITS = 1_000_000
+#: A failpoint stall: an hour.
+MAX_STALL_MS = 3_600_000
+#: Budgets are compared with counts the history records as signed 64-bit integers.
+MAX_BUDGET = 2**63 - 1
 #: Values (aliases expanded) a scenario document may hold: a YAML alias bomb is refused
 #: before anything walks it.
 MAX_DOCUMENT_VALUES = 100_000
@@ -234,10 +258,10 @@ class PlanRef(_Model):
 class RetrySpec(_Model):
     """The engine's retry policy (engine.policy.RetryPolicy), seeded by the scenario seed."""
 
-    immediate_retries: int = Field(default=2, ge=0)
-    max_attempts: int = Field(default=3, ge=1)
-    tiers_ms: ListOf[Annotated[int, Field(gt=0)]] = Field(
-        default=(30_000, 120_000, 600_000), min_length=1
+    immediate_retries: int = Field(default=2, ge=0, le=MAX_IMMEDIATE_RETRIES)
+    max_attempts: int = Field(default=3, ge=1, le=MAX_ATTEMPTS)
+    tiers_ms: ListOf[Annotated[int, Field(gt=0, le=MAX_TIER_MS)]] = Field(
+        default=(30_000, 120_000, 600_000), min_length=1, max_length=MAX_TIERS
     )
     jitter: float = Field(default=0.1, ge=0.0, le=1.0)
 
@@ -251,15 +275,22 @@ class RetrySpec(_Model):
         )
 
 
+def _bounds(name: str) -> dict[str, int]:
+    least, most = ENGINE_BOUNDS[name]
+    return {"ge": least, "le": most}
+
+
 class EngineSpec(_Model):
     """Worker settings (engine.config.EngineConfig), in engine milliseconds."""
 
-    max_evaluations: int = Field(default=8, ge=1)
-    max_parallel: int = Field(default=4, ge=1)
-    heartbeat_ms: int = Field(default=100, ge=10)
-    stale_ms: int = Field(default=600, ge=50)
-    sweep_ms: int = Field(default=100, ge=10)
-    retry_grace_ms: int | None = Field(default=None, ge=0)
+    # the bounds are the worker's own (engine.policy.ENGINE_BOUNDS): a lease may not outlive
+    # the 7-day state keys, the RabbitMQ prefetch is 4 x max_evaluations (16 bits)
+    max_evaluations: int = Field(default=8, **_bounds("max_evaluations"))
+    max_parallel: int = Field(default=4, **_bounds("max_parallel"))
+    heartbeat_ms: int = Field(default=100, **_bounds("heartbeat_ms"))
+    stale_ms: int = Field(default=600, **_bounds("stale_ms"))
+    sweep_ms: int = Field(default=100, **_bounds("sweep_ms"))
+    retry_grace_ms: int | None = Field(default=None, **_bounds("retry_grace_ms"))
     sweeper: bool = True
 
     @model_validator(mode="after")
@@ -277,10 +308,58 @@ class EngineSpec(_Model):
 class BudgetsSpec(_Model):
     """Limits a run must stay within, on top of the invariants; None: not checked."""
 
-    max_duplicated_tokens: int | None = Field(default=None, ge=0)
-    max_reruns: int | None = Field(default=None, ge=0)
+    max_duplicated_tokens: int | None = Field(default=None, ge=0, le=MAX_BUDGET)
+    max_reruns: int | None = Field(default=None, ge=0, le=MAX_BUDGET)
     max_retry_latency_s: float | None = Field(
-        default=None, gt=0, description="engine time, before time_scale"
+        default=None,
+        gt=0,
+        le=STATE_TTL_MS / 1000,
+        description="engine time, before time_scale",
+    )
+
+
+#: Writes a Redis restart may lose (`redis.lose_last_writes`).
+MAX_LOST_WRITES = 100_000
+
+
+class BrokerSpec(_Model):
+    """RabbitMQ behaviours that are settings of the broker, not events (both modes)."""
+
+    consumer_timeout_s: float | None = Field(
+        default=None,
+        ge=0.1,
+        le=MAX_RUN_S,
+        description="RabbitMQ's consumer_timeout (run seconds): a delivery held unacknowledged "
+        "this long closes its channel and is requeued; live, the run's own node is set to it",
+    )
+    dead_letter_loss: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="share of delayed retries lost on their way from the delay queue to the "
+        "work queue (dead-lettering is not confirmed); live, the runner takes them off "
+        "their delay queue",
+    )
+
+    def loses(self, seed: int, message_id: str | None) -> bool:
+        """Whether the retry message `message_id` (`{attemptId}:{ruleId}:{attempt}`, the
+        seed's ids) is lost: one draw of the seed and the id, so that the simulator and the
+        live runner lose the same retries."""
+        if not self.dead_letter_loss or message_id is None:
+            return False
+        return random.Random(f"{seed}:dead_letter:{message_id}").random() < self.dead_letter_loss
+
+
+class RedisSpec(_Model):
+    """How the scenario's Redis fails beyond a kill (both modes)."""
+
+    lose_last_writes: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_LOST_WRITES,
+        description="each kill_redis comes back without its last N acknowledged writes (a "
+        "failover to a replica that lacked them); live, the append-only file is cut back "
+        "by N writes before the restart",
     )
 
 
@@ -288,10 +367,17 @@ class FailpointFault(_Model):
     """A failpoint armed inside worker processes (engine.failpoints)."""
 
     failpoint: FailpointName
-    action: Literal["crash", "raise", "stall"] = "crash"
-    stall_ms: int | None = Field(default=None, ge=1, description="required iff action is stall")
-    hit: int = Field(default=1, ge=1, description="fire on the Nth matching hit")
-    times: int = Field(default=1, ge=0, description="fire this many times; 0: every later hit")
+    action: Literal["crash", "raise", "stall", "freeze"] = "crash"
+    stall_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_STALL_MS,
+        description="required iff action is stall or freeze (the whole worker stops)",
+    )
+    hit: int = Field(default=1, ge=1, le=MAX_HITS, description="fire on the Nth matching hit")
+    times: int = Field(
+        default=1, ge=0, le=MAX_HITS, description="fire this many times; 0: every later hit"
+    )
     rule: str | None = Field(default=None, pattern=ID_PATTERN)
     evaluation: int | None = Field(
         default=None, ge=0, description="index into the submitted evaluations"
@@ -304,10 +390,11 @@ class FailpointFault(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> FailpointFault:
-        if self.action == "stall" and self.stall_ms is None:
-            _fail("stall_ms", "required field is missing (action is stall)")
-        if self.action != "stall" and self.stall_ms is not None:
-            _fail("stall_ms", f"only with action stall; action is {self.action}")
+        timed = self.action in ("stall", "freeze")
+        if timed and self.stall_ms is None:
+            _fail("stall_ms", f"required field is missing (action is {self.action})")
+        if not timed and self.stall_ms is not None:
+            _fail("stall_ms", f"only with action stall or freeze; action is {self.action}")
         if self.rule is not None and self.failpoint in RULELESS_FAILPOINTS:
             _fail(
                 "rule",
@@ -325,7 +412,7 @@ class FailpointFault(_Model):
             raise ValueError(
                 f"a failpoint fault on evaluation {self.evaluation} needs its attempt id"
             )
-        action = f"stall:{self.stall_ms}" if self.action == "stall" else self.action
+        action = f"{self.action}:{self.stall_ms}" if self.stall_ms is not None else self.action
         spec = f"{self.failpoint}={action},hit={self.hit},times={self.times}"
         if self.rule is not None:
             spec += f",rule={self.rule}"
@@ -344,16 +431,19 @@ class AfterEvent(_Model):
     """A trigger on the recorded history: after the Nth event of a kind."""
 
     event: str = Field(pattern=EVENT_PATTERN, description="a history event, e.g. rule_finished")
-    count: int = Field(default=1, ge=1)
+    count: int = Field(default=1, ge=1, le=MAX_HITS)
     rule: str | None = Field(default=None, pattern=ID_PATTERN)
 
 
 class RunnerFault(_Model):
     """A fault the runner injects from outside: kill, restart or cancel."""
 
-    at_s: float | None = Field(default=None, ge=0)
+    at_s: float | None = Field(default=None, ge=0, le=MAX_RUN_S)
     random_at_s: Annotated[
-        tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(ge=0)]] | None,
+        tuple[
+            Annotated[float, Field(ge=0, le=MAX_RUN_S)], Annotated[float, Field(ge=0, le=MAX_RUN_S)]
+        ]
+        | None,
         BeforeValidator(_check_window),
     ] = Field(default=None, description="[lo, hi]; the time is drawn from the seed")
     after: AfterEvent | None = None
@@ -361,9 +451,11 @@ class RunnerFault(_Model):
     target: Annotated[
         Annotated[int, Field(ge=0)] | Literal["random"], BeforeValidator(_check_index_or_random)
     ] = Field(default=0, description="worker index, or evaluation index for cancel")
-    restart_after_s: float | None = Field(default=0.5, ge=0, description="null: never restart")
+    restart_after_s: float | None = Field(
+        default=0.5, ge=0, le=MAX_RUN_S, description="null: never restart"
+    )
     count: int = Field(default=1, ge=1, le=100)
-    every_s: float | None = Field(default=None, gt=0)
+    every_s: float | None = Field(default=None, gt=0, le=MAX_RUN_S)
     name: str | None = Field(default=None, pattern=ID_PATTERN)
 
     @model_validator(mode="after")
@@ -432,24 +524,45 @@ class Scenario(_Model):
 
     name: str = Field(pattern=ID_PATTERN)
     description: str = ""
-    seed: int = Field(default=0, description="every random draw of a run comes from it")
+    seed: int = Field(
+        default=0, ge=0, le=MAX_SEED, description="every random draw of a run comes from it"
+    )
     plans: ListOf[PlanRef] = Field(min_length=1)
     agent: dict[str, Any] = Field(
         default_factory=dict,
         description="engine.agent.AgentProfile.from_dict; seed defaults to seed",
+        # the loader checks the whole profile; the schema publishes the fields it bounds
+        json_schema_extra={
+            "properties": {
+                "drift": {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": 1,
+                    "default": 0,
+                    "description": "probability that a rerun draws its verdict afresh",
+                }
+            }
+        },
     )
     retry: RetrySpec = RetrySpec()
-    time_scale: float = Field(default=0.001, gt=0, le=1)
+    time_scale: float = Field(default=0.001, gt=0, le=MAX_TIME_SCALE)
     engine: EngineSpec = EngineSpec()
+    broker: BrokerSpec = BrokerSpec()
+    redis: RedisSpec = RedisSpec()
     workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     restart_crashed_workers: bool = True
-    restart_delay_s: float = Field(default=0.2, ge=0)
+    restart_delay_s: float = Field(default=0.2, ge=0, le=MAX_RUN_S)
     deadline_s: float = Field(
-        default=30.0, gt=0, description="every evaluation must be terminal by then"
+        default=30.0, gt=0, le=MAX_RUN_S, description="every evaluation must be terminal by then"
     )
     faults: ListOf[Fault] = ()
     invariants: ListOf[InvariantName] = INVARIANT_NAMES
     budgets: BudgetsSpec = BudgetsSpec()
+    exercised: dict[InvariantName, Annotated[int, Field(ge=1, le=MAX_HITS)]] = Field(
+        default_factory=dict,
+        description="invariant -> the fewest cases it must judge: fewer, or an unknown "
+        "verdict, fails the run (a scenario proves only what it exercised)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -498,6 +611,13 @@ class Scenario(_Model):
             if name in value[:i]:
                 _fail(f"[{i}]", f"{name} is listed twice")
         return value
+
+    @model_validator(mode="after")
+    def _exercised_are_checked(self) -> Scenario:
+        for name in self.exercised:
+            if name not in self.invariants:
+                _fail(f"exercised.{name}", "not among the invariants this scenario checks")
+        return self
 
     @model_validator(mode="after")
     def _check_faults(self) -> Scenario:
@@ -624,17 +744,30 @@ class LoadedScenario:
         return {f"{prefix}{plan.id}-{k}": plan for plan, count in self.plans for k in range(count)}
 
     def check_spec(
-        self, seed: int, plans: dict[str, Plan], cancelled: set[str], agent: AgentProfile
+        self,
+        seed: int,
+        plans: dict[str, Plan],
+        cancelled: set[str],
+        agent: AgentProfile,
+        *,
+        reference: bool = True,
     ) -> CheckSpec:
-        """What the checker needs of this scenario, for a run under `seed` (live or sim)."""
+        """What the checker needs of this scenario, for a run under `seed` (live or sim),
+        with the fault-free reference of the same evaluations (`chaos.reference`; a few
+        milliseconds of simulation) unless `reference` is False (the reference run's own)."""
+        from chaos.reference import reference_for
+
         budgets = self.spec.budgets
         latency = budgets.max_retry_latency_s
         return CheckSpec(
+            reference=reference_for(self, seed, plans) if reference else None,
             plans=plans,
             agent=agent,
-            policy=self.spec.retry.policy(seed),
+            # the scenario's settings as plain data: the checker computes the tiers itself
+            policy=RetrySettings.of(self.spec.retry),
             time_scale=self.spec.time_scale,
             invariants=tuple(self.spec.invariants),
+            exercised=dict(self.spec.exercised),
             cancelled=set(cancelled),
             budgets={
                 "max_duplicated_tokens": budgets.max_duplicated_tokens,
@@ -805,6 +938,7 @@ def scenario_from_dict(
     shorthand = "plan" in data
     plans: list[tuple[Plan, int]] = []
     paths: list[Path] = []
+    files: dict[Any, int] = {}  # file identity -> index in plans
     for i, ref in enumerate(spec.plans):
         field = "plan" if shorthand else f"plans[{i}].path"
         found = _find_plan(ref.path, base_dir)
@@ -813,10 +947,23 @@ def scenario_from_dict(
             raise ScenarioError(
                 f"{source}: {field}: no plan file {_got(ref.path)} (looked in {where})"
             )
+        same = files.setdefault(_identity(found), i)
+        if same != i:
+            raise ScenarioError(
+                f"{source}: {field}: the same plan file as plans[{same}]; expected each plan "
+                f"once (set plans[{same}].evaluations for more evaluations of it)"
+            )
         try:
             plan = load_plan(found)
         except PlanError as exc:
             raise ScenarioError(f"{source}: {field}: {exc}") from None
+        for j, (other, _) in enumerate(plans):
+            if other.id == plan.id:
+                # the attemptIds of a run are made of plan ids: two plans would share them
+                raise ScenarioError(
+                    f"{source}: {field}: plan id {plan.id!r} is also the id of plans[{j}] "
+                    f"({_got(str(paths[j]))}); expected distinct plan ids"
+                )
         plans.append((plan, ref.evaluations))
         paths.append(found)
     loaded = LoadedScenario(
@@ -832,18 +979,32 @@ def scenario_from_dict(
 
 
 def _find_plan(raw: str, base_dir: str | Path | None) -> Path | None:
+    """The first candidate that is a file; else one that exists but is not a directory
+    (a FIFO, a device), for `load_plan` to refuse in its own words; else None."""
     candidates = [Path(raw)] if Path(raw).is_absolute() else []
     if not candidates:
         if base_dir is not None:
             candidates.append(Path(base_dir) / raw)
         candidates.append(Path(raw))
+    odd: Path | None = None
     for candidate in candidates:
-        try:
+        try:  # stat only: opening a FIFO would wait for a writer
             if candidate.is_file():
                 return candidate
+            if odd is None and candidate.exists() and not candidate.is_dir():
+                odd = candidate
         except (OSError, ValueError):  # a name too long, an embedded NUL
             continue
-    return None
+    return odd
+
+
+def _identity(path: Path) -> Any:
+    """What makes two paths the same file (a link, `a/../b`): its device and inode."""
+    try:
+        info = path.stat()
+    except OSError:
+        return path.resolve()
+    return (info.st_dev, info.st_ino)
 
 
 def _check_size(data: Any, source: str) -> None:
@@ -1013,6 +1174,8 @@ def _unknown_field(loc: Sequence[Any], data: Any) -> str:
         ("retry",): RetrySpec,
         ("engine",): EngineSpec,
         ("budgets",): BudgetsSpec,
+        ("broker",): BrokerSpec,
+        ("redis",): RedisSpec,
     }.get(tuple(parent))
     if len(parent) == 2 and parent[0] == "plans":
         model = PlanRef

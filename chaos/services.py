@@ -4,11 +4,14 @@ By default a run starts a throwaway `redis-server` (append-only file, fsync alwa
 restart must not lose acknowledged writes, as the seed's Redis Sentinel would not) and a
 private RabbitMQ node on free loopback ports, never the machine's shared instances, since
 scenarios kill them. With `REDIS_URL` / `AMQP_URL` set, those services are used as they
-are, and any fault that would kill one is refused before the run starts.
+are, and any fault that would kill one is refused before the run starts. Given services are
+probed first, before anything is started or written: one that is unreachable, refuses the
+credentials or does not answer within the connect timeout stops the run in one line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 
@@ -19,6 +22,7 @@ from chaos.stack import (
     find_rabbitmq_server,
     find_redis_server,
 )
+from engine.config import ServiceUnavailable, env_config
 
 INSTALL_HINT = (
     "needs redis-server and rabbitmq-server on this machine "
@@ -29,6 +33,27 @@ INSTALL_HINT = (
 
 class ServicesUnavailable(RuntimeError):
     """The run cannot get the services it needs; one line for a human."""
+
+
+def probe_given(redis_url: str | None, amqp_url: str | None) -> None:
+    """Check the services named by the environment, Redis first; `ServicesUnavailable`
+    (one line: which service, where, why, what to do) when one cannot be used."""
+    if redis_url is None and amqp_url is None:
+        return
+    from engine.runtime.broker import probe_amqp  # the clients, only for a live run
+    from engine.runtime.store import probe_redis
+
+    try:
+        config = env_config()  # the URLs, and ENGINE_CONNECT_TIMEOUT_S when set
+    except ValueError as exc:
+        raise ServicesUnavailable(str(exc)) from None
+    try:
+        if redis_url is not None:
+            asyncio.run(probe_redis(config))
+        if amqp_url is not None:
+            asyncio.run(probe_amqp(config))
+    except ServiceUnavailable as exc:
+        raise ServicesUnavailable(str(exc)) from None
 
 
 @dataclass
@@ -58,6 +83,7 @@ class Services:
     def start(cls) -> Services:
         redis_url = os.environ.get("REDIS_URL")
         amqp_url = os.environ.get("AMQP_URL")
+        probe_given(redis_url, amqp_url)  # before starting anything of our own
         redis = broker = None
         try:
             if redis_url is None:
@@ -87,6 +113,25 @@ class Services:
         if svc is None:
             raise ServicesUnavailable(f"cannot kill {name}: it is not this run's own instance")
         return svc
+
+    def configure(self, consumer_timeout_s: float | None) -> None:
+        """Set the run's own broker as a scenario wants it (`broker.consumer_timeout_s`;
+        None: RabbitMQ's default); a change costs about a second, no change nothing. A
+        shared broker cannot be set: `chaos.runner.refusal` refuses such a scenario."""
+        if self.broker is None:
+            if consumer_timeout_s is not None:
+                raise ServicesUnavailable("cannot set consumer_timeout: AMQP_URL is shared")
+            return
+        ms = None if consumer_timeout_s is None else round(consumer_timeout_s * 1000)
+        self.broker.set_consumer_timeout(ms)
+
+    def lose_redis_writes(self, count: int) -> int:
+        """Cut the last `count` writes off the run's own (stopped) Redis; how many went."""
+        if count <= 0 or self.redis is None or self.redis.dir is None:
+            return 0
+        from chaos.aof import drop_last_writes
+
+        return drop_last_writes(self.redis.dir, count)
 
     def stop(self) -> None:
         for svc in (self.redis, self.broker):

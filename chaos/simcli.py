@@ -1,9 +1,15 @@
-"""The simulator's side of the command line: `chaos run --mode sim` and `chaos sim`."""
+"""The simulator's side of the command line: `chaos run --mode sim` and `chaos sim`.
+
+Off a terminal (a pipe, a CI log) there is no progress bar: a long exploration, shrink or
+`--all-failpoints` prints a progress line to stderr every few seconds instead
+(`chaos.journal.Ticker`), and stdout keeps whole lines only (see `chaos.cli.make_console`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from chaos.explore import SeedResult, document, explore, shrink, simulate, write_regression
+from chaos.journal import Ticker, summary_line
 from chaos.scenario import LoadedScenario
 from engine.failpoints import FAILPOINTS
 
@@ -36,26 +43,25 @@ def run_in_sim(
         outputs(outcome, run_dir)
         result = outcome.result
         suites.append((sc.spec.name, result, outcome.sim_time_s))
-        mark = "[green]PASS[/]" if result.ok else "[red]FAIL[/]"
-        failed = [k for k, v in result.verdicts.items() if v == "fail"]
-        console.print(
-            f"{mark} {sc.spec.name} (sim): {len(outcome.attempt_ids)} evaluations, "
-            f"{outcome.sim_time_s:.1f} s simulated in {time.monotonic() - started:.2f} s; "
-            f"reruns {result.stats.get('reruns', 0)}; history {outcome.history_hash[:16]}"
-            + (f"; [red]broken: {', '.join(failed)}[/]" if failed else "")
-            + (
-                f"; [red]budgets: {'; '.join(result.budget_failures)}[/]"
-                if result.budget_failures
-                else ""
-            )
-        )
+        real = time.monotonic() - started
+        timing = f"in {outcome.sim_time_s:.1f} s simulated ({real:.2f} s real)"
+        tail = f"history {outcome.history_hash[:16]}"
+        n = len(outcome.attempt_ids)
+        console.print(summary_line(sc.spec.name, "sim", result, n, timing, tail))
+        if not result.ok:
+            console.print(f"  evidence: {run_dir / 'journal.json'}", markup=False)
         for v in result.violations[:10]:
             console.print(format_violation(v), markup=False)
         if not result.ok:
             worst = EXIT_VIOLATION
     write_junit(out / "junit.xml", suites)
-    console.print(f"outputs: {out}")
+    console.print(f"outputs: {out}", markup=False)
     return worst
+
+
+def seeds_progress_line(name: str, done: int, total: int, failing: int, took: float) -> str:
+    """The log's progress line of `chaos sim` (no bar off a terminal)."""
+    return f"chaos sim {name}: {done}/{total} seeds, {failing} failing, {took:.1f} s"
 
 
 def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: Console) -> int:
@@ -75,20 +81,32 @@ def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: C
     )
     failures: list[SeedResult] = []
     started = time.monotonic()
+    ticker = Ticker(enabled=not console.is_terminal)
+    done = 0
     with bar:
         task = bar.add_task("seeds", total=len(seeds), info="")
 
         def seen(r: SeedResult) -> None:
+            nonlocal done
+            done += 1
             if not r.ok:
                 failures.append(r)
             bar.update(task, advance=1, info=f"{len(failures)} failing")
+            ticker.tick(
+                lambda took: seeds_progress_line(
+                    loaded.spec.name, done, len(seeds), len(failures), took
+                )
+            )
 
         exploration = explore(data, seeds, args.jobs, args.mutant, seen)
     took = time.monotonic() - started
     n = len(exploration.results)
     console.print(
-        f"{loaded.spec.name}: {n} seeds in {took:.1f} s ({n / took:.0f} seeds/s), "
-        f"{len(failures)} failing" + (f" with mutant {args.mutant}" if args.mutant else "")
+        f"{loaded.spec.name} (sim): {n} seeds in {took:.1f} s "
+        f"({n / max(took, 1e-9):.0f} seeds/s), {len(failures)} failing"
+        + (f" with mutant {args.mutant}" if args.mutant else "")
+        + _unknown_text(exploration.results),
+        markup=False,
     )
     for r in sorted(failures, key=lambda r: r.seed):
         console.print(f"  seed {r.seed}: {', '.join(r.failed)}: {r.message}", markup=False)
@@ -96,6 +114,20 @@ def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: C
         first = min(failures, key=lambda r: r.seed)
         _shrink_and_write(data, first, loaded, args, console)
     return EXIT_VIOLATION if failures else EXIT_OK
+
+
+def _unknown_text(results: list[SeedResult]) -> str:
+    """`, 3 seeds with unknown verdicts (retry_delays_respected x3)`: a verdict that judged
+    nothing proved nothing, so the summary says so (nothing when every verdict judged)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        for name in r.unknown:
+            counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return ""
+    seeds = sum(1 for r in results if r.unknown)
+    shown = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+    return f", {seeds} seed{'' if seeds == 1 else 's'} with unknown verdicts ({shown})"
 
 
 def _shrink_and_write(
@@ -109,7 +141,22 @@ def _shrink_and_write(
 
     invariant = failure.failed[0]
     variant = swarm(data, failure.seed)
-    small = shrink(variant, invariant, args.mutant)
+    ticker = Ticker(enabled=not console.is_terminal)
+    tries = 0
+
+    def counted(candidate: dict[str, Any], mutant: str | None) -> SeedResult:
+        nonlocal tries
+        tries += 1
+        ticker.tick(
+            lambda took: (
+                f"chaos sim {loaded.spec.name} --shrink: seed {failure.seed}, "
+                f"{tries} simulations, {took:.1f} s"
+            )
+        )
+        return simulate(candidate, mutant)
+
+    with console.status(f"shrinking seed {failure.seed}...", spinner="dots"):
+        small = shrink(variant, invariant, args.mutant, run=counted)
     name = f"{loaded.spec.name}-{invariant}-s{failure.seed}".replace("_", "-")
     if args.mutant:
         name += f"-{args.mutant}".replace("_", "-")
@@ -120,8 +167,10 @@ def _shrink_and_write(
     )
     path = write_regression(small, args.regressions, name, description)
     console.print(
-        f"shrunk to {len(small.get('faults', []))} fault(s); replay with: "
-        f"python -m chaos run {path}" + (f" --mutant {args.mutant}" if args.mutant else "")
+        f"shrunk to {len(small.get('faults', []))} fault(s) in {tries} simulations; "
+        f"replay with: python -m chaos run {shlex.quote(str(path))}"
+        + (f" --mutant {shlex.quote(args.mutant)}" if args.mutant else ""),
+        markup=False,
     )
     return path
 
@@ -135,6 +184,8 @@ def _all_failpoints(data: dict[str, Any], args: argparse.Namespace, console: Con
     failures: list[tuple[str, int, SeedResult]] = []
     tried = 0
     started = time.monotonic()
+    ticker = Ticker(enabled=not console.is_terminal)
+    label = data.get("name", "scenario")
     for name in FAILPOINTS:
         for hit in range(1, MAX_HITS + 1):
             variant = copy.deepcopy(base)
@@ -143,12 +194,20 @@ def _all_failpoints(data: dict[str, Any], args: argparse.Namespace, console: Con
             ]
             result = simulate(variant, args.mutant)
             tried += 1
+            ticker.tick(
+                lambda took, name=name, tried=tried: (
+                    f"chaos sim {label} --all-failpoints: {tried} crash "
+                    f"points so far (now {name}), {len(failures)} failing, {took:.1f} s"
+                )
+            )
             if not result.crashed:
                 break  # this failpoint is hit fewer times than `hit`
             if not result.ok:
                 failures.append((name, hit, result))
     console.print(
-        f"{tried} crash points tried in {time.monotonic() - started:.1f} s, {len(failures)} failing"
+        f"{label} (sim): {tried} crash points tried in {time.monotonic() - started:.1f} s, "
+        f"{len(failures)} failing",
+        markup=False,
     )
     for name, hit, r in failures:
         console.print(f"  {name} hit {hit}: {', '.join(r.failed)}: {r.message}", markup=False)

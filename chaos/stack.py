@@ -7,6 +7,13 @@ process it spawns carries a unique marker in its environment, so a kill reaches 
 (RabbitMQ's `erl_child_setup` and `inet_gethost` call setsid and escape the process group)
 and no orphan outlives the test run.
 
+The marker comes with an owner mark (OWNER_ENV: `pid:starttime` of the Python process that
+started it), also carried by the harness's workers and simulator pools and written into the
+name and `.owner` of each temp dir. When the owner is SIGKILLed, no atexit hook runs: the
+next run, or `python -m chaos clean`, reaps what belongs to dead owners (`reap_dead_owners`),
+an interrupted run sweeps what is its own (`stop_owned`), and a live owner's things are
+never touched.
+
 `start()` blocks until the service answers (a Redis PING, a full AMQP 0-9-1 handshake), with
 plain sockets and no event loop, so it works from sync tests and, through
 `asyncio.to_thread`, from the async runner.
@@ -28,7 +35,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -37,6 +45,7 @@ __all__ = [
     "MARKER_ENV",
     "OWNER_ENV",
     "RabbitNode",
+    "Reaped",
     "RedisServer",
     "StackError",
     "amqp_handshake",
@@ -45,10 +54,14 @@ __all__ = [
     "find_redis_server",
     "free_port",
     "free_ports",
+    "kill_owned",
     "marked_pids",
+    "owner_token",
+    "reap_dead_owners",
     "reap_orphans",
     "redis_ping",
     "stop_all",
+    "stop_owned",
 ]
 
 HOST = "127.0.0.1"
@@ -336,9 +349,15 @@ def _owner_token(pid: int | None = None) -> str:
     return f"{pid}:{state[1] if state else '?'}"
 
 
+def owner_token(pid: int | None = None) -> str:
+    """The OWNER_ENV value for processes started by `pid` (default: this process)."""
+    return _owner_token(pid)
+
+
 def _owner_alive(token: str) -> bool:
+    """Whether the owner runs: a zombie owner (SIGKILLed, not yet waited for) is dead."""
     pid, _, _start = token.partition(":")
-    return pid.isdigit() and _owner_token(int(pid)) == token
+    return pid.isdigit() and _owner_token(int(pid)) == token and not _is_zombie(int(pid))
 
 
 def _marked_processes() -> list[tuple[int, dict[str, str]]]:
@@ -371,22 +390,116 @@ def marked_pids(marker: str) -> list[int]:
     return [pid for pid, env in _marked_processes() if env[MARKER_ENV] == marker]
 
 
+@dataclass
+class Reaped:
+    """What a clean-up removed: killed pids, deleted temp dirs, and pids that would not die."""
+
+    pids: list[int] = field(default_factory=list)
+    dirs: list[Path] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line for a human: `stopped 7 processes (pids ...), deleted 2 temp dirs`."""
+        shown = " ".join(str(p) for p in self.pids[:12]) + (" ..." if len(self.pids) > 12 else "")
+        text = (
+            f"stopped {len(self.pids)} process{'es' if len(self.pids) != 1 else ''}"
+            + (f" (pids {shown})" if self.pids else "")
+            + f", deleted {len(self.dirs)} temp dir{'s' if len(self.dirs) != 1 else ''}"
+        )
+        if self.survivors:
+            text += f"; still running: {' '.join(str(p) for p in self.survivors)}"
+        return text
+
+
+#: `chaos-<kind>-<pid>_<starttime>-<random>`: the owner is in the name from the first
+#: instant, so a dir whose `.owner` was never written (a kill right after mkdtemp) is found too.
+_DIR_NAME = re.compile(r"^chaos-[a-z]+-(\d+)_(\d+)-")
+
+
+def _dir_owner(path: Path) -> str | None:
+    """The owner token of a harness temp dir (its `.owner`, else its name), or None. An
+    empty `.owner` is one being written: the name still says whose it is."""
+    with contextlib.suppress(OSError):
+        written = (path / ".owner").read_text().strip()
+        if written:
+            return written
+    match = _DIR_NAME.match(path.name)
+    return f"{match[1]}:{match[2]}" if match else None
+
+
+def _dirs_where(keep: Callable[[str], bool]) -> list[Path]:
+    """The harness temp dirs under the default temp root whose owner token `keep` selects."""
+    found = []
+    for path in Path(tempfile.gettempdir()).glob("chaos-*-*"):
+        owner = _dir_owner(path) if path.is_dir() else None
+        if owner is not None and keep(owner):
+            found.append(path)
+    return found
+
+
+def _kill_where(keep: Callable[[str], bool], timeout: float) -> tuple[list[int], list[int]]:
+    """SIGKILL marked processes whose owner token `keep` selects, until none is left or
+    `timeout` passes; (every pid killed, the survivors)."""
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [p for p, env in _marked_processes() if keep(env.get(OWNER_ENV, ""))]
+        if not pids or time.monotonic() > deadline:
+            return killed, pids
+        for pid in pids:
+            _signal_pid(pid, signal.SIGKILL)
+            if pid not in killed:
+                killed.append(pid)
+        time.sleep(0.02)
+
+
+def _remove_dirs(dirs: list[Path]) -> list[Path]:
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p for p in dirs if not p.exists()]
+
+
+def kill_owned(token: str | None = None) -> list[int]:
+    """SIGKILL, once and without waiting, every process `token` (default: this process)
+    started; fast and lock-free, so a signal handler may call it before unwinding."""
+    token = token or _owner_token()
+    pids = [p for p, env in _marked_processes() if env.get(OWNER_ENV) == token]
+    for pid in pids:
+        _signal_pid(pid, signal.SIGKILL)
+    return pids
+
+
+def stop_owned(token: str | None = None, timeout: float = 10.0) -> Reaped:
+    """Kill every process `token` (default: this process) started, whatever registry lost
+    track of it, and delete its temp dirs: the last word of an interrupted run."""
+    token = token or _owner_token()
+    killed, survivors = _kill_where(lambda owner: owner == token, timeout)
+    dirs = _remove_dirs(_dirs_where(lambda owner: owner == token))
+    return Reaped(killed, dirs, survivors)
+
+
+def reap_dead_owners(timeout: float = 10.0) -> Reaped:
+    """Kill the processes and delete the temp dirs whose owning Python process died without
+    cleaning up (SIGKILL: an OOM kill, a CI timeout), and say what went.
+
+    Everything the harness starts (services, workers, simulator pools) carries MARKER_ENV
+    and OWNER_ENV, so a /proc scan finds it even after it left its process group. Whatever
+    belongs to a live owner (a parallel test run) is never touched.
+    """
+    killed, survivors = _kill_where(lambda owner: not _owner_alive(owner), timeout)
+    dirs = _remove_dirs(_dirs_where(lambda owner: not _owner_alive(owner)))
+    return Reaped(killed, dirs, survivors)
+
+
 def reap_orphans() -> list[int]:
     """Kill instances whose owning Python process died without cleanup; return their pids.
 
     atexit does not run when the owner is SIGKILLed (a CI timeout, a chaos run killing its
-    own runner by mistake): call this at the start of a run to clear what such a run left.
+    own runner by mistake): `chaos run` calls this at its start, `chaos clean` on demand.
     Instances of live owners (a parallel test run) are never touched. Temp dirs under the
-    default temp root whose `.owner` is dead are deleted too.
+    default temp root whose owner is dead are deleted too (see `reap_dead_owners`).
     """
-    killed = [pid for pid, env in _marked_processes() if not _owner_alive(env.get(OWNER_ENV, ""))]
-    for pid in killed:
-        _signal_pid(pid, signal.SIGKILL)
-    for owner_file in Path(tempfile.gettempdir()).glob("chaos-*-*/.owner"):
-        with contextlib.suppress(OSError):
-            if not _owner_alive(owner_file.read_text().strip()):
-                shutil.rmtree(owner_file.parent, ignore_errors=True)
-    return killed
+    return reap_dead_owners().pids
 
 
 def _signal_pid(pid: int, sig: int) -> None:
@@ -534,7 +647,9 @@ class _Service:
             fresh = self._dir is None
             if fresh:
                 root = self._tmp_root
-                self._dir = Path(tempfile.mkdtemp(prefix=f"chaos-{self.kind}-", dir=root))
+                tag = _owner_token().replace(":", "_")  # see _DIR_NAME
+                prefix = f"chaos-{self.kind}-{tag}-"
+                self._dir = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
                 (self._dir / ".owner").write_text(_owner_token())
                 with _registry_lock:
                     _registry[id(self)] = self
@@ -752,6 +867,18 @@ log.file.level = info
 """
 
 
+def _tick_ms(timeout_ms: int) -> int:
+    """A channel checks its deliveries' age on its tick, every `channel_tick_interval` (a
+    minute by default): for a short `consumer_timeout` to mean anything, the tick must be a
+    fraction of it."""
+    return max(50, min(60_000, timeout_ms // 4))
+
+
+def _consumer_tick(timeout_ms: int) -> str:
+    """advanced.config setting the tick for `consumer_timeout = timeout_ms`."""
+    return f"[{{rabbit, [{{channel_tick_interval, {_tick_ms(timeout_ms)}}}]}}].\n"
+
+
 class RabbitNode(_Service):
     """A private RabbitMQ node (AMQP, Erlang distribution and epmd all on private ports).
 
@@ -774,6 +901,7 @@ class RabbitNode(_Service):
         node_name: str | None = None,
         start_timeout: float = 60.0,
         extra_config: str = "",
+        consumer_timeout_ms: int | None = None,
         binary: str | None = None,
         tmp_root: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -796,6 +924,7 @@ class RabbitNode(_Service):
         self.epmd_binary: str = epmd
         self.node_name: str = node_name or f"chaos_{self.marker[:12]}@localhost"
         self.extra_config = extra_config
+        self.consumer_timeout_ms = consumer_timeout_ms
         self._epmd: subprocess.Popen[bytes] | None = None
 
     @property
@@ -863,6 +992,12 @@ class RabbitNode(_Service):
         (d / "rabbitmq-env.conf").write_text("")
         (d / "enabled_plugins").write_text("[].\n")
         config = _RABBIT_CONFIG.format(host=self.host, port=self.port)
+        timeout = self.consumer_timeout_ms
+        if timeout is not None:
+            config += f"consumer_timeout = {timeout}\n"
+            (d / "advanced.config").write_text(_consumer_tick(timeout))
+        else:
+            (d / "advanced.config").unlink(missing_ok=True)
         (d / "rabbitmq.conf").write_text(config + self.extra_config)
 
     def _main(self) -> subprocess.Popen[bytes] | None:
@@ -916,6 +1051,21 @@ class RabbitNode(_Service):
     def _kill_all(self) -> None:
         self._epmd = None
         super()._kill_all()
+
+    def set_consumer_timeout(self, timeout_ms: int | None) -> None:
+        """Change `consumer_timeout` (None: RabbitMQ's default) for channels opened from now
+        on, without a restart (about a second: one `rabbitmqctl eval`); a restart keeps it."""
+        if timeout_ms == self.consumer_timeout_ms:
+            return
+        self.consumer_timeout_ms = timeout_ms
+        if self.alive:
+            value = 1_800_000 if timeout_ms is None else timeout_ms
+            tick = 60_000 if timeout_ms is None else _tick_ms(timeout_ms)
+            self.ctl(
+                "eval",
+                f"application:set_env(rabbit, consumer_timeout, {value}), "
+                f"application:set_env(rabbit, channel_tick_interval, {tick}).",
+            )
 
     def ctl(self, *args: str, timeout: float = 60.0) -> str:
         """Run `rabbitmqctl -n NODE args...` against this node and return its stdout.

@@ -2,6 +2,9 @@
 
 Each worker is `python -m engine.worker` in its own session (process group), so a SIGKILL
 reaches everything it started and nothing outlives the harness: `stop_all()` runs at exit.
+atexit does not run when the harness itself is SIGKILLed, so each worker also carries the
+stack's marker and owner variables (`chaos.stack.MARKER_ENV`, `OWNER_ENV`): the next run, or
+`python -m chaos clean`, finds and reaps the workers of a dead harness like its services.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
 
 _LIVE: set[WorkerProcess] = set()
 
@@ -33,11 +39,14 @@ class WorkerProcess:
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else None
         self.name = name
+        self.marker = f"worker-{uuid.uuid4().hex}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> WorkerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINE_")}
         env.update(self.env)
+        env[MARKER_ENV] = self.marker  # found by a /proc scan even if this process dies
+        env[OWNER_ENV] = owner_token()
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(

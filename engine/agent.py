@@ -1,9 +1,11 @@
 """AgentService: evaluates one rule (in production an LLM call), and a seeded fake of it.
 
 The engine only needs an agent that answers, fails transiently, or fails for good. The fake
-draws all of that (latency, error kind, tokens, verdict) from a stable hash of its inputs, so
-a run replays exactly, and its verdict depends only on (seed, attemptId, ruleId): a rerun
-agrees with the first run, which is what the `idempotent_results` check relies on.
+draws all of that (latency, error kind, tokens, verdict) from a stable hash of its inputs
+(seed, attemptId, ruleId, attempt, try), never from call order or a counter, so a run
+replays exactly and a rerun of an attempt draws what its first execution drew. Its verdict
+depends on (seed, attemptId, ruleId) only, unless the profile's `drift` lets a rerun (a
+second or later execution of the same attempt and try) answer otherwise, as a real LLM may.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.core.results import RuleResult
 from engine.plan import Rule
+from engine.policy import MAX_SEED
 
 # --- error kinds ---------------------------------------------------------------------------
 
@@ -113,10 +116,14 @@ class AgentService(Protocol):
     model and a cache keyed by (attemptId, ruleId).
 
     `attempt` is the level-2 attempt (1-based), `try_no` the level-1 try within it
-    (1-based). Failures raise `TransientAgentError` (retry) or `PermanentAgentError`.
+    (1-based), `execution` how many times this attempt has been started (the engine's start
+    marker: 2 and more are reruns after a crash). Failures raise `TransientAgentError`
+    (retry) or `PermanentAgentError`.
     """
 
-    async def evaluate(self, attempt_id: str, rule: Rule, attempt: int, try_no: int) -> RuleResult:
+    async def evaluate(
+        self, attempt_id: str, rule: Rule, attempt: int, try_no: int, *, execution: int = 1
+    ) -> RuleResult:
         """Return the rule's result, or raise an `AgentError` subclass."""
         ...
 
@@ -126,6 +133,20 @@ class AgentService(Protocol):
 
 class AgentProfileError(ValueError):
     """A profile that cannot be used; one line naming the field."""
+
+
+# Bounds of a profile, so that no draw overflows and every count fits the history's 64-bit
+# integers (the seed's bound, MAX_SEED, is the engine's: engine.policy).
+#: Mean tokens of one call.
+MAX_TOKENS = 1_000_000
+#: Any latency parameter: an hour per call.
+MAX_LATENCY_MS = 3_600_000
+#: Lognormal spread: exp(12 * sigma) stays a finite float (a draw is at most ~12 sigmas out).
+MAX_SIGMA = 5
+#: `fail_rules` counts.
+MAX_FORCED_FAILURES = 10_000
+#: `error_kinds` weights.
+MAX_WEIGHT = 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +169,21 @@ class Latency:
             )
         for name in ("value_ms", "low_ms", "high_ms", "median_ms", "sigma"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise AgentProfileError(f"latency_ms.{name}: must be a finite number >= 0")
+            most = MAX_SIGMA if name == "sigma" else MAX_LATENCY_MS
+            if not (math.isfinite(value) and 0 <= value <= most):
+                raise AgentProfileError(
+                    f"latency_ms.{name}: must be a finite number within [0, {most}]"
+                )
         if self.kind == "uniform" and self.high_ms < self.low_ms:
             raise AgentProfileError("latency_ms.high_ms: must be >= low_ms")
         if self.kind == "lognormal" and self.median_ms <= 0:
             raise AgentProfileError("latency_ms.median_ms: must be > 0 for a lognormal latency")
-        if self.cap_ms is not None and not (math.isfinite(self.cap_ms) and self.cap_ms >= 0):
-            raise AgentProfileError("latency_ms.cap_ms: must be a finite number >= 0")
+        if self.cap_ms is not None and not (
+            math.isfinite(self.cap_ms) and 0 <= self.cap_ms <= MAX_LATENCY_MS
+        ):
+            raise AgentProfileError(
+                f"latency_ms.cap_ms: must be a finite number within [0, {MAX_LATENCY_MS}]"
+            )
 
     @classmethod
     def fixed(cls, value_ms: float, cap_ms: float | None = None) -> Latency:
@@ -197,9 +225,17 @@ def _equal_weights() -> dict[str, float]:
     return dict.fromkeys(TRANSIENT_KINDS, 1.0)
 
 
+def _short(value: Any) -> str:
+    """A value for an error line, at most ~80 characters (an int of 4,000 digits too)."""
+    if isinstance(value, int) and abs(value) >= 10**30:  # repr fails past 4,300 digits
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _check_rate(name: str, value: float) -> None:
     if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
-        raise AgentProfileError(f"{name}: must be a number within [0, 1], got {value!r}")
+        raise AgentProfileError(f"{name}: must be a number within [0, 1], got {_short(value)}")
 
 
 @dataclass(frozen=True)
@@ -212,10 +248,16 @@ class AgentProfile:
     - `permanent_error_rate`: probability that a call fails with `invalid_output`;
     - `tokens`: mean tokens per call, spread uniformly by +/- `token_spread` (a share);
     - `fail_rules`: rule id -> number of initial calls (per evaluation) that fail
-      transiently whatever `error_rate` says;
+      transiently whatever `error_rate` says, counted from (attempt, try) as a fault-free run
+      makes them (`FakeAgent.immediate_retries` + 1 tries per attempt), so a rerun after a
+      crash fails exactly where the first execution did;
     - `always_fail_rules`: rules whose every call fails transiently;
     - `pass_rate`: share of "pass" verdicts; of the others, a `review_share` are
-      "needs_review" and the rest "fail".
+      "needs_review" and the rest "fail";
+    - `drift`: probability that a rerun (execution 2 or more of the same attempt and try)
+      draws its verdict afresh, as a real LLM may answer differently the second time. It
+      changes verdicts (and scores) only, never errors, latency or tokens, so statuses and
+      rule sets stay those of a fault-free run; 0 (the default): every call of a rule agrees.
     """
 
     seed: int = 0
@@ -229,6 +271,7 @@ class AgentProfile:
     always_fail_rules: frozenset[str] = frozenset()
     pass_rate: float = 0.7
     review_share: float = 0.25
+    drift: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -241,27 +284,35 @@ class AgentProfile:
             "token_spread",
             "pass_rate",
             "review_share",
+            "drift",
         ):
             _check_rate(name, getattr(self, name))
         if self.error_rate + self.permanent_error_rate > 1.0:
             raise AgentProfileError(
                 "permanent_error_rate: error_rate + permanent_error_rate must be <= 1"
             )
-        if not isinstance(self.tokens, int) or self.tokens < 0:
-            raise AgentProfileError(f"tokens: must be an integer >= 0, got {self.tokens!r}")
+        if not isinstance(self.tokens, int) or not 0 <= self.tokens <= MAX_TOKENS:
+            raise AgentProfileError(
+                f"tokens: must be an integer within [0, {MAX_TOKENS}], got {_short(self.tokens)}"
+            )
         for kind, weight in self.error_kinds.items():
             if kind not in TRANSIENT_KINDS:
                 raise AgentProfileError(
-                    f"error_kinds.{kind}: not a transient error kind; "
+                    f"error_kinds.{_short(kind)}: not a transient error kind; "
                     f"expected one of {', '.join(TRANSIENT_KINDS)}"
                 )
-            if not (math.isfinite(weight) and weight >= 0):
-                raise AgentProfileError(f"error_kinds.{kind}: weight must be >= 0")
+            if not (math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT):
+                raise AgentProfileError(
+                    f"error_kinds.{kind}: weight must be within [0, {MAX_WEIGHT:.0f}]"
+                )
         if sum(self.error_kinds.values()) <= 0:
             raise AgentProfileError("error_kinds: at least one weight must be > 0")
         for rule_id, count in self.fail_rules.items():
-            if not isinstance(count, int) or count < 0:
-                raise AgentProfileError(f"fail_rules.{rule_id}: must be an integer >= 0")
+            if not isinstance(count, int) or not 0 <= count <= MAX_FORCED_FAILURES:
+                raise AgentProfileError(
+                    f"fail_rules.{_short(rule_id)}: must be an integer within "
+                    f"[0, {MAX_FORCED_FAILURES}]"
+                )
         if not isinstance(self.always_fail_rules, frozenset):
             object.__setattr__(self, "always_fail_rules", frozenset(self.always_fail_rules))
 
@@ -305,39 +356,48 @@ class AgentProfile:
             "always_fail_rules": sorted(self.always_fail_rules),
             "pass_rate": self.pass_rate,
             "review_share": self.review_share,
+            "drift": self.drift,
         }
+
+
+_Ms = Annotated[float, Field(ge=0, le=MAX_LATENCY_MS, allow_inf_nan=False)]
 
 
 class _LatencySpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     kind: Literal["fixed", "uniform", "lognormal"] = "fixed"
-    value_ms: float = 0.0
-    low_ms: float = 0.0
-    high_ms: float = 0.0
-    median_ms: float = 0.0
-    sigma: float = 0.5
-    cap_ms: float | None = None
+    value_ms: _Ms = 0.0
+    low_ms: _Ms = 0.0
+    high_ms: _Ms = 0.0
+    median_ms: _Ms = 0.0
+    sigma: float = Field(default=0.5, ge=0, le=MAX_SIGMA, allow_inf_nan=False)
+    cap_ms: _Ms | None = None
 
 
 class _ProfileSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     latency_ms: Any = 0.0  # checked by `_latency_from`, which knows its two shapes
     error_rate: float = 0.0
     error_kinds: dict[str, float] = {}
     permanent_error_rate: float = 0.0
-    tokens: int = 1200
+    tokens: int = Field(default=1200, ge=0, le=MAX_TOKENS)
     token_spread: float = 0.25
-    fail_rules: dict[str, int] = {}
+    fail_rules: dict[str, Annotated[int, Field(ge=0, le=MAX_FORCED_FAILURES)]] = {}
     always_fail_rules: list[str] = []
     pass_rate: float = 0.7
     review_share: float = 0.25
+    drift: float = 0.0
 
 
 def _latency_from(raw: Any) -> Latency:
     if isinstance(raw, int | float) and not isinstance(raw, bool):
+        if not (isinstance(raw, float) or 0 <= raw <= MAX_LATENCY_MS):  # float() may overflow
+            raise AgentProfileError(
+                f"latency_ms: must be a finite number within [0, {MAX_LATENCY_MS}]"
+            )
         return Latency.fixed(float(raw))
     if not isinstance(raw, Mapping):
         raise AgentProfileError(
@@ -353,11 +413,16 @@ def _latency_from(raw: Any) -> Latency:
 
 def _describe(exc: ValidationError, prefix: str = "") -> str:
     err = exc.errors()[0]
-    loc = [prefix, *(str(p) for p in err["loc"])] if prefix else [str(p) for p in err["loc"]]
+    parts = [_short(str(p)) for p in err["loc"]]  # a key from the file may be long
+    loc = [prefix, *parts] if prefix else parts
     path = ".".join(loc) or "(top)"
     msg = err["msg"]
+    bounds = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">"}
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
+    elif err["type"] in bounds:
+        bound = next(iter((err.get("ctx") or {}).values()), "?")
+        msg = f"expected a value {bounds[err['type']]} {bound}; got {_short(err.get('input'))}"
     return f"{path}: {msg}"
 
 
@@ -408,8 +473,11 @@ class FakeAgent:
     entry point: it draws, sleeps the drawn latency scaled by `time_scale`, then returns the
     result or raises the error.
 
+    `immediate_retries` is the engine's level-1 count (engine.policy.RetryPolicy): with it
+    the agent numbers a call from (attempt, try) alone, for `fail_rules`.
+
     `nondeterministic=True` is a deliberately broken mutant: the verdict then also depends
-    on a salt and on (attempt, try_no, call_index), so reruns disagree and the idempotence
+    on a salt and on (attempt, try_no, execution), so reruns disagree and the idempotence
     check has something to catch. The salt is process-random unless `salt` is given (pass
     one to replay a mutant run).
     """
@@ -421,27 +489,39 @@ class FakeAgent:
         *,
         nondeterministic: bool = False,
         salt: int | None = None,
+        immediate_retries: int = 2,
     ) -> None:
         if not (math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError("time_scale must be a finite number >= 0")
+        if not isinstance(immediate_retries, int) or immediate_retries < 0:
+            raise ValueError("immediate_retries must be an integer >= 0")
         self.profile = profile
         self.time_scale = time_scale
         self.nondeterministic = nondeterministic
         self.salt = int.from_bytes(os.urandom(8), "big") if salt is None else salt
-        self._calls: dict[tuple[str, str], int] = {}
+        self.immediate_retries = immediate_retries
+        self._calls: dict[tuple[str, str], int] = {}  # for `call_count` only, never a draw
 
     # -- pure --------------------------------------------------------------------------------
 
+    def call_number(self, attempt: int, try_no: int) -> int:
+        """0-based number of the call (attempt, try_no) in a fault-free run of one rule:
+        every earlier attempt used all its tries (an attempt ends early only by succeeding
+        or failing for good, and then no call follows)."""
+        return (attempt - 1) * (self.immediate_retries + 1) + (try_no - 1)
+
     def draw(
-        self, attempt_id: str, rule_id: str, attempt: int, try_no: int, call_index: int
+        self, attempt_id: str, rule_id: str, attempt: int, try_no: int, execution: int = 1
     ) -> Draw:
         """The outcome of one call, from a stable hash of its inputs and nothing else.
 
         Latency, tokens and the error are drawn from (seed, attempt_id, rule_id, attempt,
-        try_no); the verdict and score from (seed, attempt_id, rule_id) only, so every
-        successful call of a rule agrees. `call_index` (0-based calls of this rule in this
-        evaluation so far) only decides `fail_rules`. A timeout takes `latency_ms.cap_ms`
-        when a cap is set (the client gave up there).
+        try_no), `fail_rules` decides by `call_number(attempt, try_no)`; the verdict and
+        score from (seed, attempt_id, rule_id) only, so every successful call of a rule
+        agrees, except that with `drift` a rerun (`execution` >= 2: the same attempt and
+        try started again) may redraw them from (attempt, try_no, execution) too. An
+        `execution` below 1 counts as 1. A timeout takes `latency_ms.cap_ms` when a cap is
+        set (the client gave up there).
         """
         p = self.profile
         rng = _HashStream(_stable_digest("call", p.seed, attempt_id, rule_id, attempt, try_no))
@@ -453,7 +533,9 @@ class FakeAgent:
         spread = p.tokens * p.token_spread
         tokens = max(0, round(p.tokens - spread + 2 * spread * u_tok))
 
-        forced = rule_id in p.always_fail_rules or call_index < p.fail_rules.get(rule_id, 0)
+        forced = rule_id in p.always_fail_rules or self.call_number(
+            attempt, try_no
+        ) < p.fail_rules.get(rule_id, 0)
         error: str | None = None
         if forced or u_err < p.error_rate:
             error = self._transient_kind(u_kind)
@@ -468,7 +550,7 @@ class FakeAgent:
         return Draw(
             latency,
             None,
-            self._result(attempt_id, rule_id, attempt, try_no, call_index, tokens),
+            self._result(attempt_id, rule_id, attempt, try_no, execution, tokens),
             tokens,
         )
 
@@ -488,12 +570,14 @@ class FakeAgent:
         return chosen
 
     def _result(
-        self, attempt_id: str, rule_id: str, attempt: int, try_no: int, call_index: int, tokens: int
+        self, attempt_id: str, rule_id: str, attempt: int, try_no: int, execution: int, tokens: int
     ) -> RuleResult:
         p = self.profile
         key: tuple[object, ...] = ("verdict", p.seed, attempt_id, rule_id)
         if self.nondeterministic:
-            key = (*key, self.salt, attempt, try_no, call_index)
+            key = (*key, self.salt, attempt, try_no, execution)
+        elif self.drifts(attempt_id, rule_id, attempt, try_no, execution):
+            key = (*key, attempt, try_no, execution)
         u = _HashStream(_stable_digest(*key)).random()
         if u < p.pass_rate:
             verdict = "pass"
@@ -511,25 +595,35 @@ class FakeAgent:
             rationale=f"fake agent: {verdict} ({score})",
         )
 
+    def drifts(
+        self, attempt_id: str, rule_id: str, attempt: int, try_no: int, execution: int
+    ) -> bool:
+        """Whether this rerun draws its verdict afresh (probability `drift`; never for a
+        first execution). A redrawn verdict may still equal the first one."""
+        if execution <= 1 or self.profile.drift <= 0.0:
+            return False
+        key = ("drift", self.profile.seed, attempt_id, rule_id, attempt, try_no, execution)
+        return _HashStream(_stable_digest(*key)).random() < self.profile.drift
+
     # -- live --------------------------------------------------------------------------------
 
     def call_count(self, attempt_id: str, rule_id: str) -> int:
         """Calls of this rule this agent has made (in this process)."""
         return self._calls.get((attempt_id, rule_id), 0)
 
-    async def evaluate(self, attempt_id: str, rule: Rule, attempt: int, try_no: int) -> RuleResult:
+    async def evaluate(
+        self, attempt_id: str, rule: Rule, attempt: int, try_no: int, *, execution: int = 1
+    ) -> RuleResult:
         """Draw, sleep the latency, then return the result or raise the error.
 
-        `call_index` comes from an in-memory counter per (attempt_id, rule_id): the agent
-        cannot derive it from (attempt, try_no) because it does not know how many tries an
-        attempt gets. After a process crash the counter restarts at 0, so `fail_rules`
-        counts calls per process run of this agent; a scenario that needs "fails N calls
-        in total across a crash" must not rely on it.
+        The draw is `draw(attempt_id, rule.id, attempt, try_no, execution)`: nothing of this
+        process (call order, a counter) enters it, so a worker started after a crash draws
+        what the crashed one drew. `call_count` only counts, for tests and messages.
         """
         key = (attempt_id, rule.id)
         call_index = self._calls.get(key, 0)
-        self._calls[key] = call_index + 1  # before sleeping: concurrent calls get distinct ones
-        d = self.draw(attempt_id, rule.id, attempt, try_no, call_index)
+        self._calls[key] = call_index + 1
+        d = self.draw(attempt_id, rule.id, attempt, try_no, execution)
         delay = d.latency_ms * self.time_scale / 1000.0
         if delay > 0:
             await asyncio.sleep(delay)

@@ -6,11 +6,15 @@ and are never printed: `redacted()` is what logs and errors show.
 
 from __future__ import annotations
 
+import argparse
+import errno
 import os
+import socket
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit, urlunsplit
+from typing import NoReturn
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from engine.policy import DEFAULT_TIERS_MS, RetryPolicy
+from engine.policy import DEFAULT_TIERS_MS, RetryPolicy, check_engine_settings
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -34,6 +38,11 @@ class EngineConfig:
     sweep_ms: int = 1000
     retry_grace_ms: int | None = None  # a retry overdue by this much was lost (default stale_ms)
     state_ttl_s: int = STATE_TTL_SECONDS
+    # Every network call is bounded, so a dead or wrong service is an error, not a hang: a
+    # connection gets `connect_timeout_s`, a command or broker operation `read_timeout_s`
+    # (generous: a false timeout makes a retry, and CI runs on a busy machine).
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
 
     def scaled(self, ms: int) -> float:
         """Policy milliseconds to real seconds."""
@@ -45,6 +54,13 @@ class EngineConfig:
 
     def name(self, base: str) -> str:
         return f"{self.namespace}{base}"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad input is one line on stderr and exit 2 (argparse would add the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog.removeprefix('python -m ')}: {message}\n")
 
 
 def env_config(**overrides: object) -> EngineConfig:
@@ -64,6 +80,8 @@ def env_config(**overrides: object) -> EngineConfig:
         ("stale_ms", int),
         ("sweep_ms", int),
         ("retry_grace_ms", int),
+        ("connect_timeout_s", float),
+        ("read_timeout_s", float),
     ):
         raw = env.get(f"ENGINE_{key.upper()}")
         if raw is not None:
@@ -71,7 +89,27 @@ def env_config(**overrides: object) -> EngineConfig:
     if "ENGINE_SWEEPER" in env:
         values["sweeper"] = env["ENGINE_SWEEPER"].lower() not in ("0", "false", "no", "off")
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return EngineConfig(**values)  # type: ignore[arg-type]
+    config = EngineConfig(**values)  # type: ignore[arg-type]
+    check_urls(config)
+    check_engine_settings(config)
+    return config
+
+
+def check_urls(config: EngineConfig) -> None:
+    """A URL of the wrong kind is bad input (a ValueError, one line), not an outage."""
+    for name, url, schemes in (
+        ("REDIS_URL", config.redis_url, ("redis", "rediss", "unix")),
+        ("AMQP_URL", config.amqp_url, ("amqp", "amqps")),
+    ):
+        scheme = url.partition("://")[0] if "://" in url else ""
+        if scheme not in schemes:
+            expected = ", ".join(f"{s}://" for s in schemes)
+            got = redacted(url) if scheme else "a value without scheme://"  # never echo it
+            raise ValueError(f"{name}: expected a URL starting {expected}; got {got}")
+    for name in ("connect_timeout_s", "read_timeout_s"):
+        value = getattr(config, name)
+        if not value > 0:
+            raise ValueError(f"{name}: expected a number of seconds > 0; got {value!r}")
 
 
 def policy_from(
@@ -94,12 +132,93 @@ def policy_from(
 
 
 def redacted(url: str) -> str:
-    """The URL with its password replaced, for logs and error lines."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+    """The URL with its password replaced (also a `password=` query parameter), for logs and
+    error lines."""
+    try:
+        parts = urlsplit(url)
+        password, port = parts.password, parts.port
+    except ValueError:  # not a URL we can take apart: show none of it
+        return "<unparsable URL>"
+    query = parts.query
+    if "password" in query.lower():
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode(
+            [(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*"
+        )
+    netloc = parts.netloc
+    if password is not None:
+        host = parts.hostname or ""
+        if ":" in host:  # IPv6
+            host = f"[{host}]"
+        if port:
+            host = f"{host}:{port}"
+        netloc = f"{parts.username or ''}:***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def secrets_of(url: str) -> list[str]:
+    """The URL's password(s), so an error text quoting one can be scrubbed."""
+    try:
+        parts = urlsplit(url)
+        found = [parts.password] if parts.password else []
+    except ValueError:
+        return [url]
+    found += [v for k, v in parse_qsl(parts.query) if k.lower() == "password" and v]
+    return found
+
+
+def scrubbed(text: str, url: str) -> str:
+    """An error text (a client's, quoted in a line) with the URL's password(s) masked."""
+    for secret in secrets_of(url):
+        text = text.replace(secret, "***")
+    return text
+
+
+class ServiceUnavailable(ConnectionError):
+    """A service the engine needs cannot be used. `str()` is the one line a human reads:
+    which service, where (credentials masked), why, and what to do about it. A `reason`
+    quoting a client's error text must be `scrubbed` first."""
+
+    def __init__(
+        self,
+        service: str,
+        url: str,
+        reason: str,
+        env: str,
+        *,
+        login: bool = False,
+        todo: str | None = None,
+    ) -> None:
+        self.service = service
+        self.url = redacted(url)
+        self.reason = " ".join(reason.split())[:200]
+        what = "cannot log in to" if login else "cannot reach"
+        if todo is None:
+            todo = f"check the credentials in {env}" if login else f"start it or set {env}"
+        super().__init__(f"{what} {service} at {self.url} ({self.reason}); {todo}")
+
+
+def network_reason(exc: BaseException, timeout_s: float) -> str | None:
+    """A short reason for a failed connection (refused, unknown host, timed out...), read
+    from the exception or what caused it; None when it is not a network failure."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, socket.gaierror):
+            return "unknown host"
+        if isinstance(cur, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cur, ConnectionResetError | BrokenPipeError):
+            return "connection closed by the other side"
+        if isinstance(cur, TimeoutError) or type(cur).__name__ == "TimeoutError":
+            return f"no answer within {timeout_s:g} s"
+        errno_ = cur.errno if isinstance(cur, OSError) else None
+        if errno_ is None and cur.args and isinstance(cur.args[0], int):
+            errno_ = cur.args[0]  # aiormq: AMQPConnectionError(111, "Connect call failed")
+        if errno_ == errno.ECONNREFUSED:
+            return "connection refused"
+        if errno_ in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return "host unreachable"
+        cur = cur.__cause__ or cur.__context__
+    return None

@@ -6,8 +6,12 @@ validator and `chaos list` all read `FAILPOINTS`. Unarmed, a hit is one empty-di
 Spec syntax (env `ENGINE_FAILPOINTS`, flag `--failpoint`), entries separated by `;`:
     NAME=ACTION[,hit=N][,times=K][,rule=RULE_ID][,attempt_id=ID]
 ACTION is `crash` (the process SIGKILLs itself), `raise` (an `InjectedFault` surfaces where
-the boundary is) or `stall:MS` (sleep MS milliseconds of real time). It fires on the Nth
-matching hit (default 1) and then K times in all (default 1; 0 means every later hit).
+the boundary is), `stall:MS` (this task sleeps MS milliseconds of real time; the rest of
+the worker, its heartbeat included, goes on) or `freeze:MS` (the whole process stops for MS
+milliseconds, as in a long GC pause or a SIGSTOP: its heartbeat stops too, so its leases
+lapse and another worker may take its evaluations over while it still holds an answer).
+It fires on the Nth matching hit (default 1) and then K times in all (default 1; 0 means
+every later hit).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,7 +49,9 @@ RULELESS_FAILPOINTS: frozenset[str] = frozenset(
     }
 )
 
-ACTIONS = ("crash", "raise", "stall")
+ACTIONS = ("crash", "raise", "stall", "freeze")
+#: Actions that take a duration in milliseconds (`stall_ms`).
+TIMED_ACTIONS = ("stall", "freeze")
 
 
 class FailpointError(ValueError):
@@ -82,7 +89,7 @@ class Failpoint:
         return True
 
     def spec(self) -> str:
-        action = f"stall:{self.stall_ms}" if self.action == "stall" else self.action
+        action = f"{self.action}:{self.stall_ms}" if self.action in TIMED_ACTIONS else self.action
         out = f"{self.name}={action},hit={self.hit},times={self.times}"
         if self.rule:
             out += f",rule={self.rule}"
@@ -127,23 +134,27 @@ def parse_specs(text: str) -> list[Failpoint]:
 
 def _action(name: str, action: str) -> Failpoint:
     kind, _, arg = action.partition(":")
-    if kind == "stall":
+    if kind in TIMED_ACTIONS:
         if not arg.isdigit():
-            raise FailpointError(f"failpoint {name}: stall needs milliseconds, e.g. stall:500")
-        return Failpoint(name, "stall", stall_ms=int(arg))
+            raise FailpointError(f"failpoint {name}: {kind} needs milliseconds, e.g. {kind}:500")
+        return Failpoint(name, kind, stall_ms=int(arg))
     if kind in ("crash", "raise") and not arg:
         return Failpoint(name, kind)
     raise FailpointError(f"failpoint {name}: unknown action {action!r}; expected {ACTIONS}")
 
 
 class Failpoints:
-    """The armed failpoints of one process. `on_crash` runs just before the SIGKILL."""
+    """The armed failpoints of one process. `on_crash` runs just before the SIGKILL;
+    `on_fire(fp, rule, attempt_id)` before any other action takes effect (the history's
+    `failpoint_fired`: a checker must see a stall, a freeze or a raise to excuse what it
+    causes)."""
 
     def __init__(
         self, armed: list[Failpoint] | None = None, on_crash: Callable[[str], None] | None = None
     ) -> None:
         self._armed: dict[str, list[Failpoint]] = {}
         self.on_crash = on_crash
+        self.on_fire: Callable[[Failpoint, str | None, str | None], None] | None = None
         for fp in armed or []:
             self.arm(fp)
 
@@ -158,25 +169,38 @@ class Failpoints:
     def armed(self) -> bool:
         return bool(self._armed)
 
-    def fire(self, name: str, rule: str | None = None, attempt_id: str | None = None) -> int:
-        """Decide synchronously; crash or raise here; return a stall in ms (0: go on)."""
+    def fired(
+        self, name: str, rule: str | None = None, attempt_id: str | None = None
+    ) -> Failpoint | None:
+        """Decide synchronously; crash or raise here; return the failpoint that fired."""
         fps = self._armed.get(name)
         if not fps:
-            return 0
+            return None
         for fp in fps:
             if fp.matches(rule, attempt_id) and fp.should_fire():
                 if fp.action == "crash":
                     if self.on_crash is not None:
                         self.on_crash(name)
                     os.kill(os.getpid(), signal.SIGKILL)
+                if self.on_fire is not None:
+                    self.on_fire(fp, rule, attempt_id)
                 if fp.action == "raise":
                     raise InjectedFault(f"failpoint {name} fired")
-                return fp.stall_ms
-        return 0
+                return fp
+        return None
+
+    def fire(self, name: str, rule: str | None = None, attempt_id: str | None = None) -> int:
+        """Decide synchronously; crash or raise here; return a stall in ms (0: go on)."""
+        fp = self.fired(name, rule, attempt_id)
+        return fp.stall_ms if fp is not None else 0
 
     async def hit(self, name: str, rule: str | None = None, attempt_id: str | None = None) -> None:
         if not self._armed:
             return
-        stall = self.fire(name, rule, attempt_id)
-        if stall:
-            await asyncio.sleep(stall / 1000)
+        fp = self.fired(name, rule, attempt_id)
+        if fp is None or not fp.stall_ms:
+            return
+        if fp.action == "freeze":
+            time.sleep(fp.stall_ms / 1000)  # blocks the event loop: the whole worker stops
+        else:
+            await asyncio.sleep(fp.stall_ms / 1000)

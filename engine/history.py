@@ -54,13 +54,31 @@ def open_history(path: str | Path | None, source: str) -> History:
     return FileHistory(path, source) if path else History()
 
 
-def read_history(path: str | Path) -> list[dict[str, Any]]:
-    """Every event of a history file, skipping a torn last line (a crash mid-write)."""
+#: What `read_history(..., keep_unreadable=True)` records for a line that does not parse.
+UNREADABLE = "history_unreadable"
+
+
+def read_history(path: str | Path, *, keep_unreadable: bool = False) -> list[dict[str, Any]]:
+    """Every event of a history file. A line that does not parse (a write torn by a crash,
+    or worse) is skipped, or with `keep_unreadable` kept as a `history_unreadable` event
+    (its 1-based line number, whether it is the file's last line, its first bytes) so the
+    checker can tell a torn last line from a hole in the middle."""
     out: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    with open(path, "rb") as fh:
+        lines = fh.read().splitlines()
+    last_t: Any = None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            event = None
+        if isinstance(event, dict):
+            out.append(event)
+            last_t = event.get("t", last_t)
+        elif keep_unreadable:
+            text = line[:80].decode("utf-8", "replace")
+            torn = {"t": last_t, "src": "history", "ev": UNREADABLE, "line": n}
+            out.append({**torn, "last": n == len(lines), "text": text})
     return out

@@ -9,6 +9,7 @@ the file, the field path and what was expected, so the CLI never shows a traceba
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -17,7 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.yamlfile import read_yaml
+from engine.policy import MAX_ATTEMPTS
+from engine.yamlfile import clip, read_yaml
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
@@ -42,7 +44,7 @@ class _RuleSpec(BaseModel):
     id: str = Field(pattern=ID_PATTERN)
     description: str = ""
     depends_on: list[str] = Field(default_factory=list)
-    max_attempts: int | None = Field(default=None, ge=1, le=20)
+    max_attempts: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS)
 
 
 class _PassSpec(BaseModel):
@@ -141,23 +143,38 @@ def _rule_dict(rule: Rule) -> dict[str, Any]:
 
 
 def _toposort(rule_ids: Iterable[str], rules: Mapping[str, Rule]) -> list[str]:
-    """Order the rules of one pass so that a rule follows its in-pass dependencies."""
+    """Order the rules of one pass so that a rule follows its in-pass dependencies.
+
+    The order is that of sweeping the pass in file order again and again, placing each
+    rule whose in-pass dependencies are placed (the core starts ready rules in this order,
+    so it must not change), computed in linear time (Kahn's algorithm) instead of one
+    sweep per chain link: a rule's sweep is the latest of its dependencies' sweeps, plus
+    one for a dependency that comes after it in the file, which its sweep has passed by.
+    """
     ids = list(rule_ids)
-    local = set(ids)
-    placed: list[str] = []
-    done: set[str] = set()
-    while len(placed) < len(ids):
-        progressed = False
-        for rid in ids:
-            if rid in done:
-                continue
-            if all(d in done or d not in local for d in rules[rid].depends_on):
-                placed.append(rid)
-                done.add(rid)
-                progressed = True
-        if not progressed:  # pragma: no cover - plans are checked for cycles first
-            raise PlanError("cycle")
-    return placed
+    index = {rid: i for i, rid in enumerate(ids)}
+    waiting = {rid: 0 for rid in ids}
+    local_dependents: dict[str, list[str]] = {rid: [] for rid in ids}
+    for rid in ids:
+        for dep in rules[rid].depends_on:
+            if dep in index:
+                waiting[rid] += 1
+                local_dependents[dep].append(rid)
+    sweep = dict.fromkeys(ids, 1)
+    ready = deque(rid for rid in ids if waiting[rid] == 0)
+    seen = 0
+    while ready:
+        rid = ready.popleft()
+        seen += 1
+        for nxt in local_dependents[rid]:
+            later = 1 if index[rid] > index[nxt] else 0
+            sweep[nxt] = max(sweep[nxt], sweep[rid] + later)
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                ready.append(nxt)
+    if seen < len(ids):  # pragma: no cover - plans are checked for cycles first
+        raise PlanError("cycle")
+    return sorted(ids, key=lambda rid: (sweep[rid], index[rid]))
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -197,7 +214,7 @@ def _describe(exc: ValidationError, data: Any) -> str:
         idx = loc.index("rules")
         rules = _walk(data, loc[: idx + 2])
         if isinstance(rules, dict) and isinstance(rules.get("id"), str):
-            rule_hint = f" (rule '{rules['id']}')"
+            rule_hint = f" (rule {clip(repr(rules['id']))})"
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
@@ -256,7 +273,7 @@ def _freeze(spec: _PlanSpec, source: str) -> Plan:
                 if dep == r.id:
                     raise PlanError(f"{source}: {where}: a rule cannot depend on itself")
                 if dep not in rules:
-                    raise PlanError(f"{source}: {where}: unknown rule '{dep}'")
+                    raise PlanError(f"{source}: {where}: unknown rule {clip(repr(dep))}")
                 if pass_of[dep] > pi:
                     raise PlanError(
                         f"{source}: {where}: '{dep}' is in a later pass "
@@ -268,9 +285,11 @@ def _freeze(spec: _PlanSpec, source: str) -> Plan:
         rid = cycle[0]
         pi = pass_of[rid]
         ri = passes[pi].rule_ids.index(rid)
+        shown = [*cycle, cycle[0]] if len(cycle) <= 6 else [*cycle[:5], "...", cycle[0]]
+        size = "" if len(cycle) <= 6 else f" ({len(cycle)} rules)"
         raise PlanError(
             f"{source}: passes[{pi}].rules[{ri}].depends_on (rule '{rid}'): "
-            f"dependency cycle {' -> '.join([*cycle, cycle[0]])}"
+            f"dependency cycle {' -> '.join(shown)}{size}"
         )
     dependents: dict[str, list[str]] = {}
     for rid in (rid for p in passes for rid in p.rule_ids):

@@ -3,11 +3,96 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
+from typing import Any
 
 #: Level-2 delay tiers (ms): the retry after `failed_attempt_N` waits TIERS_MS[N-1]; an attempt
 #: past the table reuses the last tier.
 DEFAULT_TIERS_MS: tuple[int, ...] = (30_000, 120_000, 600_000)
+
+# --- bounds -----------------------------------------------------------------------------------
+# Every number a scenario file or a worker flag sets must fit what the engine can hold: the
+# history's JSON (64-bit integers), RabbitMQ (32-bit TTLs, a 16-bit prefetch) and the 7-day
+# state keys. The scenario loader (chaos/scenario.py, scenarios/schema.json) and the worker
+# (through RetryPolicy, AgentProfile and `check_engine_settings`) refuse the same values.
+
+#: Seeds are recorded in the history as signed 64-bit integers.
+MAX_SEED = 2**63 - 1
+#: The state keys' TTL (engine.config.STATE_TTL_SECONDS) in ms: no lease or wait may outlive it.
+STATE_TTL_MS = 7 * 24 * 3600 * 1000
+#: Longest delay tier: a day, so that even doubled by jitter a retry comes long before the
+#: keys of its evaluation expire.
+MAX_TIER_MS = 24 * 3600 * 1000
+MAX_TIERS = 16
+#: Level-2 attempts of a rule (the plan's per-rule `max_attempts` has the same bound).
+MAX_ATTEMPTS = 20
+MAX_IMMEDIATE_RETRIES = 20
+MAX_JITTER_BUCKETS = 64
+#: Evaluations per worker and rules in flight per evaluation (4 x max_evaluations is the
+#: RabbitMQ prefetch, a 16-bit count).
+MAX_CONCURRENCY = 1000
+#: `time_scale` multiplies engine delays: 1 is real time; slower would only push the
+#: delays towards the key TTL.
+MAX_TIME_SCALE = 1.0
+
+#: The worker's integer settings (engine.config.EngineConfig): name -> (least, most).
+ENGINE_BOUNDS: dict[str, tuple[int, int]] = {
+    "max_evaluations": (1, MAX_CONCURRENCY),
+    "max_parallel": (1, MAX_CONCURRENCY),
+    "heartbeat_ms": (10, STATE_TTL_MS),
+    "stale_ms": (50, STATE_TTL_MS),  # the lease's own TTL
+    "sweep_ms": (10, STATE_TTL_MS),
+    "retry_grace_ms": (0, STATE_TTL_MS),  # or None: stale_ms
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    """A value for an error line, short whatever it is (an int of 4,000 digits included)."""
+    if _is_int(value) and abs(value) >= 10**30:  # repr fails past 4,300 digits
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_int(name: str, value: Any, least: int, most: int) -> None:
+    if not (_is_int(value) and least <= value <= most):
+        raise ValueError(
+            f"{name}: expected an integer within [{least}, {most}]; got {_show(value)}"
+        )
+
+
+def check_engine_settings(config: Any) -> None:
+    """Refuse, in one `ValueError` line, worker settings outside ENGINE_BOUNDS.
+
+    `config` is an engine.config.EngineConfig (or anything with its attributes); the
+    scenario loader applies the same bounds to a scenario's `engine` and `time_scale`.
+    """
+    for name, (least, most) in ENGINE_BOUNDS.items():
+        value = getattr(config, name)
+        if not (name == "retry_grace_ms" and value is None):
+            _check_int(name, value, least, most)
+    if config.stale_ms <= config.heartbeat_ms:
+        raise ValueError(
+            f"stale_ms: expected more than heartbeat_ms ({config.heartbeat_ms}); "
+            f"got {config.stale_ms}"
+        )
+    scale = config.time_scale
+    if not (_is_finite(scale) and 0 < scale <= MAX_TIME_SCALE):
+        raise ValueError(f"time_scale: expected a number within (0, 1]; got {_show(scale)}")
+
+
+def _is_finite(value: Any) -> bool:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,16 +116,18 @@ class RetryPolicy:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.immediate_retries < 0:
-            raise ValueError("immediate_retries must be >= 0")
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
-        if not self.tiers_ms or any(t <= 0 for t in self.tiers_ms):
-            raise ValueError("tiers_ms must be a non-empty list of positive delays")
-        if not 0.0 <= self.jitter <= 1.0:
-            raise ValueError("jitter must be within [0, 1]")
-        if self.jitter_buckets < 1:
-            raise ValueError("jitter_buckets must be >= 1")
+        # the bounds above: a worker flag and a scenario file get the same answer
+        _check_int("immediate_retries", self.immediate_retries, 0, MAX_IMMEDIATE_RETRIES)
+        _check_int("max_attempts", self.max_attempts, 1, MAX_ATTEMPTS)
+        tiers = self.tiers_ms
+        if not (isinstance(tiers, tuple | list) and 1 <= len(tiers) <= MAX_TIERS):
+            raise ValueError(f"tiers_ms: expected 1 to {MAX_TIERS} delays; got {_show(tiers)}")
+        for i, tier in enumerate(tiers):
+            _check_int(f"tiers_ms[{i}]", tier, 1, MAX_TIER_MS)
+        if not (_is_finite(self.jitter) and 0.0 <= self.jitter <= 1.0):
+            raise ValueError(f"jitter: expected a number within [0, 1]; got {_show(self.jitter)}")
+        _check_int("jitter_buckets", self.jitter_buckets, 1, MAX_JITTER_BUCKETS)
+        _check_int("seed", self.seed, 0, MAX_SEED)
 
     def tier_for(self, failed_attempt: int) -> int:
         """0-based tier index of the retry that follows `failed_attempt_N`."""

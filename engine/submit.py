@@ -1,9 +1,21 @@
-"""`python -m engine.submit`: submit a plan for an attemptId, cancel one, or wait for them.
+"""`python -m engine.submit`: submit a plan for an attemptId, cancel one, ask its state, or
+remove what a namespace left behind.
 
     python -m engine.submit plans/code_review.yaml --attempt-id cand-42 --wait
     python -m engine.submit plans/code_review.yaml --count 20 --prefix load- --wait
     python -m engine.submit --cancel cand-42
     python -m engine.submit --status cand-42
+    python -m engine.submit --namespace try. --purge cand- load-
+
+`--purge PREFIX...` deletes every Redis key `attempt:{PREFIX}*` (results, statuses and the
+engine's own keys of those evaluations) and, with a namespace, the namespace's index keys and
+the RabbitMQ queues and exchanges its workers and clients declared (they are noted in
+`{namespace}engine:topology`); it refuses, deleting nothing, while a worker still consumes.
+
+Exit codes: 0 done; 1 `--status`/`--cancel` of an attemptId the engine has never seen (Redis
+holds neither its state nor its plan), `--wait` ended before every evaluation was terminal,
+or `--purge` refused; 2 bad input; 3 Redis or RabbitMQ unreachable or refusing the
+credentials. Errors are one line on stderr, with passwords masked.
 
 `EngineClient` is the same thing as a library, used by the tests and the chaos runner.
 """
@@ -18,23 +30,46 @@ import time
 import uuid
 from collections.abc import Iterable
 
-from engine.config import EngineConfig, env_config
+from aio_pika.exceptions import AMQPError
+from redis.exceptions import RedisError
+
+from engine.config import (
+    EngineConfig,
+    OneLineParser,
+    ServiceUnavailable,
+    env_config,
+    redacted,
+)
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.plan import Plan, PlanError, load_plan
-from engine.runtime.broker import Broker
-from engine.runtime.store import RedisStore, now_ms
+from engine.runtime.broker import Broker, QueueInUse, amqp_unavailable
+from engine.runtime.store import RedisStore, now_ms, redis_unavailable
 
 TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
 
 
 class EngineClient:
+    """Submits, cancels and waits. Entering it checks both services first: an unreachable
+    one, or wrong credentials, is one `ServiceUnavailable` within the connect timeout."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.store = RedisStore(config)
         self.broker = Broker(config)
 
     async def __aenter__(self) -> EngineClient:
-        await self.broker.connect(prefetch=1)
+        try:
+            await self.store.probe()
+            await self.broker.connect(prefetch=1)
+            await self.store.remember_topology(self.broker.declared)
+        except BaseException as exc:
+            await self.broker.close()
+            await self.store.close()
+            if isinstance(exc, RedisError):
+                raise redis_unavailable(
+                    exc, self.config.redis_url, self.config.connect_timeout_s
+                ) from None
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -52,13 +87,19 @@ class EngineClient:
         await self.broker.publish_work(body, attempt_id)
 
     async def cancel(self, attempt_id: str) -> str:
-        """Make `cancelled` the final state unless another one won; return the final state."""
+        """Make `cancelled` the final state unless another one won; return the final state.
+
+        The state write takes the evaluation out of the retries index; once the cancel is
+        announced it leaves the running index too (`RedisStore.done`), so that no sweeper
+        re-publishes it, even when its owner is dead. The owner sees the state before its
+        next rule start; the broadcast only makes that sooner.
+        """
         kept = await self.store.set_state(attempt_id, EvaluationStatus.CANCELLED.value)
         if kept is not None:
             return kept
         body = {"attempt_id": attempt_id, "status": "cancelled", "verdicts": {}}
         await self.broker.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
-        await self.store.mark_final_published(attempt_id)
+        await self.store.done(attempt_id, "")  # flagged, unindexed; nobody's lease released
         await self.broker.publish_control({"type": "cancel", "attempt_id": attempt_id})
         return EvaluationStatus.CANCELLED.value
 
@@ -84,23 +125,64 @@ class EngineClient:
             await asyncio.sleep(poll_s)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.submit", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m engine.submit", description=__doc__.split("\n")[0])
     p.add_argument("plan", nargs="?", help="plan file (YAML)")
     p.add_argument("--attempt-id", help="the candidate submission's attemptId")
     p.add_argument("--count", type=int, default=1, help="submit this many evaluations")
     p.add_argument("--prefix", default="", help="attemptId prefix with --count")
     p.add_argument("--cancel", metavar="ATTEMPT_ID")
     p.add_argument("--status", metavar="ATTEMPT_ID")
+    p.add_argument(
+        "--purge",
+        nargs="*",
+        metavar="PREFIX",
+        help="delete the keys of attemptIds starting with PREFIX, and the namespace's queues",
+    )
     p.add_argument("--wait", action="store_true", help="wait until every one is terminal")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--namespace")
     p.add_argument("--redis-url")
     p.add_argument("--amqp-url")
-    args = p.parse_args(argv)
-    config = env_config(namespace=args.namespace, redis_url=args.redis_url, amqp_url=args.amqp_url)
-    if not (args.plan or args.cancel or args.status):
-        p.error("give a plan to submit, --cancel ID or --status ID")
+    return p
+
+
+def _bad_input(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line, in one line (None: nothing)."""
+    actions = [a for a in (args.plan, args.cancel, args.status) if a] + (
+        [1] if args.purge is not None else []
+    )
+    if not actions:
+        return "give a plan to submit, --cancel ID, --status ID or --purge PREFIX..."
+    if len(actions) > 1:
+        return "give one of: a plan, --cancel ID, --status ID, --purge PREFIX..."
+    if args.purge is not None and any(not prefix for prefix in args.purge):
+        return "--purge: an empty prefix would match every evaluation; give a real one"
+    if args.count < 1:
+        return f"--count: expected at least 1; got {args.count}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = _bad_input(args)
+    if problem is not None:
+        print(f"engine.submit: {problem}", file=sys.stderr)
+        return 2
+    try:
+        config = env_config(
+            namespace=args.namespace, redis_url=args.redis_url, amqp_url=args.amqp_url
+        )
+    except ValueError as exc:
+        print(f"engine.submit: {exc}", file=sys.stderr)
+        return 2
+    if args.purge == [] and not config.namespace:
+        print(
+            "engine.submit: --purge: give attemptId prefixes, a namespace "
+            "(--namespace or ENGINE_NAMESPACE), or both",
+            file=sys.stderr,
+        )
+        return 2
     plan = None
     if args.plan:
         try:
@@ -110,23 +192,88 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         return asyncio.run(_run(config, plan, args))
-    except (OSError, ConnectionError) as exc:
-        print(f"engine.submit: cannot reach the services: {type(exc).__name__}", file=sys.stderr)
+    except ServiceUnavailable as exc:
+        print(f"engine.submit: {exc}", file=sys.stderr)
+        return 3
+    except RedisError as exc:  # lost after the first contact (the store retried meanwhile)
+        lost = redis_unavailable(exc, config.redis_url, config.connect_timeout_s)
+        print(f"engine.submit: {lost}", file=sys.stderr)
+        return 3
+    except (AMQPError, OSError) as exc:
+        lost = amqp_unavailable(exc, config.amqp_url, config.connect_timeout_s)
+        print(f"engine.submit: {lost}", file=sys.stderr)
         return 3
 
 
+def _unknown(config: EngineConfig, attempt_id: str) -> int:
+    print(
+        f"engine.submit: no evaluation {attempt_id!r}: Redis at {redacted(config.redis_url)} "
+        "holds neither its state nor its plan (never submitted, not started yet, or expired)",
+        file=sys.stderr,
+    )
+    return 1
+
+
+async def _known(config: EngineConfig, attempt_id: str) -> tuple[bool, str | None]:
+    """Whether the engine has seen `attempt_id`, and its state; Redis only."""
+    store = RedisStore(config)
+    try:
+        await store.probe()
+        record = await store.record(attempt_id)
+    finally:
+        await store.close()
+    return record.state is not None or record.plan_json is not None, record.state
+
+
+async def purge(config: EngineConfig, prefixes: Iterable[str]) -> tuple[int, list[str]]:
+    """Delete the keys of the attemptIds starting with `prefixes` and, with a namespace, the
+    namespace's index keys, queues and exchanges; return (keys deleted, queues and
+    exchanges deleted). `QueueInUse`, with nothing deleted, while a worker consumes."""
+    store = RedisStore(config)
+    try:
+        await store.probe()
+        deleted: list[str] = []
+        if config.namespace:
+            broker = Broker(config)
+            await broker.connect(prefetch=1, declare=False)
+            try:
+                deleted = await broker.delete_topology(await store.topology())
+            finally:
+                await broker.close()
+        keys = await store.purge(prefixes, namespace=bool(config.namespace))
+    finally:
+        await store.close()
+    return keys, deleted
+
+
+async def _purge(config: EngineConfig, prefixes: list[str]) -> int:
+    try:
+        keys, deleted = await purge(config, prefixes)
+    except QueueInUse as exc:
+        print(f"engine.submit: --purge: {exc}; nothing deleted", file=sys.stderr)
+        return 1
+    print(json.dumps({"keys_deleted": keys, "deleted": deleted}))
+    return 0
+
+
 async def _run(config: EngineConfig, plan: Plan | None, args: argparse.Namespace) -> int:
+    if args.purge is not None:
+        return await _purge(config, args.purge)
+    if args.status:
+        known, state = await _known(config, args.status)
+        if not known:
+            return _unknown(config, args.status)
+        print(json.dumps({"attempt_id": args.status, "state": state}))
+        return 0
+    if args.cancel:
+        known, _ = await _known(config, args.cancel)
+        if not known:
+            return _unknown(config, args.cancel)
+        async with EngineClient(config) as client:
+            state = await client.cancel(args.cancel)
+        print(json.dumps({"attempt_id": args.cancel, "state": state}))
+        return 0
     async with EngineClient(config) as client:
-        if args.cancel:
-            print(
-                json.dumps({"attempt_id": args.cancel, "state": await client.cancel(args.cancel)})
-            )
-            return 0
-        if args.status:
-            print(
-                json.dumps({"attempt_id": args.status, "state": await client.status(args.status)})
-            )
-            return 0
         assert plan is not None
         if args.attempt_id and args.count == 1:
             ids = [args.attempt_id]

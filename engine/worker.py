@@ -4,6 +4,12 @@ Flags beat environment (`REDIS_URL`, `AMQP_URL`, `ENGINE_*`), which beat default
 on a machine with Redis and RabbitMQ on their usual loopback ports. SIGTERM and Ctrl-C stop
 it cleanly: consuming stops, in-memory evaluations are handed back (their deliveries are
 requeued, their leases released) and connections close.
+
+Once connected it prints one line, `engine.worker ID ready: ...` (services with their
+passwords masked, namespace, queues), to stderr. Exit codes: 0 stopped by a signal, 2 bad
+input (one line), 3 Redis or RabbitMQ unreachable, refusing the credentials or lost during
+start-up: one line naming the service, its address and what to do, within the connect
+timeout (`ENGINE_CONNECT_TIMEOUT_S`, default 5 s); once running, outages are ridden out.
 """
 
 from __future__ import annotations
@@ -20,18 +26,54 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from engine.agent import AgentProfile, AgentProfileError, FakeAgent
-from engine.config import EngineConfig, env_config, policy_from, redacted
+from aio_pika.exceptions import AMQPError
+from redis.exceptions import RedisError
+
+from engine.agent import AgentProfile, AgentProfileError, AgentService, FakeAgent
+from engine.config import (
+    EngineConfig,
+    OneLineParser,
+    ServiceUnavailable,
+    env_config,
+    policy_from,
+    redacted,
+)
+from engine.core import RuleResult
 from engine.failpoints import FailpointError, Failpoints, parse_specs
 from engine.history import open_history
 from engine.metrics import Metrics
-from engine.runtime.broker import Broker
+from engine.plan import Rule
+from engine.runtime.broker import Broker, amqp_unavailable
 from engine.runtime.context import Runtime
 from engine.runtime.controller import EvaluationController
-from engine.runtime.store import RedisStore
+from engine.runtime.store import RedisStore, redis_unavailable
 from engine.runtime.sweeper import Heartbeat, Sweeper
 
 log = logging.getLogger("engine.worker")
+
+
+class UnscopedAgent:
+    """The agent, shown attemptIds without a run's prefix.
+
+    A chaos run on shared services prefixes its attemptIds with its own run id so that two
+    runs of one seed never touch each other's keys; the fake agent draws from (seed,
+    attemptId, ruleId), so it must see the seed's id to draw what every other run of the
+    seed draws (the checker judges that run with the prefix removed too).
+    """
+
+    def __init__(self, agent: AgentService, prefix: str) -> None:
+        self.agent = agent
+        self.prefix = prefix
+
+    def unscoped(self, attempt_id: str) -> str:
+        return attempt_id.removeprefix(self.prefix)
+
+    async def evaluate(
+        self, attempt_id: str, rule: Rule, attempt: int, try_no: int, *, execution: int = 1
+    ) -> RuleResult:
+        return await self.agent.evaluate(
+            self.unscoped(attempt_id), rule, attempt, try_no, execution=execution
+        )
 
 
 class Worker:
@@ -40,7 +82,7 @@ class Worker:
     def __init__(
         self,
         config: EngineConfig,
-        agent: FakeAgent,
+        agent: AgentService,
         failpoints: Failpoints | None = None,
         history_path: str | None = None,
         worker_id: str | None = None,
@@ -50,6 +92,14 @@ class Worker:
         history = open_history(history_path, self.worker_id)
         fps = failpoints or Failpoints()
         fps.on_crash = lambda name: history.record("crash", failpoint=name)
+        fps.on_fire = lambda fp, rule, attempt_id: history.record(
+            "failpoint_fired",
+            failpoint=fp.name,
+            action=fp.action,
+            stall_ms=fp.stall_ms,
+            rule=rule,
+            attempt_id=attempt_id,
+        )
         self.rt = Runtime(
             worker_id=self.worker_id,
             config=config,
@@ -68,33 +118,55 @@ class Worker:
     def held(self) -> list[str]:
         return list(self.controller.evaluations)
 
-    async def _lost(self, attempt_id: str) -> None:
+    async def _lost(self, attempt_id: str, forgotten: bool = False) -> None:
+        """The heartbeat found the lease gone: another worker has it (step aside), or a
+        Redis that lost writes forgot the evaluation (`forgotten`: it is ours again)."""
         orch = self.controller.evaluations.get(attempt_id)
         if orch is not None:
-            await orch.abandon("lease lost")
+            if forgotten:
+                await orch.reinstate()
+            else:
+                await orch.abandon("lease lost")
+
+    async def start(self) -> None:
+        """Connect, declare and consume. Raises `ServiceUnavailable` (one line) when Redis or
+        RabbitMQ is unreachable, refuses the credentials or fails on the way: the first
+        contacts make no retries, so that takes the connect timeout, not minutes."""
+        rt, cfg = self.rt, self.rt.config
+        if self.metrics_port is not None:
+            rt.metrics.serve(self.metrics_port)  # OSError when the port is taken
+        await rt.store.probe()
+        await rt.broker.connect(prefetch=cfg.max_evaluations * 4)
+        try:
+            await rt.store.remember_topology(rt.broker.declared)
+        except (RedisError, OSError) as exc:
+            raise redis_unavailable(exc, cfg.redis_url, cfg.connect_timeout_s) from None
+        try:
+            self.controller.private_queue = await rt.broker.consume_private(
+                self.worker_id, self.controller.on_message
+            )
+            await rt.broker.consume_work(self.controller.on_message)
+        except (AMQPError, OSError) as exc:
+            raise amqp_unavailable(exc, cfg.amqp_url, cfg.connect_timeout_s) from None
+        self._tasks.append(asyncio.create_task(Heartbeat(rt, self.held, self._lost).run()))
+        if cfg.sweeper:
+            self._tasks.append(asyncio.create_task(Sweeper(rt, self.held).run()))
+        rt.history.record("worker_started", sweeper=cfg.sweeper)
+
+    def ready_line(self) -> str:
+        """What the worker says once it consumes (the chaos runner waits for "ready")."""
+        cfg, broker = self.rt.config, self.rt.broker
+        delay = len(broker.delay_queues)
+        return (
+            f"engine.worker {self.worker_id} ready: redis {redacted(cfg.redis_url)}, "
+            f"amqp {redacted(cfg.amqp_url)}, namespace {cfg.namespace!r}, queues "
+            f"{broker.work_queue_name}, {self.controller.private_queue} and {delay} delay "
+            f"queues {cfg.name('evaluation.retry.*')}"
+        )
 
     async def run(self) -> None:
-        rt = self.rt
-        await rt.store.redis.ping()
-        prefetch = rt.config.max_evaluations * 4
-        await rt.broker.connect(prefetch=prefetch)
-        if self.metrics_port is not None:
-            rt.metrics.serve(self.metrics_port)
-        self.controller.private_queue = await rt.broker.consume_private(
-            self.worker_id, self.controller.on_message
-        )
-        await rt.broker.consume_work(self.controller.on_message)
-        self._tasks.append(asyncio.create_task(Heartbeat(rt, self.held, self._lost).run()))
-        if rt.config.sweeper:
-            self._tasks.append(asyncio.create_task(Sweeper(rt, self.held).run()))
-        rt.history.record("worker_started", sweeper=rt.config.sweeper)
-        log.info(
-            "worker %s ready (redis %s, amqp %s, namespace %r)",
-            self.worker_id,
-            redacted(rt.config.redis_url),
-            redacted(rt.config.amqp_url),
-            rt.config.namespace,
-        )
+        await self.start()
+        print(self.ready_line(), file=sys.stderr, flush=True)
         await self._stop.wait()
         await self.close()
 
@@ -125,7 +197,7 @@ def _agent_profile(raw: str | None) -> AgentProfile:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.worker", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m engine.worker", description=__doc__.split("\n")[0])
     p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
     p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
     p.add_argument("--namespace", help="prefix of queues, exchanges and index keys")
@@ -136,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-ms", type=int, help="a heartbeat older than this is a dead owner")
     p.add_argument("--sweep-ms", type=int)
     p.add_argument("--retry-grace-ms", type=int)
+    p.add_argument("--connect-timeout-s", type=float, help="per connection (default 5)")
+    p.add_argument("--read-timeout-s", type=float, help="per command or broker call (default 30)")
     p.add_argument("--no-sweeper", action="store_true", help="leave the hole after the ACK open")
     p.add_argument("--immediate-retries", type=int, help="level 1 (default 2)")
     p.add_argument("--max-attempts", type=int, help="level 2 attempts before level 3 (default 3)")
@@ -144,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed of the jitter")
     p.add_argument(
         "--agent", help="fake agent profile: JSON object or file (default $ENGINE_AGENT)"
+    )
+    p.add_argument(
+        "--agent-id-prefix",
+        default="",
+        help="the fake agent draws from the attemptId without this prefix (a run's own ids)",
     )
     p.add_argument("--failpoint", action="append", default=[], help="NAME=ACTION[,hit=N]...")
     p.add_argument("--history", help="append the event history (JSON lines) to this file")
@@ -175,6 +254,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         stale_ms=args.stale_ms,
         sweep_ms=args.sweep_ms,
         retry_grace_ms=args.retry_grace_ms,
+        connect_timeout_s=args.connect_timeout_s,
+        read_timeout_s=args.read_timeout_s,
         sweeper=False if args.no_sweeper else None,
         policy=policy,
     )
@@ -193,7 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FailpointError, AgentProfileError, OSError) as exc:
         print(f"engine.worker: {exc}", file=sys.stderr)
         return 2
-    agent = FakeAgent(profile, time_scale=config.time_scale)
+    agent: AgentService = FakeAgent(
+        profile,
+        time_scale=config.time_scale,
+        immediate_retries=config.policy.immediate_retries,  # numbers calls for fail_rules
+    )
+    if args.agent_id_prefix:
+        agent = UnscopedAgent(agent, args.agent_id_prefix)
     # Long-lived imports and config go to the permanent generation, and young collections
     # run less often: a worker allocates many short-lived futures and few cycles.
     gc.freeze()
@@ -211,7 +298,7 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 
 
 async def _serve(
-    config: EngineConfig, agent: FakeAgent, failpoints: Failpoints, args: argparse.Namespace
+    config: EngineConfig, agent: AgentService, failpoints: Failpoints, args: argparse.Namespace
 ) -> int:
     worker = Worker(config, agent, failpoints, args.history, args.worker_id, args.metrics_port)
     loop = asyncio.get_running_loop()
@@ -219,7 +306,11 @@ async def _serve(
         loop.add_signal_handler(sig, worker.stop)
     try:
         await worker.run()
-    except (OSError, ConnectionError) as exc:
+    except ServiceUnavailable as exc:
+        print(f"engine.worker: {exc}", file=sys.stderr)
+        await worker.close()
+        return 3
+    except OSError as exc:  # the metrics port is taken
         print(f"engine.worker: cannot start: {type(exc).__name__}: {exc}", file=sys.stderr)
         await worker.close()
         return 3

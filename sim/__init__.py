@@ -25,7 +25,8 @@ history events:
   dead connection, delay queues dead-lettering on TTL (queue-level, or per-message with
   head-of-line blocking for the `per_message_ttl` mutant), exclusive private queues and
   mandatory returns, broker kills with robust reconnection, optional `consumer_timeout`
-  and dead-letter loss.
+  and dead-letter loss (a scenario's `broker:` and `redis:` sections set these and the
+  failover loss, `sim.run.scenario_options`).
 - `sim/worker.py`, `sim/controller.py`, `sim/orchestrator.py`, `sim/module.py`,
   `sim/sweeper.py`: the live worker's parts, line by line; `sim/failpoints.py`; the
   runner and its faults in `sim/run.py`; mutants in `sim/mutants.py`.

@@ -11,7 +11,9 @@ What the engine relies on, and nothing else:
 - each worker's exclusive private queue, bound to the control fanout and deleted with
   its connection: a mandatory publish to it then comes back unroutable;
 - dead-lettering is not confirmed: with `dead_letter_loss` > 0 a seeded draw drops some;
-- the events exchange has no consumer in a run: publishing there only costs a round trip.
+- the events topic exchange routes each event to the durable queues bound to its routing
+  key (the harness's consumer of `evaluation.completed`); with none bound, publishing
+  there only costs a round trip.
 
 Frames of one connection arrive in order (TCP): each direction keeps the arrival time of
 its last frame, and a later frame never overtakes it. `BrokerClient` is one process's
@@ -114,6 +116,8 @@ class SimBroker:
         per_message_ttl: bool = False,
         dead_letter_loss: float = 0.0,
         consumer_timeout_s: float | None = None,
+        loses: Callable[[str | None], bool] | None = None,
+        on_lost: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.env = env
         self.rng = rng
@@ -121,6 +125,10 @@ class SimBroker:
         self.up = True
         self.per_message_ttl = per_message_ttl
         self.dead_letter_loss = dead_letter_loss
+        # which dead-lettered message is lost: a draw of its id (the live runner makes the
+        # same one), else of the broker's rng; `on_lost` is told of each
+        self.loses = loses
+        self.on_lost = on_lost
         self.consumer_timeout_s = consumer_timeout_s
         self.queues: dict[str, Queue] = {WORK_QUEUE: Queue(WORK_QUEUE)}
         self.tier_ttl: dict[tuple[int, int], float] = {}  # (tier, bucket) -> its TTL (s)
@@ -133,6 +141,7 @@ class SimBroker:
             self.queues[SHARED_DELAY_QUEUE] = Queue(SHARED_DELAY_QUEUE, delay=True)
             self.delay_route = dict.fromkeys(self.delay_route, SHARED_DELAY_QUEUE)
         self.private: dict[str, Queue] = {}  # bound to the control fanout, in creation order
+        self.event_bindings: list[tuple[str, str]] = []  # (routing key, durable queue)
         self.connections: list[Connection] = []
         self._tag = 0
         self.dead_letters_lost = 0
@@ -147,6 +156,13 @@ class SimBroker:
         conn = Connection(name, on_lost)
         self.connections.append(conn)
         return conn
+
+    def bind_events(self, queue: str, routing_key: str) -> None:
+        """Declare a durable queue (it survives a broker kill) and bind it to the events
+        exchange for one exact routing key."""
+        self.queues.setdefault(queue, Queue(queue))
+        if (routing_key, queue) not in self.event_bindings:
+            self.event_bindings.append((routing_key, queue))
 
     def declare_private(self, conn: Connection, name: str) -> None:
         q = Queue(name)
@@ -217,8 +233,11 @@ class SimBroker:
         self, exchange: str, key: str, body: dict[str, Any], message_id: str | None
     ) -> bool:
         """Route one published message; False when nothing took it (unroutable)."""
-        if exchange == EVENTS:
-            return True  # nobody consumes events in a run; not mandatory either
+        if exchange == EVENTS:  # not mandatory: routed to the bound queues, if any
+            for bound_key, name in self.event_bindings:
+                if bound_key == key:
+                    self._enqueue(self.queues[name], Message(body, message_id))
+            return True
         if exchange == CONTROL:
             for q in self.private.values():
                 self._enqueue(q, Message(body, message_id))
@@ -321,8 +340,14 @@ class SimBroker:
         work = self.queues[WORK_QUEUE]
         while q.messages and q.messages[0].expires_at <= now:
             msg = q.messages.popleft()
-            if self.dead_letter_loss and self.rng.random() < self.dead_letter_loss:
+            if self.dead_letter_loss and (
+                self.loses(msg.message_id)
+                if self.loses is not None
+                else self.rng.random() < self.dead_letter_loss
+            ):
                 self.dead_letters_lost += 1
+                if self.on_lost is not None:
+                    self.on_lost(msg.body)
                 continue
             self._enqueue(work, Message(msg.body, msg.message_id))
         self._arm(q)

@@ -3,8 +3,10 @@
 The specs are parsed by `engine.failpoints.parse_specs` and each `Failpoint` decides with
 its own `matches` / `should_fire`, in the order `Failpoints.fire` walks them. Only the
 actions differ: `crash` kills the simulated worker (a `crash` event first, as the live
-`on_crash` hook records it), `raise` raises `InjectedFault` where the boundary is, and
-`stall:MS` sleeps MS milliseconds of simulated time.
+`on_crash` hook records it), `raise` raises `InjectedFault` where the boundary is,
+`stall:MS` sleeps MS milliseconds of simulated time, and `freeze:MS` also stops the whole
+worker for as long (`SimWorker.freeze`: every process of it waits for the thaw, as the live
+worker's blocked event loop does).
 """
 
 from __future__ import annotations
@@ -19,13 +21,25 @@ from engine.failpoints import Failpoint, InjectedFault, parse_specs
 
 class SimFailpoints:
     def __init__(
-        self, env: simpy.Environment, specs: str, crash: Callable[[str], NoReturn]
+        self,
+        env: simpy.Environment,
+        specs: str,
+        crash: Callable[[str], NoReturn],
+        freeze: Callable[[float], None] | None = None,
+        on_fire: Callable[[Failpoint, str | None, str | None], None] | None = None,
     ) -> None:
         self.env = env
         self.crash = crash
+        self.freeze = freeze
+        self.on_fire = on_fire  # the live `Failpoints.on_fire`: `failpoint_fired`
         self._armed: dict[str, list[Failpoint]] = {}
         for fp in parse_specs(specs):
             self._armed.setdefault(fp.name, []).append(fp)
+
+    @property
+    def freezes(self) -> bool:
+        """Whether a `freeze` is armed (the worker then watches for it at every step)."""
+        return any(fp.action == "freeze" for fps in self._armed.values() for fp in fps)
 
     def __bool__(self) -> bool:
         return bool(self._armed)
@@ -40,8 +54,12 @@ class SimFailpoints:
             if fp.matches(rule, attempt_id) and fp.should_fire():
                 if fp.action == "crash":
                     self.crash(name)
+                if self.on_fire is not None:
+                    self.on_fire(fp, rule, attempt_id)
                 if fp.action == "raise":
                     raise InjectedFault(f"failpoint {name} fired")
+                if fp.action == "freeze" and self.freeze is not None:
+                    self.freeze(fp.stall_ms / 1000)
                 if fp.stall_ms:
                     yield self.env.timeout(fp.stall_ms / 1000)
                 return

@@ -16,11 +16,14 @@ if TYPE_CHECKING:
     from sim.worker import SimWorker
 
 
-def persist_status(w: SimWorker, a: str, action: PersistStatus) -> Generator[Any, Any, None]:
+def persist_status(w: SimWorker, a: str, action: PersistStatus) -> Generator[Any, Any, str | None]:
+    """The status write; returns the evaluation's state if the store says it is over."""
     due = None
     if action.retry_due_in_ms is not None:
         due = w.store.now_ms() + round(action.retry_due_in_ms * w.config.time_scale)
-    kept = yield from w.store.call(w.redis.write_status, a, action.rule_id, action.status, due)
+    kept, over = yield from w.store.call(
+        w.redis.write_status, a, action.rule_id, action.status, due
+    )
     w.record(
         "status_written",
         attempt_id=a,
@@ -32,6 +35,7 @@ def persist_status(w: SimWorker, a: str, action: PersistStatus) -> Generator[Any
     )
     if action.status != PERMANENTLY_FAILED and w.fp:
         yield from w.fp.hit("after_status_write_before_retry_publish", action.rule_id, a)
+    return over
 
 
 def schedule_retry(w: SimWorker, a: str, action: ScheduleRetry) -> Generator[Any, Any, None]:

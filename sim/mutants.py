@@ -3,22 +3,29 @@
 A live mutant runs in its own worker process, so its monkeypatch dies with it. The
 simulator runs many engines in one process, one after the other, so:
 - mutants of the shell (a Redis script, the broker's delay queues, the worker's config, the
-  agent, the final publish, ReEvaluateUseCase's read) are modelled by the sim's own
-  shell, switched on by name (`SHELL`);
+  agent, the final publish, ReEvaluateUseCase's read, the history writer) are modelled by
+  the sim's own shell, switched on by name (`SHELL`);
 - mutants of the pure core are chaos.mutants' own patch functions, applied by `patched`
   around one run: it saves the namespace of every object such a patch may touch and puts
-  it back afterwards, so a clean run that follows is the clean engine again.
+  it back afterwards, so a clean run that follows is the clean engine again;
+- mutants of the shell whose live patch has a seam in the simulator's mirror of it (the
+  orchestrator, the controller, a method of `SimRedis` standing for a script) are patched
+  there the same way (`PATCHED`), the live patch's counterpart, saved and restored alike.
 A mutant `chaos.mutants` gains later fails here loudly until the simulator models it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from engine.core import evaluation
 from engine.core.evaluation import Evaluation
+from engine.policy import RetryPolicy
+from engine.runtime.store import eval_key
+from sim import controller, orchestrator
+from sim.redis import SimRedis
 
 #: Modelled by the simulator's shell (see sim/run.py for where each is switched).
 SHELL: dict[str, str] = {
@@ -28,11 +35,22 @@ SHELL: dict[str, str] = {
     "per_message_ttl": "one shared delay queue, per-message TTLs, expiring at its head",
     "result_without_ttl": "rule results are written without EX",
     "double_final_publish": "evaluation.completed is published twice",
+    "overwrite_result": "rule results are written with a plain SET: the last write wins",
+    "drop_history_events": "a worker's history source skips every 7th seq (chaos.mutants)",
 }
 #: Patches of the pure core, applied with `patched`.
-CORE: tuple[str, ...] = ("prune_everything", "prune_nothing", "reset_attempts_on_recovery")
+CORE: tuple[str, ...] = (
+    "prune_everything",
+    "prune_nothing",
+    "reset_attempts_on_recovery",
+    "ignore_dag",
+    "no_immediate_retries",
+    "give_up_early",
+    "slow_tier",
+    "all_passes_complete",
+)
 #: Every object a core patch may change: saved and restored whole.
-_OWNERS: tuple[Any, ...] = (Evaluation, evaluation)
+_OWNERS: tuple[Any, ...] = (Evaluation, evaluation, RetryPolicy)
 
 _active: list[str] = []
 
@@ -41,29 +59,43 @@ def known() -> tuple[str, ...]:
     """Every mutant of `chaos.mutants.MUTANTS`, checked to be modelled here."""
     from chaos.mutants import MUTANTS
 
-    missing = [m for m in MUTANTS if m not in SHELL and m not in CORE]
+    missing = [m for m in MUTANTS if m not in SHELL and m not in CORE and m not in PATCHED]
     if missing:
         raise NotImplementedError(f"the simulator does not model mutant(s) {missing}")
     return tuple(MUTANTS)
 
 
+def history_drops(name: str | None) -> Callable[[int], bool] | None:
+    """For `drop_history_events`, which `seq` a worker's history source numbers and does
+    not write: `chaos.mutants.history_drops`, the live patch's own rule; None otherwise."""
+    if name != "drop_history_events":
+        return None
+    from chaos import mutants
+
+    return mutants.history_drops
+
+
 @contextlib.contextmanager
 def patched(name: str | None) -> Iterator[None]:
-    """Apply core mutant `name` (nothing for None or a shell mutant) for the duration."""
+    """Apply mutant `name` of `CORE` or `PATCHED` (nothing for None or one of `SHELL`) for
+    the duration."""
     if name is None or name in SHELL:
         yield
         return
-    if name not in CORE:
+    if name not in CORE and name not in PATCHED:
         known()
         raise ValueError(f"unknown mutant {name!r}; expected one of {', '.join(known())}")
     if _active:
         raise RuntimeError(f"mutant {_active[0]} is already applied in this process")
     from chaos import mutants
 
-    saved = [(owner, dict(vars(owner))) for owner in _OWNERS]
+    saved = [(owner, dict(vars(owner))) for owner in (*_OWNERS, *_SHELL_OWNERS)]
     _active.append(name)
     try:
-        mutants.MUTANTS[name].apply()
+        if name in PATCHED:
+            PATCHED[name]()
+        else:
+            mutants.MUTANTS[name].apply()
         yield
     finally:
         mutants._APPLIED.discard(name)
@@ -79,3 +111,130 @@ def _restore(owner: Any, before: dict[str, Any]) -> None:
     for key, value in before.items():
         if now.get(key, before) is not value:
             setattr(owner, key, value)
+
+
+# --- the shell's patches: each the live patch (chaos.mutants), on the simulator's seam ------
+
+
+def _start_after_cancel() -> None:
+    from chaos.mutants import ignore_cancel
+
+    ignore_cancel(orchestrator.Orchestrator)
+
+
+def _spurious_cancel() -> None:
+    on_cancel = controller.Controller._on_cancel
+
+    def cancel_all(self: controller.Controller, attempt_id: str, d: Any) -> None:
+        others = [o for a, o in self.evaluations.items() if a != attempt_id]
+        on_cancel(self, attempt_id, d)
+        for orch in others:
+            orch.cancel()
+
+    controller.Controller._on_cancel = cancel_all  # type: ignore[method-assign]
+
+
+class _Proxy:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _CompletedDropped(_Proxy):
+    """A worker's broker client, dropping `evaluation.completed` on the way out."""
+
+    def publish_event(self, routing_key: str, *args: Any, **kwargs: Any) -> Generator:
+        if routing_key != "evaluation.completed":
+            yield from self._inner.publish_event(routing_key, *args, **kwargs)
+
+
+class _Muted(_Proxy):
+    """A worker whose broker client drops `evaluation.completed`."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.broker = _CompletedDropped(inner.broker)
+
+
+def _no_completed_event() -> None:
+    publish_completed = orchestrator.publish_completed
+
+    def publish_nothing(w: Any, a: str, status: str, verdicts: dict) -> Generator:
+        return (yield from publish_completed(_Muted(w), a, status, verdicts))
+
+    orchestrator.publish_completed = publish_nothing
+    controller.publish_completed = publish_nothing
+
+
+def _leaving_it_indexed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, minus its removal of the evaluation from the running index."""
+
+    def method(self: SimRedis, a: str, *args: Any) -> Any:
+        score = (self.get(self.running_index) or {}).get(a)
+        out = fn(self, a, *args)
+        if score is not None and a not in (self.get(self.running_index) or {}):
+            self._container(self.running_index)[a] = score
+        return out
+
+    return method
+
+
+def _leak_running_index() -> None:
+    for name in ("done", "begin", "unindex", "claim_stale"):  # the scripts the live one edits
+        setattr(SimRedis, name, _leaving_it_indexed(getattr(SimRedis, name)))
+
+
+def _needless_rerun() -> None:
+    from chaos.mutants import GIVE_UP_AT_RENEWAL
+
+    renew = SimRedis.renew
+
+    def careless_renew(self: SimRedis, ids: Any, me: str, now_ms: int) -> dict[str, bool]:
+        held = renew(self, ids, me, now_ms)
+        counts = self.__dict__.setdefault("_renewals", {})  # per worker: the live process's
+        for a, ours in held.items():
+            counts[me, a] = counts.get((me, a), 0) + 1
+            if ours and counts[me, a] == GIVE_UP_AT_RENEWAL:
+                held[a] = False
+        return held
+
+    SimRedis.renew = careless_renew  # type: ignore[method-assign]
+
+
+def _ignore_lease() -> None:
+    begin = SimRedis.begin
+
+    def lease_blind_begin(self: SimRedis, a: str, me: str, *args: Any) -> Any:
+        key = eval_key(a, "owner")
+        holder = self.get(key)
+        if holder is None or holder == me:
+            return begin(self, a, me, *args)
+        expires = self.expires.get(key)
+        self._del(key)  # the script no longer looks at it
+        out = begin(self, a, me, *args)
+        if self.get(key) is None:  # not taken (terminal, no plan): the holder keeps it
+            self._restore(key, holder, expires)
+        return out
+
+    SimRedis.begin = lease_blind_begin  # type: ignore[method-assign]
+
+
+#: Shell mutants patched on the simulator's seam, with `patched`, like the core's.
+PATCHED: dict[str, Callable[[], None]] = {
+    "start_after_cancel": _start_after_cancel,
+    "spurious_cancel": _spurious_cancel,
+    "no_completed_event": _no_completed_event,
+    "leak_running_index": _leak_running_index,
+    "needless_rerun": _needless_rerun,
+    "ignore_lease": _ignore_lease,
+}
+#: Every object a patch of `PATCHED` may change: saved and restored whole.
+_SHELL_OWNERS: tuple[Any, ...] = (
+    orchestrator.Orchestrator,
+    orchestrator,
+    controller.Controller,
+    controller,
+    SimRedis,
+)

@@ -11,7 +11,7 @@ back, the other processes cancelled, the lease released.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import simpy
@@ -28,6 +28,8 @@ from engine.core import (
     ProtocolError,
     PublishPassResult,
     Recovered,
+    RuleResult,
+    RuleState,
     RunRule,
     ScheduleRetry,
     SkipRules,
@@ -59,7 +61,11 @@ class Orchestrator:
         self._closed = False
         self.holds_slot = False
         self._starts: list[tuple[str, int]] = []
-        self._reruns: dict[str, bool] = {}
+        self._counted: dict[str, int] = {}  # the `runs` key's count of each start
+        self._execution: dict[str, int] = {}  # which execution of its attempt each rule runs
+        self._kept: dict[str, str] = {}  # rule -> verdict of another write that came first
+        self._looked = False  # the state was read for the actions being executed
+        self._over: str | None = None  # the terminal state the store showed (a cancel)
 
     # --- inputs -------------------------------------------------------------------------
 
@@ -81,6 +87,12 @@ class Orchestrator:
 
     def cancel(self) -> None:
         self._spawn(self._feed(self.core.cancel))
+
+    def reinstate(self) -> Generator[Any, Any, None]:
+        """`PassExecutionOrchestrator.reinstate`: the plan written back."""
+        w = self.w
+        restored = yield from w.store.call(w.redis.reinstate, self.attempt_id, self.core.plan)
+        w.record("evaluation_reinstated", attempt_id=self.attempt_id, plan_restored=restored)
 
     def abandon(self, reason: str) -> Generator[Any, Any, None]:
         if self._closed:
@@ -131,31 +143,49 @@ class Orchestrator:
             self._starts = [
                 (x.rule_id, x.attempt) for x in actions if isinstance(x, RunRule) and x.try_no == 1
             ]
+            self._looked = False
             for action in actions:
                 if self._closed:
                     return
                 yield from self._execute(action)
+            if self._over is not None and not self.core.finished:
+                self.w.record("cancel_seen", attempt_id=self.attempt_id, state=self._over)
+                for action in self.core.cancel():
+                    if self._closed:
+                        return
+                    yield from self._execute(action)
         finally:
             self._lock.release()
 
+    def _look(self, over: str | None) -> None:
+        self._looked = True
+        if over is not None:
+            self._over = over
+            self._starts = []
+
     def _mark_starts(self, counts: list[int]) -> None:
         for (rule_id, _), count in zip(self._starts, counts, strict=True):
-            self._reruns[rule_id] = count > 1
+            self._counted[rule_id] = count
         self._starts = []
 
     def _execute(self, action: Action) -> Generator[Any, Any, None]:
         w, a = self.w, self.attempt_id
         match action:
             case RunRule():
-                if self._starts:
-                    counts = yield from w.store.call(w.redis.mark_started, a, self._starts)
+                if self._over is None and (self._starts or not self._looked):
+                    counts, over = yield from w.store.call(w.redis.mark_started, a, self._starts)
+                    self._look(over)
                     self._mark_starts(counts)
-                rerun = action.try_no == 1 and self._reruns.pop(action.rule_id, False)
-                self._spawn(self._run_rule(action, rerun))
+                if self._over is not None:
+                    return
+                if action.try_no == 1:
+                    self._execution[action.rule_id] = self._counted.pop(action.rule_id, 1)
+                self._spawn(self._run_rule(action, self._execution.get(action.rule_id, 1)))
             case PersistResult(rule_id=rule_id, result=result):
-                existing, counts = yield from w.store.call(
+                existing, counts, over = yield from w.store.call(
                     w.redis.write_result, a, result, self._starts
                 )
+                self._look(over)
                 self._mark_starts(counts)
                 w.record(
                     "result_persisted",
@@ -167,12 +197,23 @@ class Orchestrator:
                     won=existing is None,
                     kept_verdict=None if existing is None else existing.verdict,
                 )
+                if existing is not None and not (yield from self._adopt(rule_id, existing)):
+                    return
                 if w.fp:
                     yield from w.fp.hit("rule_after_write", rule_id, a)
             case PersistStatus():
-                yield from module.persist_status(w, a, action)
+                self._look((yield from module.persist_status(w, a, action)))
             case ScheduleRetry():
-                yield from module.schedule_retry(w, a, action)
+                if self._over is not None:
+                    w.record(
+                        "retry_not_scheduled",
+                        attempt_id=a,
+                        rule_id=action.rule_id,
+                        attempt=action.attempt,
+                        state=self._over,
+                    )
+                else:
+                    yield from module.schedule_retry(w, a, action)
             case AckRetry(rule_id=rule_id, attempt=attempt):
                 message = self.retry_messages.pop((rule_id, attempt), None)
                 if message is not None:
@@ -185,11 +226,12 @@ class Orchestrator:
             case PublishPassResult():
                 if w.fp:
                     yield from w.fp.hit("before_pass_publish", None, a)
+                rules = self._durable(action.rules)
                 body = {
                     "attempt_id": a,
                     "pass_id": action.pass_id,
                     "outcome": action.outcome,
-                    "rules": dict(action.rules),
+                    "rules": rules,
                 }
                 yield from w.broker.publish_event(
                     "evaluation.pass_result", body, f"{a}:pass:{action.pass_id}"
@@ -198,7 +240,11 @@ class Orchestrator:
                     w.redis.mark_pass_published, a, action.pass_id, action.outcome
                 )
                 w.record(
-                    "pass_published", attempt_id=a, pass_id=action.pass_id, outcome=action.outcome
+                    "pass_published",
+                    attempt_id=a,
+                    pass_id=action.pass_id,
+                    outcome=action.outcome,
+                    rules=rules,
                 )
             case Recovered():
                 w.record(
@@ -216,8 +262,9 @@ class Orchestrator:
             case Finish():
                 yield from self._finish(action)
 
-    def _run_rule(self, action: RunRule, rerun: bool) -> Generator[Any, Any, None]:
+    def _run_rule(self, action: RunRule, execution: int) -> Generator[Any, Any, None]:
         w, a, rule_id = self.w, self.attempt_id, action.rule_id
+        rerun = action.try_no == 1 and execution > 1
         if w.fp:
             yield from w.fp.hit("rule_before_call", rule_id, a)
         w.record(
@@ -227,12 +274,9 @@ class Orchestrator:
             attempt=action.attempt,
             try_no=action.try_no,
             rerun=rerun,
+            execution=execution,
         )
-        # FakeAgent.evaluate: a per-process call counter, taken before the call sleeps
-        key = (a, rule_id)
-        call_index = w.calls.get(key, 0)
-        w.calls[key] = call_index + 1
-        d = w.agent.draw(a, rule_id, action.attempt, action.try_no, call_index)
+        d = w.agent.draw(a, rule_id, action.attempt, action.try_no, execution)  # FakeAgent.evaluate
         delay = d.latency_ms * w.config.time_scale / 1000.0
         if delay > 0:
             yield w.env.timeout(delay)
@@ -266,27 +310,66 @@ class Orchestrator:
             yield from w.fp.hit("rule_after_call_before_write", rule_id, a)
         yield from self._feed(self.core.rule_succeeded, rule_id, result)
 
+    def _adopt(self, rule_id: str, kept: RuleResult) -> Generator[Any, Any, bool]:
+        """Another write came first: without the lease step aside, with it adopt the kept
+        result (the live `_adopt`). False when the evaluation was abandoned."""
+        w, a = self.w, self.attempt_id
+        held = yield from w.store.call(w.redis.renew, [a], w.worker_id, w.store.now_ms())
+        if not held.get(a):
+            yield from self.abandon(f"{rule_id}: another write of its result came first")
+            return False
+        self.core.results[rule_id] = kept
+        self._kept[rule_id] = kept.verdict
+        return True
+
+    def _durable(self, verdicts: Mapping[str, str]) -> dict[str, str]:
+        return {r: self._kept.get(r, v) for r, v in verdicts.items()}
+
     def _finish(self, action: Finish) -> Generator[Any, Any, None]:
         w, a = self.w, self.attempt_id
-        kept = yield from w.store.call(w.redis.set_state, a, action.status.value)
+        kept = yield from self._confirm_final(action)
         status = kept or action.status.value
+        verdicts = self._durable(action.verdicts)
         w.record(
             "evaluation_terminal",
             attempt_id=a,
             status=status,
             won=kept is None,
-            verdicts=dict(action.verdicts),
+            decided=action.status.value,  # the core's own decision (a cancel heard, or not)
+            verdicts=verdicts,
         )
         if kept is None:
             if w.fp:
                 yield from w.fp.hit("before_final_publish", None, a)
-            yield from publish_completed(w, a, status, dict(action.verdicts))
+            held = yield from publish_completed(w, a, status, verdicts)
+            for _ in range(3):
+                if held is not False:
+                    break
+                yield from self._confirm_final(action, again=True)
+                held = yield from w.store.call(w.redis.done, a, w.worker_id)
             if w.fp:
                 yield from w.fp.hit("after_final_publish", None, a)
             yield from self._close(release=False)
             return
-        yield from w.store.call(w.redis.unindex_running, a)
+        yield from w.store.call(w.redis.unindex, a)
         yield from self._close()
+
+    def _confirm_final(self, action: Finish, again: bool = False) -> Generator[Any, Any, Any]:
+        """`RedisStore.finish`: the final state, once every named result is in Redis."""
+        core, a, w = self.core, self.attempt_id, self.w
+        results = {r: core.results[r] for r in action.verdicts if r in core.results}
+        failed = [r for r in core.rules_in(RuleState.PERMANENTLY_FAILED) if r in action.verdicts]
+        kept, restored = yield from w.store.call(
+            w.redis.finish, a, action.status.value, results, failed
+        )
+        if restored or again:
+            w.record(
+                "final_state_restored" if again else "results_restored",
+                attempt_id=a,
+                rule_ids=restored,
+                status=kept or action.status.value,
+            )
+        return kept
 
     def _close(self, release: bool = True, requeue_held: bool = False) -> Generator:
         if self._closed:
@@ -309,10 +392,13 @@ class Orchestrator:
 
 def publish_completed(
     w: SimWorker, a: str, status: str, verdicts: dict[str, str]
-) -> Generator[Any, Any, None]:
-    """evaluation.completed, then flag it, unindex, release (twice for double_final_publish)."""
+) -> Generator[Any, Any, bool]:
+    """evaluation.completed, then flag it, unindex, release (twice for double_final_publish);
+    False when the final state was no longer there to flag (lost writes)."""
+    held = True
     for _ in range(2 if w.double_final_publish else 1):
         body = {"attempt_id": a, "status": status, "verdicts": verdicts}
         yield from w.broker.publish_event("evaluation.completed", body, f"{a}:completed")
-        yield from w.store.call(w.redis.done, a, w.worker_id)
+        held = yield from w.store.call(w.redis.done, a, w.worker_id)
         w.record("final_published", attempt_id=a, status=status)
+    return held

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 import simpy
@@ -35,6 +35,7 @@ from engine.runtime.store import (
     result_key,
     retry_member,
     runs_key,
+    split_member,
     status_key,
 )
 
@@ -61,6 +62,7 @@ class SimRedis:
         ttl_s: int,
         lease_ms: int,
         result_ttl: bool = True,
+        first_write_wins: bool = True,
         failover_loss: int = 0,
     ) -> None:
         self.env = env
@@ -69,6 +71,7 @@ class SimRedis:
         self.ttl = ttl_s
         self.lease_s = lease_ms / 1000.0
         self.result_ttl = result_ttl  # False: the result_without_ttl mutant's plain SET NX
+        self.first_write_wins = first_write_wins  # False: overwrite_result's plain SET EX
         self.data: dict[str, Any] = {}
         self.expires: dict[str, float] = {}  # key -> simulated time it expires at
         self.up = True
@@ -96,13 +99,17 @@ class SimRedis:
         self.up = False
         self.epoch += 1
 
-    def restart(self) -> None:
+    def restart(self) -> int:
+        """Back up; returns how many acknowledged writes the failover lost."""
+        lost = 0
         if self._journal:  # a failover to a replica that missed the last writes
+            lost = len(self._journal)
             for op in reversed(self._journal):
                 for key, (value, exp) in op.items():
                     self._restore(key, value, exp)
             self._journal.clear()
         self.up = True
+        return lost
 
     # --- primitives -------------------------------------------------------------------
 
@@ -156,11 +163,18 @@ class SimRedis:
             value = self.data[key] = {}
         return value
 
+    def _zadd(self, key: str, member: str, score: float) -> None:
+        """An index entry, whose key lives no longer than the state it points at."""
+        self._container(key)[member] = score
+        self._expire(key, self.ttl)
+
     def _zrem(self, key: str, member: str) -> None:
         z = self.get(key)
         if z is not None and member in z:
             self._touch(key)
             del z[member]
+            if not z:  # Redis deletes a sorted set with its last member
+                self._del(key)
 
     def _zrange_upto(self, key: str, top: float, limit: int) -> list[str]:
         z = self.get(key) or {}
@@ -188,13 +202,29 @@ class SimRedis:
 
     def write_result(
         self, a: str, result: RuleResult, starts: Sequence[tuple[str, int]]
-    ) -> tuple[RuleResult | None, list[int]]:
+    ) -> tuple[RuleResult | None, list[int], str | None]:
         key = result_key(a, result.rule_id)
-        existing = self.get(key)
+        existing = self.get(key) if self.first_write_wins else None  # SET reports no loser
         if existing is None:
             self._set(key, result, self.ttl if self.result_ttl else None)
         self._zrem(self.retries_index, retry_member(a, result.rule_id))
-        return existing, self._count_starts(a, starts)
+        over = self._over(a)
+        if over is not None:  # the evaluation is over: nothing counted, nothing starts
+            return existing, [], over
+        return existing, self._count_starts(a, starts), None
+
+    def _over(self, a: str) -> str | None:
+        """The evaluation's state if it is terminal (the scripts' `terminal(state)`)."""
+        state = self.get(eval_key(a, "state"))
+        return state if state in TERMINAL else None
+
+    def _unindex_retries(self, a: str) -> None:
+        """`unindex_retries`: every rule of the stored plan out of the retries index."""
+        plan = self.get(eval_key(a, "plan"))
+        if plan is None:
+            return
+        for rule_id in plan.rules:
+            self._zrem(self.retries_index, retry_member(a, rule_id))
 
     def _count_starts(self, a: str, starts: Sequence[tuple[str, int]]) -> list[int]:
         counts = []
@@ -207,21 +237,29 @@ class SimRedis:
             self._expire(key, self.ttl)
         return counts
 
-    def mark_started(self, a: str, starts: Sequence[tuple[str, int]]) -> list[int]:
-        return self._count_starts(a, starts)
+    def mark_started(
+        self, a: str, starts: Sequence[tuple[str, int]]
+    ) -> tuple[list[int], str | None]:
+        over = self._over(a)
+        if over is not None:
+            return [], over
+        return self._count_starts(a, starts), None
 
-    def write_status(self, a: str, rule_id: str, status: str, due_ms: int | None) -> str | None:
+    def write_status(
+        self, a: str, rule_id: str, status: str, due_ms: int | None
+    ) -> tuple[str | None, str | None]:
+        over = self._over(a)
         key = status_key(a, rule_id)
         cur = self.get(key)
         if cur is not None and _rank(cur) >= status_rank(status):
-            return cur
+            return cur, over
         self._set(key, status, self.ttl)
         member = retry_member(a, rule_id)
-        if due_ms is not None:
-            self._container(self.retries_index)[member] = due_ms
+        if due_ms is not None and over is None:
+            self._zadd(self.retries_index, member, due_ms)
         else:
             self._zrem(self.retries_index, member)
-        return None
+        return None, over
 
     def begin(self, a: str, me: str, rule_ids: Sequence[str], plan: Any, now_ms: int) -> Begun:
         owner = eval_key(a, "owner")
@@ -230,7 +268,11 @@ class SimRedis:
             return Begun(holder=cur)
         state = self.get(eval_key(a, "state"))
         if state in TERMINAL:
-            return Begun(terminal=state, published=bool(self.get(eval_key(a, "final_published"))))
+            published = bool(self.get(eval_key(a, "final_published")))
+            self._unindex_retries(a)
+            if published:
+                self._zrem(self.running_index, a)
+            return Begun(terminal=state, published=published)
         plan_key = eval_key(a, "plan")
         if plan is None:
             plan = self.get(plan_key)
@@ -240,7 +282,7 @@ class SimRedis:
             return Begun(no_plan=True)
         self._set(owner, me, self.lease_s)
         self._set(eval_key(a, "state"), "running", self.ttl)
-        self._container(self.running_index)[a] = now_ms
+        self._zadd(self.running_index, a, now_ms)
         return Begun(plan_json=None, snapshot=self.snapshot(a, rule_ids))
 
     def snapshot(self, a: str, rule_ids: Sequence[str]) -> Snapshot:
@@ -267,10 +309,34 @@ class SimRedis:
             bool(self.get(eval_key(a, "final_published"))),
         )
 
-    def done(self, a: str, me: str) -> None:
+    def done(self, a: str, me: str) -> bool:
+        if self._over(a) is None:  # the final state was lost: nothing written
+            return False
         self._set(eval_key(a, "final_published"), "1", self.ttl)
         self._zrem(self.running_index, a)
+        self._unindex_retries(a)
         self.release(a, me)
+        return True
+
+    def finish(
+        self, a: str, status: str, results: Mapping[str, RuleResult], failed: Sequence[str]
+    ) -> tuple[str | None, list[str]]:
+        over = self._over(a)
+        if over is not None:
+            return over, []
+        restored = []
+        for rule_id, result in results.items():
+            key = result_key(a, rule_id)
+            if self.get(key) is None:
+                self._set(key, result, self.ttl)
+                restored.append(rule_id)
+        for rule_id in failed:
+            key = status_key(a, rule_id)
+            if self.get(key) != PERMANENTLY_FAILED:
+                self._set(key, PERMANENTLY_FAILED, self.ttl)
+                restored.append(rule_id)
+        self._set(eval_key(a, "state"), status, self.ttl)
+        return None, restored
 
     def park(self, a: str, me: str) -> None:
         if self.get(eval_key(a, "state")) not in TERMINAL:
@@ -283,15 +349,14 @@ class SimRedis:
         if cur in TERMINAL:
             return cur
         self._set(eval_key(a, "state"), state, self.ttl)
+        if state in TERMINAL:
+            self._unindex_retries(a)
         return None
 
     def mark_pass_published(self, a: str, pass_id: str, outcome: str) -> None:
         key = eval_key(a, "passes")
         self._container(key)[pass_id] = outcome
         self._expire(key, self.ttl)
-
-    def mark_final_published(self, a: str) -> None:
-        self._set(eval_key(a, "final_published"), "1", self.ttl)
 
     def steal(self, a: str, holder: str, me: str) -> bool:
         owner = eval_key(a, "owner")
@@ -301,25 +366,40 @@ class SimRedis:
             return True
         return False
 
-    def renew(self, ids: Iterable[str], me: str, now_ms: int) -> dict[str, bool]:
+    def renew(self, ids: Iterable[str], me: str, now_ms: int) -> dict[str, int]:
         out = {}
         for a in ids:
             owner = eval_key(a, "owner")
-            if self.get(owner) != me:
-                out[a] = False
-                continue
-            self._expire(owner, self.lease_s)
-            self._container(self.running_index)[a] = now_ms
-            out[a] = True
+            cur = self.get(owner)
+            if cur == me:
+                self._expire(owner, self.lease_s)
+                if self._over(a) is None:
+                    self._zadd(self.running_index, a, now_ms)
+                out[a] = 1
+            elif cur is not None or self.get(eval_key(a, "state")) is not None:
+                out[a] = 0
+            else:  # forgotten by a lossy restart: the owner's again
+                self._set(owner, me, self.lease_s)
+                self._set(eval_key(a, "state"), "running", self.ttl)
+                self._zadd(self.running_index, a, now_ms)
+                out[a] = 2
         return out
+
+    def reinstate(self, a: str, plan: Any) -> bool:
+        key = eval_key(a, "plan")
+        if self.get(key) is not None:
+            return False
+        self._set(key, plan, self.ttl)
+        return True
 
     def release(self, a: str, me: str) -> None:
         owner = eval_key(a, "owner")
         if self.get(owner) == me:
             self._del(owner)
 
-    def unindex_running(self, a: str) -> None:
+    def unindex(self, a: str) -> None:
         self._zrem(self.running_index, a)
+        self._unindex_retries(a)
 
     def stale_evaluations(self, older_than_ms: int, now_ms: int) -> list[str]:
         return self._zrange_upto(self.running_index, now_ms - older_than_ms, 100)
@@ -328,6 +408,9 @@ class SimRedis:
         z = self.get(self.running_index) or {}
         score = z.get(a)
         if score is None or score > now_ms - older_than_ms:
+            return False
+        if self._over(a) is not None and self.get(eval_key(a, "final_published")):
+            self._zrem(self.running_index, a)
             return False
         if self.get(eval_key(a, "owner")) is not None:
             return False
@@ -341,6 +424,9 @@ class SimRedis:
         z = self.get(self.retries_index) or {}
         score = z.get(member)
         if score is None or score > now_ms - grace_ms:
+            return False
+        if self._over(split_member(member)[0]) is not None:
+            self._zrem(self.retries_index, member)
             return False
         self._container(self.retries_index)[member] = now_ms + grace_ms
         return True

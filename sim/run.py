@@ -5,8 +5,10 @@ in place of processes and wall time: the same attempt ids, the same fault schedu
 (`chaos.scenario.fault_schedule` with `random.Random(seed)`), the same failpoint specs
 per worker (first incarnation only), the same supervision (a 50 ms poll that notes
 `worker_exited` and restarts workers), the same 20 ms watch of the history for
-event-triggered faults, the same end (every evaluation terminal and announced, no fault or
-restart pending, or the deadline), then the same `FinalState` and `CheckSpec`, and
+event-triggered faults, the same consumer of `evaluation.completed` (a durable queue bound
+before the first submit, through the simulated broker), the same end (every evaluation
+terminal and announced, and delivered, no fault or restart pending, or the deadline), then
+the same `FinalState` and `CheckSpec`, and
 `chaos.checker.check`. Runner times (`at_s`, `restart_after_s`, `deadline_s`...) are
 simulated seconds; the engine's own delays are `time_scale`d as live.
 
@@ -20,28 +22,36 @@ orders simultaneous events by insertion: one seed, one history, byte for byte.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import random
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 import simpy
 
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
+from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, Scenario, fault_schedule
 from engine.agent import AgentProfile, FakeAgent
 from engine.config import EngineConfig
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.plan import Plan
+from engine.runtime.store import eval_key
 from sim import mutants
-from sim.broker import BrokerClient, SimBroker
+from sim.broker import BrokerClient, Delivery, SimBroker
 from sim.history import Source, history_hash
 from sim.redis import RedisClient, SimRedis
 from sim.worker import EXIT_KILLED, SimWorker
 
 TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
 RUNNER_PID = 1
+#: The harness's durable queue of `evaluation.completed` (in the run's namespace).
+COMPLETED_QUEUE = "chaos.completed"
+#: How long the end of a run waits for the consumer to hold every announced evaluation.
+DELIVERY_PATIENCE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,19 @@ class SimOptions:
     redis_failover_loss: int = 0  # writes a Redis restart loses (a lagging replica)
     poll_s: float = 0.05  # the runner's supervision loop
     event_poll_s: float = 0.02  # the runner's watch of the history for `after` faults
+
+
+def scenario_options(spec: Scenario, options: SimOptions) -> SimOptions:
+    """The simulated machines, with what the scenario file sets of them (`broker:` and
+    `redis:`) taking precedence over `options`."""
+    changes: dict[str, Any] = {}
+    if spec.broker.consumer_timeout_s is not None:
+        changes["consumer_timeout_s"] = spec.broker.consumer_timeout_s
+    if spec.broker.dead_letter_loss:
+        changes["dead_letter_loss"] = spec.broker.dead_letter_loss
+    if spec.redis.lose_last_writes:
+        changes["redis_failover_loss"] = spec.redis.lose_last_writes
+    return dataclasses.replace(options, **changes) if changes else options
 
 
 @dataclass
@@ -93,6 +116,7 @@ class _Slot:
     incarnation: int = 0
     restart_at: float | None = None
     stopped_on_purpose: bool = False
+    heals: list[int] = field(default_factory=list)  # fault ids healed once it is ready again
 
 
 class SimRun:
@@ -102,6 +126,8 @@ class SimRun:
         seed: int | None = None,
         mutant: str | None = None,
         options: SimOptions | None = None,
+        *,
+        reference: bool = True,
     ) -> None:
         if mutant is not None and mutant not in mutants.known():
             raise ValueError(f"unknown mutant {mutant!r}; expected one of {mutants.known()}")
@@ -109,7 +135,8 @@ class SimRun:
         self.spec = spec = loaded.spec
         self.seed = spec.seed if seed is None else seed
         self.mutant = mutant
-        self.options = options or SimOptions()
+        self.reference = reference  # False: the reference run itself (chaos.reference)
+        self.options = scenario_options(spec, options or SimOptions())
         self.env = simpy.Environment()
         self.events: list[dict[str, Any]] = []
         self.runner = Source(self.env, self.events, "runner", RUNNER_PID)
@@ -125,7 +152,10 @@ class SimRun:
         self.cancelled: set[str] = set()
         self.config = self._config()
         self.profile = AgentProfile.from_dict(self.agent_dict())
-        self.agent = FakeAgent(self.profile, self.spec.time_scale, salt=0)
+        self.immediate_retries = self.config.policy.immediate_retries  # for fail_rules
+        self.agent = FakeAgent(
+            self.profile, self.spec.time_scale, salt=0, immediate_retries=self.immediate_retries
+        )
         self.redis = SimRedis(
             self.env,
             running_index=self.config.name("engine:running"),
@@ -133,6 +163,7 @@ class SimRun:
             ttl_s=self.config.state_ttl_s,
             lease_ms=self.config.stale_ms,
             result_ttl=mutant != "result_without_ttl",
+            first_write_wins=mutant != "overwrite_result",
             failover_loss=self.options.redis_failover_loss,
         )
         delay_queues = {}
@@ -148,6 +179,8 @@ class SimRun:
             per_message_ttl=mutant == "per_message_ttl",
             dead_letter_loss=self.options.dead_letter_loss,
             consumer_timeout_s=self.options.consumer_timeout_s,
+            loses=self._loses if spec.broker.dead_letter_loss else None,
+            on_lost=self._retry_lost,
         )
         self.slots = [
             _Slot(i, loaded.failpoint_specs(i, self.attempt_ids)) for i in range(spec.workers)
@@ -155,9 +188,24 @@ class SimRun:
         self.store = RedisClient(self.env, self.redis, self.net_rng, self.options.redis_latency_s)
         self._t0 = 0.0
         self._later: list[simpy.Process] = []
+        self._fault_ids = itertools.count(1)  # fault_fired / worker_exited -> fault_healed
         self._faults: list[simpy.Process] = []
+        self._events: BrokerClient | None = None  # the consumer of evaluation.completed
 
     # --- set-up -------------------------------------------------------------------------
+
+    def _loses(self, message_id: str | None) -> bool:
+        """`broker.dead_letter_loss`: the live runner's draw, on the same id."""
+        return self.spec.broker.loses(self.seed, message_id)
+
+    def _retry_lost(self, body: dict[str, Any]) -> None:
+        """A dead-lettered retry vanished (the live runner records the one it takes)."""
+        self.runner.record(
+            "retry_lost",
+            attempt_id=body.get("attempt_id"),
+            rule_id=body.get("rule_id"),
+            attempt=body.get("attempt"),
+        )
 
     def _config(self) -> EngineConfig:
         return self.spec.engine_config(
@@ -175,7 +223,13 @@ class SimRun:
         if self.mutant != "nondeterministic_agent":
             return self.agent
         salt = self.salt_rng.getrandbits(64)  # per process, like os.urandom in a live one
-        return FakeAgent(self.profile, self.spec.time_scale, nondeterministic=True, salt=salt)
+        return FakeAgent(
+            self.profile,
+            self.spec.time_scale,
+            nondeterministic=True,
+            salt=salt,
+            immediate_retries=self.immediate_retries,
+        )
 
     # --- workers ------------------------------------------------------------------------
 
@@ -196,61 +250,96 @@ class SimRun:
         slot.restart_at = None
         slot.stopped_on_purpose = False
 
-    def _kill_worker(self, slot: _Slot, restart_after_s: float | None) -> None:
+    def _kill_worker(self, slot: _Slot, restart_after_s: float | None, fault_id: int) -> None:
+        """SIGKILL; the fault heals once a restarted worker is ready (never without one)."""
         w = slot.worker
         if w is None or not w.alive:
+            self._healed(fault_id)  # nothing to kill: nothing broken
             return
         w.die(EXIT_KILLED)
         slot.stopped_on_purpose = True
         self.runner.record("worker_killed", worker=slot.index, pid=w.pid)
         if restart_after_s is not None:
             slot.restart_at = self.env.now + restart_after_s
+            slot.heals.append(fault_id)
+
+    def _healed(self, fault_id: int) -> None:
+        """The fault's window closes: the checker reads it from here, not from guesses."""
+        self.runner.record("fault_healed", fault_id=fault_id)
 
     def _supervise(self) -> None:
         now = self.env.now
         for slot in self.slots:
             w = slot.worker
             if w is not None and w.alive:
+                if slot.heals and w.ready.triggered:  # the live runner reads "ready" in its log
+                    for fault_id in slot.heals:
+                        self._healed(fault_id)
+                    slot.heals.clear()
                 continue
             if slot.restart_at is None and not slot.stopped_on_purpose and w is not None:
-                self.runner.record("worker_exited", worker=slot.index, code=w.exit_code)
+                # a crash: a fault window from the worker's `crash` to the restart's "ready"
+                fault_id = next(self._fault_ids)
+                self.runner.record(
+                    "worker_exited",
+                    worker=slot.index,
+                    code=w.exit_code,
+                    pid=w.pid,
+                    fault_id=fault_id,
+                )
                 slot.stopped_on_purpose = True
                 if self.spec.restart_crashed_workers:
                     slot.restart_at = now + self.spec.restart_delay_s
+                    slot.heals.append(fault_id)
             if slot.restart_at is not None and now >= slot.restart_at:
                 self._start_worker(slot)
 
     # --- faults -------------------------------------------------------------------------
 
     def _fire(self, fault: PlannedFault) -> Generator[Any, Any, None]:
+        """`ScenarioRun._fire`: `fault_fired` with a `fault_id`, and `fault_healed` with
+        it once the runner has undone the fault."""
+        fault_id = next(self._fault_ids)
         self.runner.record(
-            "fault_fired", fault=fault.label, action=fault.action, target=fault.target
+            "fault_fired",
+            fault=fault.label,
+            action=fault.action,
+            target=fault.target,
+            fault_id=fault_id,
         )
         if fault.action == "kill_worker":
-            self._kill_worker(self.slots[fault.target], fault.restart_after_s)
+            self._kill_worker(self.slots[fault.target], fault.restart_after_s, fault_id)
         elif fault.action == "restart_worker":
             slot = self.slots[fault.target]
             if slot.worker is not None:
                 yield from slot.worker.terminate(5.0)
                 slot.stopped_on_purpose = True
             slot.restart_at = self.env.now
+            slot.heals.append(fault_id)
         elif fault.action in ("kill_redis", "kill_broker"):
             name = "redis" if fault.action == "kill_redis" else "broker"
             (self.redis if name == "redis" else self.broker).kill()
             self.runner.record("service_killed", service=name)
             if fault.restart_after_s is not None:
-                self._later_do(fault.restart_after_s, self._restart_service(name))
+                self._later_do(fault.restart_after_s, self._restart_service(name, fault_id))
         elif fault.action == "cancel":
             attempt_id = self.attempt_ids[fault.target]
             self.cancelled.add(attempt_id)
             self.runner.record("cancel_requested", attempt_id=attempt_id)
             yield from self._cancel(attempt_id)
+            self._healed(fault_id)
 
-    def _restart_service(self, name: str) -> Generator[Any, Any, None]:
+    def _restart_service(self, name: str, fault_id: int) -> Generator[Any, Any, None]:
         o = self.options
         yield self.env.timeout(o.redis_boot_s if name == "redis" else o.broker_boot_s)
-        (self.redis if name == "redis" else self.broker).restart()
-        self.runner.record("service_restarted", service=name)
+        if name == "redis":
+            lost = self.redis.restart()
+            extra = {"lost_writes": lost} if self.spec.redis.lose_last_writes else {}
+            self.runner.record("service_restarted", service=name, **extra)
+        else:
+            self.broker.restart()
+            self.runner.record("service_restarted", service=name)
+        self._healed(fault_id)
 
     def _cancel(self, attempt_id: str) -> Generator[Any, Any, None]:
         """`EngineClient.cancel`, on a connection of its own."""
@@ -263,8 +352,10 @@ class SimRun:
         if kept is None:
             body = {"attempt_id": attempt_id, "status": "cancelled", "verdicts": {}}
             yield from client.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
-            yield from self.store.call(self.redis.mark_final_published, attempt_id)
+            yield from self.store.call(self.redis.done, attempt_id, "")
             yield from client.publish_control({"type": "cancel", "attempt_id": attempt_id})
+        state = kept or EvaluationStatus.CANCELLED.value
+        self.runner.record("cancel_written", attempt_id=attempt_id, state=state)
         yield from client.close()
 
     def _later_do(self, delay_s: float, gen: Generator) -> None:
@@ -310,6 +401,7 @@ class SimRun:
         client = BrokerClient(env, self.broker, "runner")
         while not (yield from client.connect()):
             yield env.timeout(self.options.reconnect_interval_s)
+        yield from self._bind_consumer()
         self._t0 = env.now
         for attempt_id in self.attempt_ids:
             plan = self.plans[attempt_id]
@@ -327,6 +419,7 @@ class SimRun:
             env.process(_quiet(self._event_faults())),
         ]
         yield from self._wait_terminal()
+        yield from self._wait_delivered()
         for proc in [*self._faults, *self._later]:
             if proc.is_alive:
                 proc.interrupt()
@@ -334,6 +427,8 @@ class SimRun:
         for slot in self.slots:  # `_stop_workers`: SIGTERM, SIGKILL after 3 s
             if slot.worker is not None:
                 yield from slot.worker.terminate(3.0)
+        if self._events is not None:
+            yield from self._events.close()
         if not self.redis.up:  # the final state needs Redis back
             self.redis.restart()
         final = self._final_state()
@@ -365,28 +460,95 @@ class SimRun:
             yield env.timeout(self.options.poll_s)
 
     def _final_state(self) -> FinalState:
+        """`ScenarioRun._final_state`: each evaluation's keys, every key's TTL (the engine's
+        own `engine:*` keys too) and the members of its indexes."""
         redis = self.redis
         evaluations: dict[str, EvaluationFinal] = {}
         for attempt_id in self.attempt_ids:
             snap = redis.snapshot(attempt_id, self.plans[attempt_id].order)
-            state, _, _ = redis.record(attempt_id)
+            state, _, published = redis.record(attempt_id)
+            passes = redis.get(eval_key(attempt_id, "passes")) or {}
             evaluations[attempt_id] = EvaluationFinal(
                 attempt_id=attempt_id,
                 state=state,
                 results=dict(snap.results),
                 statuses=dict(snap.statuses),
+                published=published,
+                passes={str(p): str(o) for p, o in sorted(passes.items())},
             )
+        ns = self.config.name("")
         ttls = {k: redis.ttl_of(k) for k in redis.keys(f"attempt:{self.id_prefix}")}
-        return FinalState(evaluations=evaluations, key_ttls=ttls)
+        ttls.update(
+            {k.removeprefix(ns): redis.ttl_of(k) for k in redis.keys(self.config.name("engine:"))}
+        )
+        indexes = {
+            key.removeprefix(ns): {
+                str(m): float(v) for m, v in sorted((redis.get(key) or {}).items())
+            }
+            for key in (redis.running_index, redis.retries_index)
+        }
+        return FinalState(evaluations=evaluations, key_ttls=ttls, indexes=indexes)
+
+    # --- the harness's consumer of evaluation.completed -----------------------------------
+
+    def _bind_consumer(self) -> Generator[Any, Any, None]:
+        """`ScenarioRun._bind_consumer`: a durable queue bound to the events exchange for
+        `evaluation.completed` before the first submit, consumed on a robust connection of
+        its own; every delivery is recorded (`completed_received`), then acknowledged."""
+        env = self.env
+        events = BrokerClient(
+            env,
+            self.broker,
+            "runner-events",
+            reconnect_interval_s=self.options.reconnect_interval_s,
+            spawn=lambda gen: env.process(_quiet(gen)),
+        )
+        while not (yield from events.connect()):
+            yield env.timeout(self.options.reconnect_interval_s)
+        queue = self.config.name(COMPLETED_QUEUE)
+        self.broker.bind_events(queue, "evaluation.completed")
+
+        def received(d: Delivery) -> None:
+            body = orjson.loads(orjson.dumps(d.body))  # a copy, as JSON carries it
+            self.runner.record(
+                "completed_received",
+                attempt_id=body.get("attempt_id") if isinstance(body, dict) else None,
+                message_id=d.message_id,
+                body=body,
+                redelivered=d.redelivered,
+            )
+            events.settle(d)
+
+        events.consume(queue, 64, received)
+        self._events = events
+        self.runner.record("events_consumer_bound", queue=queue, routing_key="evaluation.completed")
+
+    def _wait_delivered(self) -> Generator[Any, Any, None]:
+        """`ScenarioRun._wait_delivered`: until the consumer holds an evaluation.completed
+        of every evaluation announced, or `DELIVERY_PATIENCE_S` passed."""
+        until = self.env.now + DELIVERY_PATIENCE_S
+        while self.env.now < until:
+            got = {e.get("attempt_id") for e in self.events if e.get("ev") == "completed_received"}
+            announced = [a for a in self.attempt_ids if self.redis.up and self.redis.record(a)[2]]
+            if all(a in got for a in announced):
+                return
+            yield self.env.timeout(self.options.event_poll_s)
 
     def check_spec(self) -> CheckSpec:
-        return self.loaded.check_spec(self.seed, self.plans, self.cancelled, self.profile)
+        return self.loaded.check_spec(
+            self.seed, self.plans, self.cancelled, self.profile, reference=self.reference
+        )
 
-    def run(self) -> SimOutcome:
+    def simulate(self) -> FinalState:
+        """The run itself, unjudged: the final state (the history is `self.events`). What
+        `chaos.reference` needs of a fault-free run, which no checker has to judge."""
         with mutants.patched(self.mutant):
             main = self.env.process(self.main())
             self.env.run(until=main)
-            final: FinalState = main.value
+            return main.value
+
+    def run(self) -> SimOutcome:
+        final = self.simulate()
         result = check(self.events, final, self.check_spec())
         digest = history_hash(self.events)
         return SimOutcome(
@@ -421,9 +583,13 @@ def run_scenario(
     mutant: str | None = None,
     *,
     options: SimOptions | None = None,
+    reference: bool = True,
 ) -> SimOutcome:
-    """Run a loaded scenario in the simulator and check it (`seed` overrides the file's)."""
-    return SimRun(loaded, seed, mutant, options).run()
+    """Run a loaded scenario in the simulator and check it (`seed` overrides the file's).
+
+    `reference=False` checks without the fault-free reference: what `chaos.reference`
+    asks of the run that computes it."""
+    return SimRun(loaded, seed, mutant, options, reference=reference).run()
 
 
 def outputs(outcome: SimOutcome, out_dir: str | Path) -> None:

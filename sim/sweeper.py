@@ -31,10 +31,13 @@ def heartbeat(w: SimWorker) -> Generator[Any, Any, None]:
         try:
             ours = yield from w.store.call(w.redis.renew, held, w.worker_id, w.store.now_ms())
             for attempt_id, still in ours.items():
-                if not still:
-                    orch = w.controller.evaluations.get(attempt_id)
-                    if orch is not None:
-                        yield from orch.abandon("lease lost")
+                orch = w.controller.evaluations.get(attempt_id)
+                if orch is None or still == 1:
+                    continue
+                if still == 2:  # forgotten by a lossy Redis: ours again
+                    yield from orch.reinstate()
+                else:
+                    yield from orch.abandon("lease lost")
         except ConnectionError:
             pass  # Redis away: leases may lapse, the owner keeps going
 

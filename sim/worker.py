@@ -7,7 +7,10 @@ Every process it starts goes through `spawn`, so that a death reaches all of the
 its connection (the broker requeues what it had not acknowledged, deletes its private
 queue) and leaves its leases to expire; requests already on their way to Redis still
 land. `terminate` is SIGTERM: evaluations are abandoned, the connection closed, then
-`worker_stopped`, as the live `Worker.close` does.
+`worker_stopped`, as the live `Worker.close` does. `freeze` (a `freeze` failpoint) stops
+the process without killing it: every process of the worker takes its next step only
+after the thaw, whatever it waited for meanwhile (replies, deliveries, its heartbeat's
+timer), as the live worker's blocked event loop does.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import simpy
 
 from engine.agent import FakeAgent
 from engine.config import EngineConfig
+from engine.failpoints import Failpoint
+from sim import mutants
 from sim.broker import WORK_QUEUE, BrokerClient
 from sim.controller import Controller
 from sim.failpoints import SimFailpoints
@@ -58,7 +63,8 @@ class SimWorker:
         self.pid = 10_000 * (index + 1) + incarnation
         self.config = config
         self.agent = agent
-        self.history = Source(env, run.events, self.worker_id, self.pid)
+        drops = mutants.history_drops(run.mutant)
+        self.history = Source(env, run.events, self.worker_id, self.pid, drops)
         self.record = self.history.record
         self.redis = run.redis
         self.store = RedisClient(env, run.redis, run.net_rng, run.options.redis_latency_s)
@@ -69,8 +75,13 @@ class SimWorker:
             reconnect_interval_s=run.options.reconnect_interval_s,
             spawn=self.spawn,
         )
-        self.fp = SimFailpoints(env, failpoints, self.crash) if failpoints else None
-        self.calls: dict[tuple[str, str], int] = {}  # FakeAgent's per-process call counter
+        self.fp = (
+            SimFailpoints(env, failpoints, self.crash, self.freeze, self._failpoint_fired)
+            if failpoints
+            else None
+        )
+        self.frozen_until = 0.0  # simulated time the current freeze ends
+        self._freezable = self.fp is not None and self.fp.freezes  # else no step is watched
         self.no_redis_results = run.mutant == "no_redis_results"
         self.double_final_publish = run.mutant == "double_final_publish"
         self.controller = Controller(self)
@@ -101,11 +112,42 @@ class SimWorker:
             gen.close()
             return
         try:
-            yield from gen
+            if self._freezable:
+                yield from self._thawed(gen)
+            else:
+                yield from gen
         except (simpy.Interrupt, WorkerDied):
             pass
         except TASK_ERRORS:
             pass  # what the live worker only logs (a failed task, a lost delivery)
+
+    def freeze(self, duration_s: float) -> None:
+        """Stop the whole process for `duration_s` (the caller sleeps it out itself)."""
+        self.frozen_until = max(self.frozen_until, self.env.now + duration_s)
+
+    def _thawed(self, gen: Generator) -> Generator[Any, Any, None]:
+        """`yield from gen`, but no step of `gen` runs while the worker is frozen: what it
+        waited for is handed to it at the thaw (an interrupt too, unless it is dead)."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            while self.alive and self.env.now < self.frozen_until:
+                try:
+                    yield self.env.timeout(self.frozen_until - self.env.now)
+                except simpy.Interrupt as exc:
+                    error = exc
+            try:
+                event = gen.send(value) if error is None else gen.throw(error)
+            except StopIteration:
+                return
+            value, error = None, None
+            try:
+                value = yield event
+            except GeneratorExit:
+                gen.close()
+                raise
+            except BaseException as exc:  # an interrupt: thrown into `gen` at the thaw
+                error = exc
 
     def _boot(self) -> Generator[Any, Any, None]:
         run, env = self.run, self.env
@@ -132,6 +174,17 @@ class SimWorker:
         self.ready.succeed()
 
     # --- death and shutdown -------------------------------------------------------------
+
+    def _failpoint_fired(self, fp: Failpoint, rule: str | None, attempt_id: str | None) -> None:
+        """What the live worker's `Failpoints.on_fire` records."""
+        self.record(
+            "failpoint_fired",
+            failpoint=fp.name,
+            action=fp.action,
+            stall_ms=fp.stall_ms,
+            rule=rule,
+            attempt_id=attempt_id,
+        )
 
     def crash(self, failpoint: str) -> NoReturn:
         self.record("crash", failpoint=failpoint)

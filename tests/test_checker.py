@@ -10,6 +10,7 @@ checker to find nothing (a correct engine must never be accused).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import xml.etree.ElementTree as ET
@@ -31,6 +32,7 @@ from chaos.checker import (
     check,
 )
 from chaos.journal import format_violation, junit_cases, write_junit, write_outputs
+from chaos.reference import Reference, outcome_of
 from engine.agent import AgentProfile, FakeAgent
 from engine.config import STATE_TTL_SECONDS
 from engine.core import (
@@ -46,7 +48,7 @@ from engine.core import (
 )
 from engine.plan import Plan
 from engine.policy import RetryPolicy
-from tests.helpers import OK, Shell, example_plan, feed, hashed_agent, make_plan
+from tests.helpers import OK, PERMANENT, Shell, example_plan, feed, hashed_agent, make_plan
 
 #: a -> b -> d, and c -> e: failing `a` must skip b and d, and leave c and e alone.
 PLAN = make_plan(
@@ -55,12 +57,53 @@ PLAN = make_plan(
 PROFILE = AgentProfile(seed=7)
 REF = FakeAgent(PROFILE)
 A = "att-1"
+#: The invariants a clean hand-built run must pass (others may have nothing to judge).
+CORE = (
+    "history_complete",
+    "no_completed_rerun",
+    "prune_only_dependents",
+    "idempotent_results",
+    "all_terminal",
+    "attempts_monotonic",
+    "retry_delays_respected",
+    "single_final_result",
+    "state_keys_expire",
+    "dag_order",
+    "retry_budget",
+)
 
 
 def ref(attempt_id: str, rule_id: str) -> RuleResult:
     result = REF.draw(attempt_id, rule_id, 1, 1, 0).result
     assert result is not None
     return result
+
+
+def reference_of(final: FinalState, plans: dict[str, Plan], agent: FakeAgent = REF) -> Reference:
+    """A synthetic run's fault-free reference: each evaluation's own outcome (a test makes
+    its faults by hand and says how it ends), with the agent's verdicts and scores, which a
+    run without faults keeps."""
+    out = {}
+    for a, fin in final.evaluations.items():
+        if a in plans:
+            own = outcome_of(plans[a], fin)
+            drawn = {r: agent.draw(a, r, 1, 1).result for r in own.completed}
+            verdicts = {r: res.verdict for r, res in drawn.items() if res is not None}
+            scores = {r: round(res.score, 6) for r, res in drawn.items() if res is not None}
+            out[a] = dataclasses.replace(own, verdicts=verdicts, scores=scores)
+    return Reference(out)
+
+
+def unrecorded(events: list[dict], *kinds: str) -> list[dict]:
+    """`events` as if `kinds` had never been recorded: gone, and each source's sequence
+    numbers without a gap (a gap would make the history incomplete, every verdict that reads
+    it unknown)."""
+    kept = [dict(e) for e in events if e["ev"] not in kinds]
+    seq: Counter[str] = Counter()
+    for e in kept:
+        seq[e["src"]] += 1
+        e["seq"] = seq[e["src"]]
+    return kept
 
 
 class Run:
@@ -137,7 +180,17 @@ class Run:
 
     def fail(self, a: str, r: str, attempt: int, permanent: bool = False, **w: Any) -> dict:
         self.start(a, r, attempt, **w)
-        self.ev("rule_failed", attempt_id=a, rule_id=r, attempt=attempt, try_no=1, tokens=0, **w)
+        kind = "invalid_output" if permanent else "timeout"  # what retry_budget reads
+        self.ev(
+            "rule_failed",
+            attempt_id=a,
+            rule_id=r,
+            attempt=attempt,
+            try_no=1,
+            kind=kind,
+            tokens=0,
+            **w,
+        )
         status = "permanently_failed" if permanent else f"failed_attempt_{attempt}"
         return self.status(a, r, status, **w)
 
@@ -171,6 +224,9 @@ class Run:
     def check(self, **spec: Any) -> CheckResult:
         spec.setdefault("plans", dict.fromkeys(self.evals, PLAN))
         spec.setdefault("agent", PROFILE)
+        spec.setdefault("reference", reference_of(self.final(), spec["plans"]))
+        # one call per attempt: `fail` spends level 1 in a single call
+        spec.setdefault("policy", RetryPolicy(immediate_retries=0))
         return check(self.events, self.final(), CheckSpec(**spec))
 
 
@@ -197,9 +253,13 @@ def passes(result: CheckResult) -> None:
 def test_golden_run_passes_every_invariant() -> None:
     result = Run().golden().check()
     passes(result)
-    assert result.verdicts == dict.fromkeys(INVARIANTS, "pass")
+    assert result.verdicts["retry_delays_respected"] == "unknown"  # no retry to time
+    assert result.cases["retry_delays_respected"] == 0
+    judged = set(INVARIANTS) - {"retry_delays_respected", "matches_reference"}
+    assert {result.verdicts[k] for k in judged if k in CORE} == {"pass"}
+    assert "fail" not in result.verdicts.values()
     assert result.stats["reruns"] == 0 and result.stats["duplicated_tokens"] == 0
-    assert result.stats["retries_checked"] == 0  # nothing to time: a vacuous pass
+    assert result.stats["retries_checked"] == 0
     assert result.stats["calls"] == len(PLAN.order)
 
 
@@ -284,8 +344,8 @@ def test_an_independent_rule_left_without_a_result_is_an_extra_skip() -> None:
 
 def test_a_dependent_of_a_permanent_failure_must_not_run() -> None:
     run = partial_run()
-    run.ok(A, "d")
-    [v] = only(run.check(), "prune_only_dependents")
+    run.ok(A, "d")  # also before any result of b: dag_order has its own test
+    [v] = only(run.check(invariants=("prune_only_dependents",)), "prune_only_dependents")
     assert v.rule_id == "d" and "a failed permanently" in v.message
 
 
@@ -343,9 +403,11 @@ def test_a_final_result_that_differs_from_the_reference() -> None:
         if e.get("rule_id") == "c" and "verdict" in e:
             e["verdict"] = wrong  # every execution agrees, on the wrong verdict
     run.final_of(A).results["c"] = RuleResult("c", wrong, kept.score, kept.tokens, 1)
-    [v] = only(run.check(), "idempotent_results")
+    [v] = only(run.check(invariants=("idempotent_results",)), "idempotent_results")
     assert "reference" in v.message
-    passes(run.check(agent=None))  # no profile: no reference to compare with
+    [v] = only(run.check(invariants=("matches_reference",)), "matches_reference")
+    assert v.rule_id == "c" and "verdict of c" in v.message
+    passes(run.check(reference=None))  # no reference to compare with
 
 
 def test_the_reference_ignores_injected_errors() -> None:
@@ -470,27 +532,34 @@ def test_an_attempt_beyond_max_attempts() -> None:
 def test_a_retry_started_before_its_tier() -> None:
     run = retry_run(wait_s=0.010)
     [v] = only(run.check(time_scale=0.01), "retry_delays_respected")
-    assert v.rule_id == "b" and "before its 300 ms delay" in v.message
+    assert v.rule_id == "b" and "before its tier 1 (30000 ms x 0.01 = 0.3 s)" in v.message
     assert [e["ev"] for e in v.timeline][:2] == ["status_written", "retry_published"]
 
 
 def test_a_retry_published_below_its_tier() -> None:
     run = retry_run(delay_ms=5, wait_s=0.31)  # waited long enough, but asked for 5 ms
     [v] = only(run.check(time_scale=0.01), "retry_delays_respected")
-    assert "below its tier 1" in v.message
+    assert "below tier 1's [299, 331] ms" in v.message
 
 
 def test_a_late_retry_without_a_fault_is_a_violation() -> None:
     run = retry_run(wait_s=2.0)
     [v] = only(run.check(time_scale=0.01), "retry_delays_respected")
-    assert "past its 300 ms delay" in v.message
-    passes(run.check(time_scale=0.01, retry_slack_s=5.0))
+    assert "past its tier 1" in v.message and "with no fault open" in v.message
+    passes(run.check(time_scale=0.01, retry_slack_ms=500_000))  # 5 s at this scale
 
 
 def test_a_late_retry_after_a_fault_or_through_the_sweeper_is_excused() -> None:
     run = retry_run(wait_s=2.0)
     status = next(e for e in run.events if e["ev"] == "status_written")
-    crash = {**status, "ev": "crash", "t": status["t"] + 0.1, "seq": 99, "failpoint": "x"}
+    run.seq["w1"] += 1  # numbered like any other event of w1: the history stays complete
+    crash = {
+        **status,
+        "ev": "crash",
+        "t": status["t"] + 0.1,
+        "seq": run.seq["w1"],
+        "failpoint": "x",
+    }
     for k in ("attempt_id", "rule_id", "status", "kept"):
         crash.pop(k)
     run.events.append(crash)
@@ -500,10 +569,12 @@ def test_a_late_retry_after_a_fault_or_through_the_sweeper_is_excused() -> None:
     swept = retry_run(wait_s=2.0, reason="lost_retry")
     passes(swept.check(time_scale=0.01))
     killed = retry_run(wait_s=2.0)
+    killed.seq["runner"] += 1
+    seq = killed.seq["runner"]
     killed.events.append(
-        {"t": 1000.2, "src": "runner", "pid": 1, "seq": 50, "ev": "service_killed", "service": "r"}
+        {"t": 1000.0, "src": "runner", "pid": 1, "seq": seq, "ev": "fault_fired", "fault_id": 1}
     )
-    passes(killed.check(time_scale=0.01))  # still down when the retry was due
+    passes(killed.check(time_scale=0.01))  # never healed: still open when the retry was due
 
 
 def test_retry_latencies_are_recorded_for_the_budget() -> None:
@@ -562,7 +633,8 @@ def test_a_key_without_ttl() -> None:
     run.ttls["ns.engine:running"] = -1  # an index, not a state key
     run.ttls[f"attempt:{A}:owner"] = -2  # gone between SCAN and TTL
     run.ttls[f"attempt:{A}:lease"] = 0  # a lease under a second from expiry: a TTL
-    result = run.check()
+    # quiet_state reports every key without a TTL too, indexes included (test_checker_more)
+    result = run.check(invariants=tuple(n for n in INVARIANTS if n != "quiet_state"))
     [v] = only(result, "state_keys_expire")
     assert v.attempt_id == A and f"attempt:{A}:rule:a:result (no TTL)" in v.message
     assert result.stats["keys_exempt"] == 1
@@ -603,7 +675,7 @@ def test_budgets() -> None:
         run.ok(A, r, src="w2", pid=12)
     run.finish(A, "completed", src="w2", pid=12)
     tight = run.check(budgets={"max_reruns": 0, "max_duplicated_tokens": 500})
-    assert all(v == "pass" for v in tight.verdicts.values())
+    assert all(v != "fail" for v in tight.verdicts.values())
     assert len(tight.budget_failures) == 2 and not tight.ok
     assert "reruns 1 > max_reruns 0" in tight.budget_failures
     loose = run.check(budgets={"max_reruns": None, "max_duplicated_tokens": 1000})
@@ -621,7 +693,9 @@ def test_the_plan_can_come_from_the_submitted_event() -> None:
     run = partial_run()
     run.events[0]["plan"] = PLAN.to_dict()
     run.ok(A, "d")
-    found = only(run.check(plans={}), "prune_only_dependents")
+    found = only(
+        run.check(plans={}, invariants=("prune_only_dependents",)), "prune_only_dependents"
+    )
     assert found[0].rule_id == "d"
 
 
@@ -679,11 +753,13 @@ def real_write_window() -> tuple[list[dict], FinalState, CheckSpec]:
         {a: EvaluationFinal(a, "completed", results, {})},
         dict.fromkeys(keys, STATE_TTL_SECONDS - 1),
     )
+    plans = {a: example_plan("tiny")}
     spec = CheckSpec(
-        plans={a: example_plan("tiny")},
+        plans=plans,
         agent=AgentProfile(),
         policy=RetryPolicy(),
         time_scale=0.001,
+        reference=reference_of(final, plans, FakeAgent(AgentProfile())),
     )
     return history, final, spec
 
@@ -691,7 +767,8 @@ def real_write_window() -> tuple[list[dict], FinalState, CheckSpec]:
 def test_a_real_write_window_history_passes_and_counts_its_reruns() -> None:
     result = check(*real_write_window())
     passes(result)
-    assert result.verdicts == dict.fromkeys(INVARIANTS, "pass")
+    assert result.verdicts["retry_delays_respected"] == "unknown"  # no retry in it
+    assert {result.verdicts[k] for k in CORE if k != "retry_delays_respected"} == {"pass"}
     stats = result.stats
     assert stats["reruns"] == 2 and stats["write_window_reruns"] == 2  # both were answered
     assert stats["duplicated_tokens"] == 1358 + 1344 == stats["rerun_tokens"]
@@ -705,7 +782,7 @@ def test_a_real_history_with_a_rule_rerun_after_its_write() -> None:
             "t": 0.7262,
             "src": "w2",
             "pid": 28618,
-            "seq": 99,
+            "seq": 20,
             "ev": "rule_started",
             "attempt_id": "t8126b6b5.att-0",
             "rule_id": "compiles",
@@ -762,7 +839,8 @@ class RecordingShell(Shell):
             res = ref_for(self.attempt_id, run.rule_id)
             self.rec("rule_finished", verdict=res.verdict, score=res.score, tokens=10, **where)
         else:
-            self.rec("rule_failed", kind=outcome, tokens=5, **where)
+            kind = "invalid_output" if outcome == PERMANENT else "timeout"
+            self.rec("rule_failed", kind=kind, tokens=5, **where)
         assert self.evaluation is not None
         self._execute(feed(self.evaluation, run, outcome))
 
@@ -848,7 +926,7 @@ def test_histories_of_the_core_under_crashes_never_violate(
         agent=AgentProfile(),
         time_scale=0.001,
         cancelled={a} if shell.cancelled_at is not None else set(),
-        retry_slack_s=60.0,  # the toy shell has no timing model beyond "not before due"
+        retry_slack_ms=60_000_000,  # the toy shell has no timing model beyond "not before due"
     )
     result = check(shell.history, final, spec)
     assert not result.violations, "\n".join(format_violation(v) for v in result.violations)
@@ -888,7 +966,9 @@ def test_junit_report(tmp_path: Path) -> None:
     path = tmp_path / "junit.xml"
     write_junit(path, [("bad", bad, 1.5), ("good", good, 0.25), ("empty", unknown, 0.0)])
     root = ET.parse(path).getroot()
-    assert root.tag == "testsuites" and root.get("failures") == "2"
+    # bad fails single_final_result, and its key without a TTL both state_keys_expire (for
+    # an attempt:* key) and quiet_state (for any key the engine wrote)
+    assert root.tag == "testsuites" and root.get("failures") == "3"
     suites = {s.get("name"): s for s in root.findall("testsuite")}
     cases = {c.get("name"): c for c in suites["bad"].findall("testcase")}
     assert set(cases) == {*INVARIANTS, "budgets"}  # budgets were set for "bad"

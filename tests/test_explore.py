@@ -32,7 +32,9 @@ def test_every_mutant_is_found_within_1000_seeds(mutant: str) -> None:
     pytest.fail(f"{mutant} not found in 1000 seeds of {CATCHES[mutant]}")
 
 
-@pytest.mark.parametrize("name", ["crash_after_ack", "worker_kill_storm", "delay_tiers"])
+@pytest.mark.parametrize(
+    "name", ["crash_after_ack", "worker_kill_storm", "delay_tiers", "crash_in_write_window"]
+)
 def test_the_real_engine_survives_its_swarm(name: str) -> None:
     data = data_of(name)
     failing = [r for r in (simulate(swarm(data, s)) for s in range(40)) if not r.ok]

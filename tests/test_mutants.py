@@ -16,21 +16,39 @@ import dataclasses
 import json
 import subprocess
 import sys
+import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aio_pika
 import pytest
+import simpy
 from aio_pika.abc import AbstractIncomingMessage
 
 from chaos.mutants import INVARIANT_NAMES, MUTANTS
 from chaos.workers import WorkerProcess
-from engine.config import DEFAULT_AMQP_URL, STATE_TTL_SECONDS
-from engine.core import AckRetry, Evaluation, RunRule, SkipRules, Snapshot
+from engine.config import DEFAULT_AMQP_URL, STATE_TTL_SECONDS, EngineConfig
+from engine.core import (
+    AckRetry,
+    Evaluation,
+    PersistResult,
+    PersistStatus,
+    PublishPassResult,
+    RuleResult,
+    RunRule,
+    ScheduleRetry,
+    SkipRules,
+    Snapshot,
+)
+from engine.history import FileHistory, read_history
 from engine.plan import Plan
-from engine.runtime.store import RedisStore
-from tests.helpers import PERMANENT, agent, example_plan, result_for, run_plan
+from engine.policy import RetryPolicy
+from engine.runtime.store import RedisStore, eval_key, result_key
+from sim import mutants as sim_mutants
+from sim.history import Source
+from tests.helpers import OK, PERMANENT, TRANSIENT, agent, example_plan, result_for, run_plan
 from tests.live.conftest import PATIENCE_S, ROOT, Live, _broker_objects
 from tests.live.test_engine_live import reference_verdicts
 
@@ -154,6 +172,122 @@ def test_reset_attempts_on_recovery_in_the_core() -> None:
     assert after == {"due": [1], "waiting": [], "in_memory": [1], "acks": [2]}
 
 
+def probe_dependencies() -> list[str]:
+    """tiny, every call succeeding: the rules started before each of their dependencies
+    had a persisted result."""
+    shell = run_plan(TINY)
+    deps = {rid: set(rule.depends_on) for rid, rule in TINY.rules.items()}
+    persisted: set[str] = set()
+    early: list[str] = []
+    for action in shell.actions:
+        if isinstance(action, PersistResult):
+            persisted.add(action.rule_id)
+        elif isinstance(action, RunRule) and deps[action.rule_id] - persisted:
+            early.append(action.rule_id)
+    return sorted(early)
+
+
+def test_ignore_dag() -> None:
+    before, after = _probe("probe_dependencies", "ignore_dag")
+    assert before == []
+    # The chain compiles -> unit_tests -> feedback starts at once, with style_check.
+    assert after == ["feedback", "unit_tests"]
+
+
+def _unit_tests(shell: Any) -> dict[str, Any]:
+    """What a toy run did with unit_tests: its calls (attempt, try), the statuses written
+    and the delayed retries scheduled (tier, delay, and the due time written with them)."""
+    return {
+        "calls": [[c.attempt, c.try_no] for c in shell.calls if c.rule_id == "unit_tests"],
+        "statuses": [s.status for s in shell.of_type(PersistStatus)],
+        "tiers": [s.tier for s in shell.of_type(ScheduleRetry)],
+        "delays": [s.delay_ms for s in shell.of_type(ScheduleRetry)],
+        "due": [s.retry_due_in_ms for s in shell.of_type(PersistStatus) if s.retry_due_in_ms],
+    }
+
+
+def probe_one_transient_failure() -> dict[str, Any]:
+    """tiny, unit_tests' first call failing transiently, every other call succeeding."""
+    flaky = agent(unit_tests=lambda attempt, try_no: TRANSIENT if attempt == try_no == 1 else OK)
+    return _unit_tests(run_plan(TINY, flaky))
+
+
+def test_no_immediate_retries() -> None:
+    before, after = _probe("probe_one_transient_failure", "no_immediate_retries")
+    # Level 1 absorbs the failure: a second call of attempt 1.
+    assert before["calls"] == [[1, 1], [1, 2]] and before["statuses"] == []
+    # Without it the attempt ends at once: failed_attempt_1, and a delayed retry.
+    assert after["calls"] == [[1, 1], [2, 1]] and after["statuses"] == ["failed_attempt_1"]
+
+
+def probe_always_failing() -> dict[str, Any]:
+    """tiny, unit_tests failing every call transiently: three attempts of three calls (the
+    default policy), and under a policy of one attempt."""
+    failing = agent(unit_tests=TRANSIENT)
+    once = RetryPolicy(max_attempts=1)
+    return {
+        "default": _unit_tests(run_plan(TINY, failing)),
+        "one_attempt": _unit_tests(run_plan(TINY, failing, policy=once))["statuses"],
+    }
+
+
+def test_give_up_early() -> None:
+    before, after = _probe("probe_always_failing", "give_up_early")
+    tries = [[a, t] for a in (1, 2, 3) for t in (1, 2, 3)]
+    assert before["default"]["calls"] == tries
+    assert before["default"]["statuses"] == [
+        "failed_attempt_1",
+        "failed_attempt_2",
+        "permanently_failed",
+    ]
+    # Attempt 3 is never made; level 1 is untouched.
+    assert after["default"]["calls"] == tries[:6]
+    assert after["default"]["statuses"] == ["failed_attempt_1", "permanently_failed"]
+    assert before["one_attempt"] == after["one_attempt"] == ["permanently_failed"]
+
+
+def probe_retry_tiers() -> dict[str, Any]:
+    """tiny, unit_tests failing every call, four attempts on tiers 0.1 s, 2 s and 30 s
+    without jitter: where each delayed retry goes."""
+    policy = RetryPolicy(tiers_ms=(100, 2000, 30000), max_attempts=4, jitter=0.0)
+    return _unit_tests(run_plan(TINY, agent(unit_tests=TRANSIENT), policy=policy))
+
+
+def test_slow_tier() -> None:
+    before, after = _probe("probe_retry_tiers", "slow_tier")
+    assert (before["tiers"], before["delays"]) == ([0, 1, 2], [100, 2000, 30000])
+    assert before["due"] == before["delays"]
+    # One tier later each time, the last one staying the last; the due time agrees.
+    assert (after["tiers"], after["delays"]) == ([1, 2, 2], [2000, 30000, 30000])
+    assert after["due"] == after["delays"]
+    assert after["calls"] == before["calls"]  # the same attempts, only later
+
+
+def probe_history_seqs() -> list[int]:
+    """Fifteen events recorded by a worker's history writer: the seqs its file holds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "history.jsonl"
+        history = FileHistory(path, "probe")
+        for n in range(15):
+            history.record("probe", n=n)
+        history.close()
+        return [e["seq"] for e in read_history(path)]
+
+
+def test_drop_history_events() -> None:
+    before, after = _probe("probe_history_seqs", "drop_history_events")
+    assert before == list(range(1, 16))
+    assert after == [s for s in range(1, 16) if s not in (7, 14)]  # numbered, not written
+    # The simulator's history source loses the same events.
+    events: list[dict[str, Any]] = []
+    drops = sim_mutants.history_drops("drop_history_events")
+    source = Source(simpy.Environment(), events, "w", 1, drops)
+    for n in range(15):
+        source.record("probe", n=n)
+    assert [e["seq"] for e in events] == after
+    assert sim_mutants.history_drops(None) is None
+
+
 # --- mutants run as worker processes, beside a normal worker --------------------------------
 
 
@@ -238,6 +372,35 @@ def test_result_without_ttl(tmp_path: Path) -> None:
                 assert result_ttls == {-1}  # written, and never to expire
             else:
                 assert all(STATE_TTL_SECONDS - 120 < t <= STATE_TTL_SECONDS for t in result_ttls)
+
+
+def probe_result_writes() -> dict[str, Any]:
+    """Two writes of one rule's result, verdicts apart (a late write by an execution that
+    lost its lease): which reported a win, and what Redis keeps, with its TTL."""
+
+    async def go() -> dict[str, Any]:
+        store = RedisStore(EngineConfig(namespace=f"probe-{uuid.uuid4().hex[:8]}."))
+        a = f"probe-{uuid.uuid4().hex[:8]}"
+        first = RuleResult(rule_id="r1", verdict="pass", score=0.9, tokens=10)
+        late = dataclasses.replace(first, verdict="fail", score=0.2)
+        try:
+            won = [(await store.write_result(a, r))[0] is None for r in (first, late)]
+            raw = await store.redis.get(result_key(a, "r1"))
+            ttl = await store.redis.ttl(result_key(a, "r1"))
+        finally:
+            await store.redis.delete(result_key(a, "r1"))
+            await store.close()
+        kept = RuleResult.from_json(raw).verdict
+        return {"won": won, "kept": kept, "ttl": 0 < ttl <= STATE_TTL_SECONDS}
+
+    return asyncio.run(go())
+
+
+@live
+def test_overwrite_result() -> None:
+    before, after = _probe("probe_result_writes", "overwrite_result")
+    assert before == {"won": [True, False], "kept": "pass", "ttl": True}  # the first wins
+    assert after == {"won": [True, True], "kept": "fail", "ttl": True}  # the last wins
 
 
 @live
@@ -328,24 +491,29 @@ def test_per_message_ttl(tmp_path: Path) -> None:
 @live
 def test_reset_attempts_on_recovery(tmp_path: Path) -> None:
     # unit_tests fails its first attempt; its retry (tier 1, 300 ms) finds the evaluation
-    # parked, and rebuilds it from Redis.
+    # parked, and rebuilds it from Redis. The agent fails the calls of attempt 1 whoever
+    # makes them, so the mutant, back at attempt 1, fails again, and again: it never ends.
     with _pair(tmp_path, "reset_attempts_on_recovery", **{"time-scale": "0.01"}) as (mut, ref):
         _both(mut, ref, agent={"fail_rules": {"unit_tests": 3}})
         for s in (mut, ref):
             s.submit(TINY, s.ids(1))
-        for s in (mut, ref):
-            [a] = s.ids(1)
-            assert s.wait([a]) == {a: "completed"}
+        ids = {s: s.ids(1)[0] for s in (mut, ref)}
+        assert ref.wait([ids[ref]]) == {ids[ref]: "completed"}
+        mut.wait_for(
+            lambda: mut.events("retry_acked", ids[mut], rule_id="unit_tests", attempt=2),
+            what="the mutant's rerun, and its retry message acked",
+        )
+        for s, a in ids.items():
             starts = s.events("rule_started", a, rule_id="unit_tests", try_no=1)
-            [parked] = s.events("parked", a)
-            [retry] = s.events("delivered", a, kind="retry", rule_id="unit_tests", attempt=2)
+            parked = s.events("parked", a)[0]
+            retry = s.events("delivered", a, kind="retry", rule_id="unit_tests", attempt=2)[0]
             assert parked["t"] < retry["t"] < starts[1]["t"]
-            assert s.events("recovered", a)[-1]["retrying"] == {"unit_tests": 1}
+            assert s.events("recovered", a)[0]["retrying"] == {"unit_tests": 1}
             assert s.status(a, "unit_tests") == "failed_attempt_1"
-            assert s.events("retry_acked", a, rule_id="unit_tests", attempt=2)
             expected = 1 if s is mut else 2  # the mutant went back to attempt 1
-            assert [e["attempt"] for e in starts] == [1, expected]
-            assert s.result(a, "unit_tests").attempt == expected
+            assert [e["attempt"] for e in starts[:2]] == [1, expected]
+        assert ref.result(ids[ref], "unit_tests").attempt == 2
+        assert mut.result(ids[mut], "unit_tests") is None
 
 
 @live
@@ -422,3 +590,226 @@ def test_no_redis_results(tmp_path: Path) -> None:
             else:
                 assert all(starts[r] == 1 for r in finished), starts
                 assert loaded == finished
+
+
+# --- cancels, announcements, indexes and leases ---------------------------------------------
+
+
+def probe_pass_outcomes() -> dict[str, str]:
+    """code_review, static_analysis failing for good: the outcome each pass is announced with."""
+    shell = run_plan(CODE_REVIEW, agent(**{DOOMED: PERMANENT}), max_parallel=1)
+    return {a.pass_id: a.outcome for a in shell.of_type(PublishPassResult)}
+
+
+def test_all_passes_complete() -> None:
+    before, after = _probe("probe_pass_outcomes", "all_passes_complete")
+    assert before == {
+        "intake": "complete",
+        "analysis": "partial",  # static_analysis failed for good
+        "review": "partial",  # its dependents skipped
+        "synthesis": "partial",
+    }
+    assert after == dict.fromkeys(before, "complete")
+
+
+async def _probe_store(go: Any) -> dict[str, Any]:
+    """`go(store, attempt_ids)` on a store of a namespace of its own, deleted afterwards."""
+    ns = f"probe-{uuid.uuid4().hex[:8]}."
+    store = RedisStore(EngineConfig(namespace=ns))
+    ids = [f"{ns}att-{i}" for i in range(2)]
+    try:
+        return await go(store, ids)
+    finally:
+        for pattern in [f"attempt:{ns}*", f"{ns}*"]:
+            async for key in store.redis.scan_iter(match=pattern):
+                await store.redis.delete(key)
+        await store.close()
+
+
+def probe_running_index() -> dict[str, bool]:
+    """Whether the running index still holds an evaluation once it is over: one finished
+    and announced (`done`), then met by the sweeper's claim; one whose final state another
+    writer won (`unindex`)."""
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, bool]:
+        a, b = ids
+        for x in ids:
+            assert (await store.begin(x, "w", TINY.order, TINY.to_json())).snapshot is not None
+        assert await store.finish(a, "completed", {}, []) == (None, [])
+        assert await store.done(a, "w")
+        indexed = {"done": await store.redis.zscore(store.running_index, a) is not None}
+        claimed = await store.claim_stale(a, -3_600_000)  # stale by any measure
+        indexed["claimed"] = claimed or await store.redis.zscore(store.running_index, a) is not None
+        assert await store.set_state(b, "cancelled") is None
+        await store.unindex(b)
+        indexed["unindexed"] = await store.redis.zscore(store.running_index, b) is not None
+        return indexed
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_leak_running_index() -> None:
+    before, after = _probe("probe_running_index", "leak_running_index")
+    assert before == {"done": False, "claimed": False, "unindexed": False}
+    assert after == {"done": True, "claimed": True, "unindexed": True}  # never claimed, kept
+
+
+def probe_lease() -> dict[str, Any]:
+    """Worker w1 begins an evaluation; w2 begins it while w1's lease runs."""
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
+        a = ids[0]
+        assert (await store.begin(a, "w1", TINY.order, TINY.to_json())).snapshot is not None
+        second = await store.begin(a, "w2", TINY.order, None)
+        owner = await store.redis.get(eval_key(a, "owner"))
+        return {"holder": second.holder, "begun": second.snapshot is not None, "owner": owner}
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_ignore_lease() -> None:
+    before, after = _probe("probe_lease", "ignore_lease")
+    assert before == {"holder": "w1", "begun": False, "owner": "w1"}
+    assert after == {"holder": None, "begun": True, "owner": "w2"}  # taken from a live owner
+
+
+def probe_renewals() -> dict[str, Any]:
+    """Three heartbeats of an evaluation's owner: what each renewal reports, and the lease."""
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
+        a = ids[0]
+        assert (await store.begin(a, "w", TINY.order, TINY.to_json())).snapshot is not None
+        renewed = [(await store.renew([a], "w"))[a] for _ in range(3)]
+        return {"renewed": renewed, "owner": await store.redis.get(eval_key(a, "owner"))}
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_needless_rerun_in_the_store() -> None:
+    before, after = _probe("probe_renewals", "needless_rerun")
+    assert before == {"renewed": [True, True, True], "owner": "w"}
+    # The second renewal says the lease is lost, although Redis renewed it.
+    assert after == {"renewed": [True, False, True], "owner": "w"}
+
+
+@live
+def test_needless_rerun(tmp_path: Path) -> None:
+    # Rules of 100 ms, one at a time: the second heartbeat (200 ms) finds one in flight.
+    with _pair(tmp_path, "needless_rerun") as (mut, ref):
+        _both(mut, ref, agent={"latency_ms": 100_000}, max_parallel="1")
+        for s in (mut, ref):
+            s.submit(CODE_REVIEW, s.ids(1))
+        for s in (mut, ref):
+            [a] = s.ids(1)
+            assert s.wait([a]) == {a: "completed"}
+            abandoned = s.events("evaluation_abandoned", a)
+            rerun = [r for r, n in s.starts(a).items() if n > 1]
+            if s is mut:  # given up without a fault, resumed, and its rule in flight rerun
+                assert [e["reason"] for e in abandoned] == ["lease lost"]
+                assert s.events("evaluation_started", a, resumed=True)
+                assert rerun
+            else:
+                assert not abandoned and not rerun
+
+
+def _terminal_event(s: Slice, a: str) -> dict[str, Any]:
+    s.wait_for(lambda: s.events("evaluation_terminal", a), what=f"{a} to end in memory")
+    [e] = s.events("evaluation_terminal", a)
+    return e
+
+
+@live
+def test_start_after_cancel(tmp_path: Path) -> None:
+    # Rules of 100 ms, one at a time; the cancel comes once two have finished.
+    with _pair(tmp_path, "start_after_cancel") as (mut, ref):
+        _both(mut, ref, agent={"latency_ms": 100_000}, max_parallel="1")
+        for s in (mut, ref):
+            s.submit(CODE_REVIEW, s.ids(1))
+        for s in (mut, ref):
+            [a] = s.ids(1)
+            s.wait_for(lambda s=s, a=a: len(s.events("rule_finished", a)) >= 2, what="2 rules")
+            assert s.cancel(a) == "cancelled"
+        for s in (mut, ref):
+            [a] = s.ids(1)
+            end = _terminal_event(s, a)
+            # Told by the broadcast, or by the state its next write read back.
+            told = min(e["t"] for e in s.events("cancel_received", a) + s.events("cancel_seen", a))
+            after = [e for e in s.events("rule_started", a) if e["t"] > told]
+            assert s.wait([a]) == {a: "cancelled"}  # the cancel's state stays
+            results = [r for r in CODE_REVIEW.order if s.result(a, r) is not None]
+            if s is mut:  # it heard of the cancel and went on to the end
+                assert (end["decided"], end["won"]) == ("completed", False)
+                assert s.events("cancel_received", a, held=True)
+                assert not s.events("cancel_seen", a)
+                assert len(after) >= 5 and results == list(CODE_REVIEW.order)
+            else:
+                assert (end["decided"], end["won"]) == ("cancelled", False)
+                assert len(after) <= 1 and len(results) < len(CODE_REVIEW.order)
+
+
+@live
+def test_spurious_cancel(tmp_path: Path) -> None:
+    # Two evaluations in one worker; only the first is cancelled, once both run.
+    with _pair(tmp_path, "spurious_cancel") as (mut, ref):
+        _both(mut, ref, agent={"latency_ms": 100_000}, max_parallel="1")
+        for s in (mut, ref):
+            s.submit(CODE_REVIEW, s.ids(2))
+        for s in (mut, ref):
+            ids = s.ids(2)
+            for a in ids:
+                s.wait_for(lambda s=s, a=a: s.events("rule_finished", a), what=f"{a} running")
+            assert s.cancel(ids[0]) == "cancelled"
+        for s in (mut, ref):
+            a, b = s.ids(2)
+            end = _terminal_event(s, b)
+            if s is mut:  # b's owner cancelled it, and announced it cancelled
+                assert s.wait([a, b]) == {a: "cancelled", b: "cancelled"}
+                assert (end["status"], end["won"]) == ("cancelled", True)
+                assert s.events("final_published", b, status="cancelled")
+            else:
+                assert s.wait([a, b]) == {a: "cancelled", b: "completed"}
+                assert (end["status"], end["won"]) == ("completed", True)
+
+
+@live
+def test_no_completed_event(tmp_path: Path) -> None:
+    with _pair(tmp_path, "no_completed_event") as (mut, ref):
+        workers = _both(mut, ref)
+
+        async def run() -> dict[Slice, list[AbstractIncomingMessage]]:
+            conn = await aio_pika.connect(DEFAULT_AMQP_URL, timeout=PATIENCE_S)
+            try:
+                ch = await conn.channel()
+                queues = {}
+                for s in (mut, ref):
+                    queues[s] = await ch.declare_queue(exclusive=True)
+                    ex = await ch.get_exchange(s.config().name("evaluation.events"))
+                    await queues[s].bind(ex, "evaluation.completed")
+                for s in (mut, ref):
+                    [a] = s.ids(1)
+                    await asyncio.to_thread(s.submit, TINY, [a])
+                    await asyncio.to_thread(
+                        s.wait_for, lambda s=s, a=a: s.events("final_published", a), what=a
+                    )
+                # Stopped workers publish nothing more: what the queues hold is all there is.
+                await asyncio.to_thread(lambda: [w.terminate() for w in workers])
+                got = {}
+                for s, q in queues.items():
+                    got[s] = []
+                    while (msg := await q.get(fail=False, timeout=PATIENCE_S)) is not None:
+                        got[s].append(msg)
+                        await msg.ack()
+                return got
+            finally:
+                await conn.close()
+
+        got = asyncio.run(run())
+        for s in (mut, ref):
+            [a] = s.ids(1)
+            assert s.redis.get(eval_key(a, "final_published")) == "1"  # flagged either way
+            assert s.redis.get(eval_key(a, "state")) == "completed"
+        assert got[mut] == []  # the engine believes it announced: nobody heard
+        assert [json.loads(m.body)["status"] for m in got[ref]] == ["completed"]

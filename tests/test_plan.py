@@ -13,7 +13,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.plan import Plan, PlanError, load_plan, plan_from_dict
+from engine.plan import Plan, PlanError, Rule, _toposort, load_plan, plan_from_dict
+from engine.policy import MAX_ATTEMPTS
+from engine.yamlfile import MAX_BYTES
 from tests.helpers import PLANS_DIR, containers, example_plan
 
 # --- the example plans ------------------------------------------------------------------------
@@ -118,6 +120,145 @@ def test_order_puts_in_pass_dependencies_first() -> None:
         }
     )
     assert plan.order == ("a", "b")
+
+
+def _sweep_order(rule_ids: list[str], rules: dict[str, Rule]) -> list[str]:
+    """The order as the loader first computed it, one sweep of the pass per step
+    (quadratic): the linear sort must give exactly this order, which the core starts ready
+    rules in."""
+    local = set(rule_ids)
+    placed: list[str] = []
+    done: set[str] = set()
+    while len(placed) < len(rule_ids):
+        for rid in rule_ids:
+            if rid not in done and all(d in done or d not in local for d in rules[rid].depends_on):
+                placed.append(rid)
+                done.add(rid)
+    return placed
+
+
+@st.composite
+def one_pass_dags(draw: st.DrawFn) -> tuple[list[str], dict[str, Rule]]:
+    """The rules of one pass in file order, with edges drawn along a hidden topological
+    rank (so no cycle), and some dependencies on rules of an earlier pass."""
+    n = draw(st.integers(1, 12))
+    rank = draw(st.permutations(range(n)))
+    ids = [f"r{i}" for i in range(n)]
+    rules = {}
+    for i, rid in enumerate(ids):
+        earlier = [ids[j] for j in range(n) if rank[j] < rank[i]]
+        deps = draw(st.lists(st.sampled_from(earlier), unique=True)) if earlier else []
+        if draw(st.booleans()):
+            deps.append("previous_pass")
+        rules[rid] = Rule(rid, "p", tuple(deps))
+    return ids, rules
+
+
+@settings(max_examples=200, deadline=None)
+@given(one_pass_dags())
+def test_linear_order_is_the_sweep_order(case: tuple[list[str], dict[str, Rule]]) -> None:
+    ids, rules = case
+    assert _toposort(ids, rules) == _sweep_order(ids, rules)
+
+
+def _chain(n: int, *, cycle: bool = False) -> dict[str, Any]:
+    """One pass of `n` rules, each depending on the next one in the file (the worst case
+    of the sweep: one rule per sweep); `cycle`: the last depends on the first."""
+    rules: list[dict[str, Any]] = [
+        {"id": f"r{i}", "depends_on": [f"r{i + 1}"] if i + 1 < n else []} for i in range(n)
+    ]
+    if cycle:
+        rules[-1]["depends_on"] = ["r0"]
+    return {"plan": "chain", "passes": [{"id": "only", "rules": rules}]}
+
+
+def test_a_reversed_chain_of_3000_rules_loads_in_linear_time(tmp_path: Path) -> None:
+    """It took over 20 s when each sweep of the pass placed one rule; now milliseconds (no
+    timer here: a quadratic sort would make this test, not an assertion, slow)."""
+    path = tmp_path / "chain.yaml"
+    path.write_text(yaml.safe_dump(_chain(3_000), sort_keys=False))
+    plan = load_plan(path)
+    assert plan.order == tuple(f"r{i}" for i in reversed(range(3_000)))
+    assert len(plan.transitive_dependents(["r2999"])) == 2_999
+
+
+def test_a_long_cycle_is_one_short_line() -> None:
+    with pytest.raises(PlanError) as info:
+        plan_from_dict(_chain(3_000, cycle=True), source="chain.yaml")
+    msg = _assert_one_line(info.value, Path("chain.yaml"))
+    assert "dependency cycle r0 -> r1 -> r2 -> r3 -> r4 -> ... -> r0 (3000 rules)" in msg
+    assert len(msg) < 200
+
+
+def test_huge_values_are_clipped_in_the_error_line() -> None:
+    data = copy.deepcopy(TINY)
+    _rule(data, 1, 0)["depends_on"] = ["x" * 100_000]
+    with pytest.raises(PlanError) as info:
+        plan_from_dict(data, source="tiny.yaml")
+    msg = _assert_one_line(info.value, Path("tiny.yaml"))
+    assert "unknown rule 'xxx" in msg and msg.endswith("...") and len(msg) < 300
+    data = copy.deepcopy(TINY)
+    _rule(data, 1, 0)["id"] = "y" * 100_000
+    with pytest.raises(PlanError) as info:
+        plan_from_dict(data, source="tiny.yaml")
+    assert len(_assert_one_line(info.value, Path("tiny.yaml"))) < 300
+
+
+def test_max_attempts_has_the_engines_bound() -> None:
+    data = copy.deepcopy(TINY)
+    _rule(data, 1, 0)["max_attempts"] = MAX_ATTEMPTS
+    plan_from_dict(data)
+    _rule(data, 1, 0)["max_attempts"] = MAX_ATTEMPTS + 1
+    with pytest.raises(PlanError, match=r"max_attempts .*: Input should be less than or equal"):
+        plan_from_dict(data, source="tiny.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "plan: a\nplan: b\npasses: []\n",
+            "duplicate key 'plan' (line 2, column 1; first at line 1)",
+        ),
+        (
+            "plan: a\npasses:\n  - id: p\n    rules:\n      - {id: r, id: s}\n",
+            "duplicate key 'id' (line 5, column 17; first at line 5)",
+        ),
+    ],
+    ids=["top", "rule"],
+)
+def test_duplicate_keys_are_refused(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(PlanError) as info:
+        load_plan(path)
+    assert f"not valid YAML: {expected}; expected each key once" in _assert_one_line(
+        info.value, path
+    )
+
+
+def test_merge_keys_may_still_override(tmp_path: Path) -> None:
+    """`<<` merges are how YAML shares a mapping: a key set next to one is not a duplicate."""
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "plan: m\npasses:\n  - id: p\n    rules:\n"
+        "      - &base {id: a, max_attempts: 2}\n      - {<<: *base, id: b}\n"
+    )
+    plan = load_plan(path)
+    assert plan.rules["b"].max_attempts == 2
+
+
+def test_a_device_is_not_a_plan(tmp_path: Path) -> None:
+    with pytest.raises(PlanError) as info:
+        load_plan("/dev/zero")
+    assert _assert_one_line(info.value, Path("/dev/zero")).endswith(
+        "cannot read plan: a character device; expected a regular file"
+    )
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (MAX_BYTES + 1))
+    with pytest.raises(PlanError) as info:
+        load_plan(big)
+    assert f"too large ({MAX_BYTES + 1} bytes)" in _assert_one_line(info.value, big)
 
 
 @pytest.mark.parametrize("name", ["code_review", "tiny"])

@@ -5,7 +5,9 @@ and the field."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import os
 import random
 import re
 from collections.abc import Callable
@@ -35,7 +37,7 @@ from chaos.scenario import (
 )
 from engine.failpoints import FAILPOINTS, parse_specs
 from engine.plan import load_plan
-from engine.policy import RetryPolicy
+from engine.policy import ENGINE_BOUNDS, MAX_SEED, RetryPolicy, check_engine_settings
 from tests.helpers import containers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -488,7 +490,7 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     (
         "failpoint_action",
         _fault(0, action="explode"),
-        "faults[0].action: expected one of crash, raise, stall; got 'explode'",
+        "faults[0].action: expected one of crash, raise, stall, freeze; got 'explode'",
     ),
     (
         "stall_without_ms",
@@ -920,15 +922,20 @@ def test_ruleless_failpoints_are_failpoints() -> None:
 
 
 def test_invariant_names() -> None:
-    assert INVARIANT_NAMES == (
+    # the first ones, in report order; later ones are added after them, a line each
+    assert INVARIANT_NAMES[:12] == (
+        "history_complete",
         "no_completed_rerun",
         "prune_only_dependents",
         "idempotent_results",
+        "matches_reference",
         "all_terminal",
         "attempts_monotonic",
         "retry_delays_respected",
         "single_final_result",
         "state_keys_expire",
+        "dag_order",
+        "retry_budget",
     )
     assert load(minimal(invariants=["state_keys_expire"])).spec.invariants == ("state_keys_expire",)
 
@@ -1013,6 +1020,170 @@ def test_fault_schedule_is_deterministic_per_seed() -> None:
     assert loaded.schedule() == fault_schedule(loaded.spec, random.Random(5))
 
 
+# --- nothing accepted that cannot run: every number within what the engine holds ----------------
+
+#: (field, a value at the bound (accepted), the value just past it, the error it gets)
+BOUNDS: list[tuple[str, Any, Any, str]] = [
+    ("seed", MAX_SEED, MAX_SEED + 1, "seed: expected a value <= 9223372036854775807"),
+    ("seed", 0, -1, "seed: expected a value >= 0; got -1"),
+    ("retry.tiers_ms", [86_400_000], [86_400_001], "retry.tiers_ms[0]: expected a value <= 864"),
+    ("retry.tiers_ms", [1] * 16, [1] * 17, "retry.tiers_ms: expected at most 16 items; got 17"),
+    ("retry.max_attempts", 20, 21, "retry.max_attempts: expected a value <= 20; got 21"),
+    ("retry.immediate_retries", 20, 21, "retry.immediate_retries: expected a value <= 20"),
+    ("engine.stale_ms", 604_800_000, 604_800_001, "engine.stale_ms: expected a value <= 604800000"),
+    ("engine.heartbeat_ms", 10, 9, "engine.heartbeat_ms: expected a value >= 10; got 9"),
+    ("engine.sweep_ms", 604_800_000, 10**12, "engine.sweep_ms: expected a value <= 604800000"),
+    ("engine.retry_grace_ms", 604_800_000, 604_800_001, "engine.retry_grace_ms: expected a val"),
+    ("engine.max_evaluations", 1000, 1001, "engine.max_evaluations: expected a value <= 1000"),
+    ("engine.max_parallel", 1000, 10**30, "engine.max_parallel: expected a value <= 1000"),
+    ("deadline_s", 86_400, 86_401, "deadline_s: expected a value <= 86400; got 86401"),
+    ("restart_delay_s", 86_400, 1e300, "restart_delay_s: expected a value <= 86400; got 1e+300"),
+    ("budgets.max_reruns", 2**63 - 1, 2**63, "budgets.max_reruns: expected a value <= 92233"),
+    ("budgets.max_retry_latency_s", 604_800, 1e308, "budgets.max_retry_latency_s: expected a val"),
+    ("faults.0.stall_ms", 3_600_000, 3_600_001, "faults[0].stall_ms: expected a value <= 3600000"),
+    ("faults.0.hit", 1_000_000, 10**400, "faults[0].hit: expected a value <= 1000000; got 1000"),
+    ("faults.1.restart_after_s", 86_400, 86_401, "faults[1].restart_after_s: expected a value <="),
+    ("agent.seed", MAX_SEED, 2**64, "agent.seed: expected a value <= 9223372036854775807"),
+    ("agent.tokens", 1_000_000, 10**30, "agent.tokens: expected a value <= 1000000; got an int"),
+    ("agent.latency_ms", 3_600_000, 10**400, "agent.latency_ms: must be a finite number within"),
+    ("agent.latency_ms", 3_600_000, 1e30, "agent.latency_ms.value_ms: must be a finite number"),
+    ("agent.fail_rules.compiles", 10_000, 10_001, "agent.fail_rules.compiles: expected a value <="),
+]  # fmt: skip
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    """BASE (with a stall fault first) with the field at `path` (dots; digits index lists)."""
+    data = copy.deepcopy(BASE)
+    data["faults"][0].update(action="stall", stall_ms=5)
+    node: Any = data
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node[int(key)] if key.isdigit() else node.setdefault(key, {})
+    node[last] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("path", "ok", "bad", "expected"), BOUNDS, ids=[f"{b[0]}={b[2]!r:.12}" for b in BOUNDS]
+)
+def test_numbers_are_bounded_by_what_the_engine_holds(
+    path: str, ok: Any, bad: Any, expected: str
+) -> None:
+    load(_with(path, ok))
+    with pytest.raises(ScenarioError) as info:
+        load(_with(path, bad))
+    msg = _assert_one_line(info.value, "s.yaml")
+    assert msg.startswith(f"s.yaml: {expected}"), msg
+    assert len(msg) < 200, msg
+
+
+def test_the_engine_bounds_are_the_workers() -> None:
+    """The scenario's engine settings and retry policy refuse what the worker refuses: the
+    bounds come from engine.policy, which the worker's config goes through."""
+    fields = scenario_module.EngineSpec.model_fields
+    for name, (least, most) in ENGINE_BOUNDS.items():
+        metadata = {type(m).__name__: m for m in fields[name].metadata}
+        assert (metadata["Ge"].ge, metadata["Le"].le) == (least, most), name
+    loaded = load(minimal(engine={"stale_ms": 604_800_000, "heartbeat_ms": 604_799_999}))
+    check_engine_settings(loaded.spec.engine_config())
+    with pytest.raises(
+        ValueError, match=r"^stale_ms: expected an integer within \[50, 604800000\]"
+    ):
+        check_engine_settings(dataclasses.replace(loaded.spec.engine_config(), stale_ms=10**12))
+    for kwargs in ({"seed": 2**64}, {"tiers_ms": (86_400_001,)}, {"max_attempts": 21}):
+        with pytest.raises(ValueError, match=f"^{next(iter(kwargs))}"):
+            RetryPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spelling", ["same", "dot", "link"])
+def test_a_plan_listed_twice_is_refused(tmp_path: Path, spelling: str) -> None:
+    """Two entries for one plan would give both the same attemptIds; raise evaluations."""
+    plan = ROOT / TINY
+    second = {
+        "same": str(plan),
+        "dot": str(plan.parent / "." / plan.name),
+        "link": str(tmp_path / "link.yaml"),
+    }[spelling]
+    (tmp_path / "link.yaml").symlink_to(plan)
+    with pytest.raises(ScenarioError) as info:
+        load(minimal(plans=[{"path": str(plan), "evaluations": 2}, {"path": second}]))
+    assert _assert_one_line(info.value, "s.yaml") == (
+        "s.yaml: plans[1].path: the same plan file as plans[0]; expected each plan once "
+        "(set plans[0].evaluations for more evaluations of it)"
+    )
+
+
+def test_two_plans_with_one_id_are_refused(tmp_path: Path) -> None:
+    copy_of_tiny = tmp_path / "tiny_again.yaml"
+    copy_of_tiny.write_text((ROOT / TINY).read_text())
+    data = minimal(plans=[{"path": CODE_REVIEW}, {"path": TINY}, {"path": str(copy_of_tiny)}])
+    with pytest.raises(ScenarioError) as info:
+        load(data)
+    assert _assert_one_line(info.value, "s.yaml").startswith(
+        "s.yaml: plans[2].path: plan id 'tiny' is also the id of plans[1] ("
+    )
+    assert str(info.value).endswith("); expected distinct plan ids")
+
+
+def test_distinct_plans_get_distinct_attempt_ids() -> None:
+    loaded = load(minimal(plans=[{"path": TINY, "evaluations": 3}, {"path": CODE_REVIEW}]))
+    ids = list(loaded.evaluations(5))
+    assert len(ids) == len(set(ids)) == loaded.spec.total_evaluations == 4
+    assert loaded.failpoint_specs(0, ids) == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("name: a\nseed: 1\nname: b\n", "duplicate key 'name' (line 3, column 1; first at line 1)"),
+        (
+            "name: a\nplan: plans/tiny.yaml\nengine: {stale_ms: 900, stale_ms: 800}\n",
+            "duplicate key 'stale_ms' (line 3, column 25; first at line 3)",
+        ),
+        ("name: a\n1: x\n1: y\n", "duplicate key 1 (line 3"),
+        ("name: a\n" + "k" * 500 + ": 1\n" + "k" * 500 + ": 2\n", "duplicate key 'kkkk"),
+    ],
+    ids=["top", "nested", "int_key", "long_key"],
+)
+def test_duplicate_keys_are_refused(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    msg = _assert_one_line(info.value, path)
+    assert msg.startswith(f"{path}: not valid YAML: {expected}"), msg
+    assert msg.endswith("expected each key once per mapping") and len(msg) < 300
+
+
+def test_a_yaml_merge_is_not_a_duplicate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "name: m\nplan: plans/tiny.yaml\n"
+        "x-engine: &e {stale_ms: 900, heartbeat_ms: 100}\n"
+        "engine: {<<: *e, stale_ms: 800}\n"
+    )
+    with pytest.raises(ScenarioError, match=r"x-engine: unknown field"):
+        load_scenario(path)  # the anchor's own key is unknown, but no duplicate is claimed
+    path.write_text(
+        "name: m\nplans:\n  - &p {path: plans/tiny.yaml, evaluations: 2}\n"
+        "faults:\n  - {<<: {at_s: 1, action: kill_worker}, at_s: 2}\n"
+    )
+    assert load_scenario(path).spec.faults[0].at_s == 2
+
+
+def test_a_plan_path_that_is_a_device_or_fifo(tmp_path: Path) -> None:
+    """Found (it exists), then refused by the plan reader without opening it blocking."""
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+    for target, kind in ((fifo, "a FIFO"), (Path("/dev/null"), "a character device")):
+        with pytest.raises(ScenarioError) as info:
+            load(minimal(plans=[{"path": str(target)}]))
+        assert _assert_one_line(info.value, "s.yaml") == (
+            f"s.yaml: plans[0].path: {target}: cannot read plan: {kind}; expected a regular file"
+        )
+
+
 # --- the published JSON Schema -----------------------------------------------------------------
 
 
@@ -1053,6 +1224,21 @@ def test_schema_accepts_what_the_loader_accepts() -> None:
         {**full, "invariants": ["no_rerun"]},
     ):
         assert list(validator.iter_errors(data)), data
+
+
+@pytest.mark.parametrize(
+    ("path", "ok", "bad", "expected"),
+    [b for b in BOUNDS if not b[0].startswith("agent.") and b[0] != "engine.heartbeat_ms"],
+    ids=lambda v: str(v)[:20],
+)
+def test_schema_has_the_loaders_bounds(path: str, ok: Any, bad: Any, expected: str) -> None:
+    """What the loader refuses for a number past its bound, the published schema refuses
+    (the agent profile is one mapping there; heartbeat vs stale_ms is beyond a schema)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads(schema_text()))
+    good, broken = _with(path, ok), _with(path, bad)
+    assert list(validator.iter_errors(good)) == [], good
+    assert list(validator.iter_errors(broken)), broken
 
 
 # --- fuzzing: nothing but ScenarioError ever escapes -------------------------------------------

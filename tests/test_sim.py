@@ -25,7 +25,7 @@ from engine.core.evaluation import Evaluation
 from engine.runtime.store import eval_key, result_key, runs_key
 from sim import SimOptions, outputs, run_scenario
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker, Unroutable
-from sim.mutants import patched
+from sim.mutants import _SHELL_OWNERS, PATCHED, patched
 from sim.redis import RedisClient, SimRedis
 from tests.test_chaos_runs import CATCHES
 
@@ -148,7 +148,7 @@ def _redis(**kw: Any) -> tuple[simpy.Environment, SimRedis]:
 def test_keys_expire_on_simulated_time() -> None:
     env, redis = _redis()
     result = RuleResult("compiles", "pass", 0.9, 10)
-    assert redis.write_result("a1", result, [("compiles", 1)]) == (None, [1])
+    assert redis.write_result("a1", result, [("compiles", 1)]) == (None, [1], None)
     assert redis.begin("a1", "w1", ["compiles"], "plan", 0).snapshot is not None
     key, owner = result_key("a1", "compiles"), eval_key("a1", "owner")
     assert redis.ttl_of(key) == 7 * DAY
@@ -187,7 +187,7 @@ def test_calls_wait_out_a_redis_kill_and_a_lost_reply_runs_twice() -> None:
     assert replies == []  # the client retries, with backoff, while Redis is down
     redis.restart()
     env.run(until=5)
-    assert replies == [[2]]  # the script ran twice: once before the kill, once after
+    assert replies == [([2], None)]  # the script ran twice: once before the kill, once after
     assert redis.get(runs_key("a1", "r")) == {"1": 2}
 
 
@@ -368,6 +368,18 @@ def test_a_core_mutant_is_undone_after_its_run(mutant: str) -> None:
         assert dict(vars(Evaluation)) != methods
 
 
+@pytest.mark.parametrize("mutant", sorted(PATCHED))
+def test_a_patched_shell_mutant_is_undone_after_its_run(mutant: str) -> None:
+    loaded = scenario(CATCHES[mutant])
+    before = run_scenario(loaded).history_hash
+    owners = [dict(vars(owner)) for owner in _SHELL_OWNERS]
+    assert not run_scenario(loaded, mutant=mutant).result.ok
+    assert [dict(vars(owner)) for owner in _SHELL_OWNERS] == owners
+    assert run_scenario(loaded).history_hash == before
+    with patched(mutant):
+        assert [dict(vars(owner)) for owner in _SHELL_OWNERS] != owners
+
+
 def test_unknown_mutant_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown mutant"):
         run_scenario(scenario("crash_after_ack"), mutant="nope")
@@ -382,7 +394,9 @@ def test_outputs_are_the_live_journal_with_the_sim_mode(tmp_path: Path) -> None:
     assert journal["extra"]["history_hash"] == outcome.history_hash
     lines = (tmp_path / "history.jsonl").read_text().splitlines()
     assert len(lines) == len(outcome.history)
-    assert {json.loads(line)["src"] for line in lines} >= {"runner", "sim-w0-1", "sim-w0-2"}
+    sources = {json.loads(line)["src"] for line in lines}
+    assert sources >= {"runner", "sim-w0-1", "sim-w1-1"}  # and the crashed one's restart:
+    assert {"sim-w0-2", "sim-w1-2"} & sources
 
 
 def test_options_reach_the_models() -> None:

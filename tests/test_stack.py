@@ -267,7 +267,14 @@ def test_rabbit_durable_queue_survives_sigkill_and_stop_leaves_nothing() -> None
 
         node.restart()
         assert node.dir == data_dir and node.beam_pid != first_beam
-        assert f"{DURABLE}\t1" in node.ctl("list_queues", "name", "messages", "--quiet")
+        # A node answers AMQP while its queues may still be recovering: wait for the queue
+        # (a busy machine makes that window wider), never for a fixed time.
+        deadline = time.monotonic() + 60
+        while f"{DURABLE}\t1" not in (
+            listed := node.ctl("list_queues", "name", "messages", "--quiet")
+        ):
+            assert time.monotonic() < deadline, f"durable queue not recovered: {listed!r}"
+            time.sleep(0.2)
         body, transient_exists = asyncio.run(_fetch(node.url))
         assert body == b"survive"
         assert not transient_exists  # proof that the broker really restarted

@@ -16,13 +16,19 @@ Topology (every name prefixed by the namespace):
 
 Publisher confirms are on and work messages are `mandatory`: an unroutable message raises
 instead of being confirmed into the void.
+
+Every operation is bounded: the connection by the config's connect timeout, each broker
+call (declare, bind, consume, publish with its confirm) by its read timeout. The first
+connection fails fast (`fail_fast`) and becomes one `ServiceUnavailable` line; later ones
+are the robust connection's business (a broker restart must not kill the worker).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,9 +41,15 @@ from aio_pika.abc import (
     AbstractRobustChannel,
     AbstractRobustConnection,
 )
-from aio_pika.exceptions import PublishError
+from aio_pika.exceptions import (
+    AMQPError,
+    AuthenticationError,
+    ChannelNotFoundEntity,
+    ProbableAuthenticationError,
+    PublishError,
+)
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ServiceUnavailable, network_reason, scrubbed
 
 log = logging.getLogger("engine.broker")
 
@@ -57,6 +69,61 @@ class Unroutable(RuntimeError):
     """The broker returned a mandatory message: no queue was bound to its route."""
 
 
+class QueueInUse(RuntimeError):
+    """A queue to delete still has consumers (a worker of the namespace is running)."""
+
+
+def amqp_unavailable(exc: BaseException, url: str, timeout_s: float) -> ServiceUnavailable:
+    """What a failed first contact with RabbitMQ means, as the one line `ServiceUnavailable`."""
+    if isinstance(exc, ServiceUnavailable):
+        return exc
+    text = scrubbed(str(exc), url)
+    if isinstance(exc, ProbableAuthenticationError | AuthenticationError) or (
+        "ACCESS_REFUSED" in text
+    ):
+        reason = "login refused: wrong user name or password"
+        return ServiceUnavailable("RabbitMQ", url, reason, "AMQP_URL", login=True)
+    reason = network_reason(exc, timeout_s)
+    if reason is not None:
+        return ServiceUnavailable("RabbitMQ", url, reason, "AMQP_URL")
+    if "Connection.Close" in text:  # refused after the login: most often an unknown vhost
+        reason = "the broker closed the connection: unknown virtual host, or no access to it"
+        return ServiceUnavailable("RabbitMQ", url, reason, "AMQP_URL", todo="check AMQP_URL")
+    reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return ServiceUnavailable("RabbitMQ", url, reason, "AMQP_URL", todo="check AMQP_URL")
+
+
+class _Drop(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_first_connect() -> Iterator[None]:
+    """aiormq logs a failed first connection at ERROR before raising it; the caller turns
+    the exception into one line, so that log record would only be noise."""
+    loggers = [logging.getLogger(n) for n in ("aiormq.connection", "aio_pika.robust_connection")]
+    drop = _Drop()
+    for lg in loggers:
+        lg.addFilter(drop)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(drop)
+
+
+async def probe_amqp(config: EngineConfig) -> None:
+    """Open and close one connection; raise `ServiceUnavailable` saying why it failed."""
+    timeout = config.connect_timeout_s
+    try:
+        with _quiet_first_connect():
+            connection = await aio_pika.connect(config.amqp_url, timeout=timeout)
+    except (AMQPError, OSError, ValueError) as exc:  # TimeoutError is an OSError
+        raise amqp_unavailable(exc, config.amqp_url, timeout) from None
+    await connection.close()
+
+
 class Broker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -66,19 +133,34 @@ class Broker:
         self.events: AbstractExchange | None = None
         self.control: AbstractExchange | None = None
         self.delay_queues: dict[tuple[int, int], str] = {}
+        self.declared: list[str] = []  # `queue:NAME` / `exchange:NAME`, for the topology key
+        self.timeout = config.read_timeout_s
 
-    async def connect(self, prefetch: int = 32) -> None:
-        self.connection = await aio_pika.connect_robust(
-            self.config.amqp_url, reconnect_interval=0.5, fail_fast=True
-        )
-        channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
-        self.channel = channel  # type: ignore[assignment]
-        await channel.set_qos(prefetch_count=prefetch)
-        await self.declare()
+    async def connect(self, prefetch: int = 32, declare: bool = True) -> None:
+        """Connect, open the channel and declare the topology. Any failure on the way is a
+        `ServiceUnavailable` (the broker is not usable), and leaves nothing open."""
+        url, connect_s = self.config.amqp_url, self.config.connect_timeout_s
+        try:
+            with _quiet_first_connect():
+                self.connection = await aio_pika.connect_robust(
+                    url, reconnect_interval=0.5, fail_fast=True, timeout=connect_s
+                )
+            channel = await asyncio.wait_for(
+                self.connection.channel(publisher_confirms=True, on_return_raises=True),
+                self.timeout,
+            )
+            self.channel = channel  # type: ignore[assignment]
+            await channel.set_qos(prefetch_count=prefetch, timeout=self.timeout)
+            if declare:
+                await self.declare()
+        except (AMQPError, OSError, ValueError) as exc:  # TimeoutError is an OSError
+            await self.close()
+            raise amqp_unavailable(exc, url, connect_s) from None
 
     async def declare(self) -> None:
-        ch = self._ch()
-        await ch.declare_queue(self.work_queue_name, durable=True)
+        ch, t = self._ch(), self.timeout
+        await ch.declare_queue(self.work_queue_name, durable=True, timeout=t)
+        self.declared = [f"queue:{self.work_queue_name}"]
         for tier, bucket, ms in self.config.policy.delay_queues():
             ttl = max(1, round(ms * self.config.time_scale))
             name = self.config.name(f"evaluation.retry.t{tier + 1}.b{bucket}.{ttl}ms")
@@ -90,19 +172,61 @@ class Broker:
                     "x-dead-letter-exchange": "",
                     "x-dead-letter-routing-key": self.work_queue_name,
                 },
+                timeout=t,
             )
             self.delay_queues[(tier, bucket)] = name
+            self.declared.append(f"queue:{name}")
+        events, control = (
+            self.config.name("evaluation.events"),
+            self.config.name("evaluation.control"),
+        )
         self.events = await ch.declare_exchange(
-            self.config.name("evaluation.events"), aio_pika.ExchangeType.TOPIC, durable=True
+            events, aio_pika.ExchangeType.TOPIC, durable=True, timeout=t
         )
         self.control = await ch.declare_exchange(
-            self.config.name("evaluation.control"), aio_pika.ExchangeType.FANOUT, durable=True
+            control, aio_pika.ExchangeType.FANOUT, durable=True, timeout=t
         )
+        self.declared += [f"exchange:{events}", f"exchange:{control}"]
 
     async def close(self) -> None:
-        if self.connection is not None:
-            await self.connection.close()
-            self.connection = None
+        connection, self.connection, self.channel = self.connection, None, None
+        if connection is not None:
+            with contextlib.suppress(AMQPError, OSError):
+                await asyncio.wait_for(connection.close(), self.timeout)
+
+    async def delete_topology(self, members: Iterable[str]) -> list[str]:
+        """Delete the given `queue:NAME` / `exchange:NAME`; return what was deleted.
+
+        Raises `QueueInUse`, deleting nothing, when a queue still has consumers: deleting
+        it under a running worker would lose its messages.
+        """
+        assert self.connection is not None
+        items = sorted(set(members))
+        queues = [m.partition(":")[2] for m in items if m.startswith("queue:")]
+        exchanges = [m.partition(":")[2] for m in items if m.startswith("exchange:")]
+        t = self.timeout
+        for name in queues:
+            ch = await asyncio.wait_for(self.connection.channel(publisher_confirms=False), t)
+            try:
+                queue = await ch.declare_queue(name, passive=True, timeout=t)
+            except ChannelNotFoundEntity:
+                continue  # gone already (the failed passive declare closed the channel)
+            result = queue.declaration_result
+            await ch.close()
+            if result.consumer_count:
+                raise QueueInUse(
+                    f"queue {name} has {result.consumer_count} consumer(s); "
+                    "stop the workers of this namespace first"
+                )
+        ch = await asyncio.wait_for(self.connection.channel(publisher_confirms=False), t)
+        try:
+            for name in queues:
+                await ch.queue_delete(name, timeout=t)
+            for name in exchanges:
+                await ch.exchange_delete(name, timeout=t)
+        finally:
+            await ch.close()
+        return items
 
     def _ch(self) -> AbstractRobustChannel:
         if self.channel is None:
@@ -112,17 +236,25 @@ class Broker:
     # --- consuming ----------------------------------------------------------------------
 
     async def consume_work(self, handler: Handler) -> AbstractQueue:
-        queue = await self._ch().declare_queue(self.work_queue_name, durable=True)
-        await queue.consume(handler, no_ack=False)
+        t = self.timeout
+        queue = await self._ch().declare_queue(self.work_queue_name, durable=True, timeout=t)
+        await queue.consume(handler, no_ack=False, timeout=t)
         return queue
 
     async def consume_private(self, worker_id: str, handler: Handler) -> str:
-        """The worker's own queue: forwarded messages and control broadcasts."""
+        """The worker's own queue: forwarded messages and control broadcasts.
+
+        Exclusive, so it goes with the worker's connection (a forward that comes back
+        unroutable means the owner is dead), and not auto-delete: a channel the broker
+        closes (`consumer_timeout`) cancels its consumer, and the queue must not go with
+        it while the worker lives, or a forward would take the lease of a live owner.
+        """
         name = self.config.name(f"worker.{worker_id}")
-        queue = await self._ch().declare_queue(name, exclusive=True, auto_delete=True)
+        t = self.timeout
+        queue = await self._ch().declare_queue(name, exclusive=True, timeout=t)
         assert self.control is not None
-        await queue.bind(self.control)
-        await queue.consume(handler, no_ack=False)
+        await queue.bind(self.control, timeout=t)
+        await queue.consume(handler, no_ack=False, timeout=t)
         return name
 
     # --- publishing ---------------------------------------------------------------------
@@ -183,7 +315,7 @@ class Broker:
         for attempt in range(60):
             try:
                 target = exchange or ch.default_exchange
-                await target.publish(message, key, mandatory=mandatory)
+                await target.publish(message, key, mandatory=mandatory, timeout=self.timeout)
                 return
             except PublishError as exc:
                 raise Unroutable(f"unroutable: routing key {key!r}") from exc

@@ -14,7 +14,7 @@ unacknowledged retries are handed back, and the sweeper or a redelivery resumes 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -33,7 +33,8 @@ from engine.core import (
     ScheduleRetry,
     SkipRules,
 )
-from engine.core.states import EvaluationStatus
+from engine.core.results import RuleResult
+from engine.core.states import EvaluationStatus, RuleState
 from engine.runtime.context import Runtime, log, settle
 from engine.runtime.module import EvaluationModule
 
@@ -53,7 +54,14 @@ class PassExecutionOrchestrator:
         self._closed = False
         self.holds_slot = False
         self._starts: list[tuple[str, int]] = []  # first tries of the actions being executed
-        self._reruns: dict[str, bool] = {}
+        # Starts of each rule's attempt as the start marker counted them (the `runs` key),
+        # then which execution of its attempt each running rule is: the agent is told, so
+        # that a rerun is known as one (a drifting agent may answer it differently).
+        self._counted: dict[str, int] = {}
+        self._execution: dict[str, int] = {}
+        self._kept: dict[str, str] = {}  # rule -> verdict of another write that came first
+        self._looked = False  # the state was read for the actions being executed
+        self._over: str | None = None  # the terminal state the store showed (a cancel)
 
     # --- inputs -------------------------------------------------------------------------
 
@@ -75,6 +83,14 @@ class PassExecutionOrchestrator:
 
     def cancel(self) -> None:
         self._spawn(self._feed(self.core.cancel))
+
+    async def reinstate(self) -> None:
+        """Redis lost what `begin` wrote (a failover): the heartbeat took the lease back,
+        and the plan is written back, so that a resume can still find it."""
+        restored = await self.rt.store.reinstate(self.attempt_id, self.core.plan.to_json())
+        self.rt.history.record(
+            "evaluation_reinstated", attempt_id=self.attempt_id, plan_restored=restored
+        )
 
     async def abandon(self, reason: str) -> None:
         """Drop the evaluation without touching its durable state; hand deliveries back."""
@@ -118,26 +134,50 @@ class PassExecutionOrchestrator:
             # (to count reruns), written with the result that made them ready when there
             # is one, so a rule's durable bookkeeping stays within two round trips.
             self._starts = [(x.rule_id, x.attempt) for x in actions if _first_try(x)]
+            self._looked = False  # the evaluation state not read yet for these actions
             for action in actions:
                 if self._closed:
                     return
                 await self._execute(action)
+            if self._over is not None and not self.core.finished:
+                # The store says the evaluation is over (a cancel, seen before its
+                # broadcast arrived): what the core does on a cancel, at once.
+                self.rt.history.record("cancel_seen", attempt_id=self.attempt_id, state=self._over)
+                for action in self.core.cancel():
+                    if self._closed:
+                        return
+                    await self._execute(action)
+
+    def _look(self, over: str | None) -> None:
+        """The state check that rode on a write: a terminal state stops every start."""
+        self._looked = True
+        if over is not None:
+            self._over = over
+            self._starts = []
 
     def _mark_starts(self, counts: list[int]) -> None:
         for (rule_id, _), count in zip(self._starts, counts, strict=True):
-            self._reruns[rule_id] = count > 1
+            self._counted[rule_id] = count
         self._starts = []
 
     async def _execute(self, action: Action) -> None:
         rt, a = self.rt, self.attempt_id
         match action:
             case RunRule():
-                if self._starts:
-                    self._mark_starts(await rt.store.mark_started(a, self._starts))
-                rerun = action.try_no == 1 and self._reruns.pop(action.rule_id, False)
-                self._spawn(self._run_rule(action, rerun))
+                # Before any start, the store's word on a cancel: on the start markers'
+                # round trip, or (a level-1 retry has none) a look at the state alone.
+                if self._over is None and (self._starts or not self._looked):
+                    counts, over = await rt.store.mark_started(a, self._starts)
+                    self._look(over)
+                    self._mark_starts(counts)
+                if self._over is not None:
+                    return  # the evaluation is over: this rule does not start
+                if action.try_no == 1:
+                    self._execution[action.rule_id] = self._counted.pop(action.rule_id, 1)
+                self._spawn(self._run_rule(action, self._execution.get(action.rule_id, 1)))
             case PersistResult(rule_id=rule_id, result=result):
-                existing, counts = await rt.store.write_result(a, result, self._starts)
+                existing, counts, over = await rt.store.write_result(a, result, self._starts)
+                self._look(over)
                 self._mark_starts(counts)
                 rt.history.record(
                     "result_persisted",
@@ -149,11 +189,22 @@ class PassExecutionOrchestrator:
                     won=existing is None,
                     kept_verdict=None if existing is None else existing.verdict,
                 )
+                if existing is not None and not await self._adopt(rule_id, existing):
+                    return
                 await rt.failpoints.hit("rule_after_write", rule_id, a)
             case PersistStatus():
-                await self.module.persist_status(a, action)
+                self._look(await self.module.persist_status(a, action))
             case ScheduleRetry():
-                await self.module.schedule_retry(a, action)
+                if self._over is not None:  # over: a retry would only be dropped
+                    rt.history.record(
+                        "retry_not_scheduled",
+                        attempt_id=a,
+                        rule_id=action.rule_id,
+                        attempt=action.attempt,
+                        state=self._over,
+                    )
+                else:
+                    await self.module.schedule_retry(a, action)
             case AckRetry(rule_id=rule_id, attempt=attempt):
                 message = self.retry_messages.pop((rule_id, attempt), None)
                 if message is not None:
@@ -165,18 +216,23 @@ class PassExecutionOrchestrator:
                 )
             case PublishPassResult():
                 await rt.failpoints.hit("before_pass_publish", None, a)
+                rules = self._durable(action.rules)
                 body = {
                     "attempt_id": a,
                     "pass_id": action.pass_id,
                     "outcome": action.outcome,
-                    "rules": dict(action.rules),
+                    "rules": rules,
                 }
                 await rt.broker.publish_event(
                     "evaluation.pass_result", body, f"{a}:pass:{action.pass_id}"
                 )
                 await rt.store.mark_pass_published(a, action.pass_id, action.outcome)
                 rt.history.record(
-                    "pass_published", attempt_id=a, pass_id=action.pass_id, outcome=action.outcome
+                    "pass_published",
+                    attempt_id=a,
+                    pass_id=action.pass_id,
+                    outcome=action.outcome,
+                    rules=rules,
                 )
             case Recovered():
                 rt.metrics.loaded.inc(len(action.loaded))
@@ -197,8 +253,9 @@ class PassExecutionOrchestrator:
             case Finish():
                 await self._finish(action)
 
-    async def _run_rule(self, action: RunRule, rerun: bool) -> None:
+    async def _run_rule(self, action: RunRule, execution: int) -> None:
         rt, a = self.rt, self.attempt_id
+        rerun = action.try_no == 1 and execution > 1
         rule = self.core.plan.rules[action.rule_id]
         await rt.failpoints.hit("rule_before_call", rule.id, a)
         if action.try_no > 1:
@@ -212,9 +269,12 @@ class PassExecutionOrchestrator:
             attempt=action.attempt,
             try_no=action.try_no,
             rerun=rerun,
+            execution=execution,
         )
         try:
-            result = await rt.agent.evaluate(a, rule, action.attempt, action.try_no)
+            result = await rt.agent.evaluate(
+                a, rule, action.attempt, action.try_no, execution=execution
+            )
         except AgentError as err:
             tokens = int(getattr(err, "tokens", 0) or 0)
             self._spend(tokens, rerun)
@@ -251,28 +311,73 @@ class PassExecutionOrchestrator:
         if rerun:
             self.rt.metrics.rerun_tokens.inc(tokens)
 
+    async def _adopt(self, rule_id: str, kept: RuleResult) -> bool:
+        """Another write of `rule_id`'s result came first. Without the lease (this worker
+        ran the rule after its lease lapsed: a frozen process) its view is stale: it steps
+        aside before starting or announcing anything, and the owner carries on. With the
+        lease (a retried script met its own write, or a late writer beat this one) the
+        kept result is the rule's from now on, in the core and in what is announced.
+        False when the evaluation was abandoned."""
+        held = await self.rt.store.renew([self.attempt_id], self.rt.worker_id)
+        if not held.get(self.attempt_id):
+            await self.abandon(f"{rule_id}: another write of its result came first")
+            return False
+        self.core.results[rule_id] = kept
+        self._kept[rule_id] = kept.verdict
+        return True
+
+    def _durable(self, verdicts: Mapping[str, str]) -> dict[str, str]:
+        """Verdicts to announce: those computed before a write lost, replaced by the kept."""
+        return {r: self._kept.get(r, v) for r, v in verdicts.items()}
+
     async def _finish(self, action: Finish) -> None:
         rt, a = self.rt, self.attempt_id
-        kept = await rt.store.set_state(a, action.status.value)
+        kept = await self._confirm_final(action)
         status = kept or action.status.value
+        verdicts = self._durable(action.verdicts)
         rt.history.record(
             "evaluation_terminal",
             attempt_id=a,
             status=status,
             won=kept is None,
-            verdicts=dict(action.verdicts),
+            decided=action.status.value,  # the core's own decision (a cancel heard, or not)
+            verdicts=verdicts,
         )
         if kept is None:
             rt.metrics.evaluations.labels(status=status).inc()
             await rt.failpoints.hit("before_final_publish", None, a)
-            await publish_completed(rt, a, status, dict(action.verdicts))
+            held = await publish_completed(rt, a, status, verdicts)
+            for _ in range(3):
+                if held is not False:
+                    break
+                # A lossy Redis restart swallowed the final state after it was written:
+                # what was announced is made durable again before the evaluation leaves.
+                await self._confirm_final(action, again=True)
+                held = await rt.store.done(a, rt.worker_id)
             await rt.failpoints.hit("after_final_publish", None, a)
             await self._close(release=False)
             return
         if action.status is not EvaluationStatus.CANCELLED:
             log.info("evaluation %s was already %s", a, kept)
-        await rt.store.unindex_running(a)
+        await rt.store.unindex(a)
         await self._close()
+
+    async def _confirm_final(self, action: Finish, again: bool = False) -> str | None:
+        """Write the final state once Redis holds every result and permanent failure the
+        verdicts name (a Redis that lost acknowledged writes gets them back from memory,
+        in the same round trip); return the terminal state kept instead, if any."""
+        core, a = self.core, self.attempt_id
+        results = {r: core.results[r] for r in action.verdicts if r in core.results}
+        failed = [r for r in core.rules_in(RuleState.PERMANENTLY_FAILED) if r in action.verdicts]
+        kept, restored = await self.rt.store.finish(a, action.status.value, results, failed)
+        if restored or again:
+            self.rt.history.record(
+                "final_state_restored" if again else "results_restored",
+                attempt_id=a,
+                rule_ids=restored,
+                status=kept or action.status.value,
+            )
+        return kept
 
     async def _close(self, release: bool = True, requeue_held: bool = False) -> None:
         if self._closed:
@@ -297,13 +402,15 @@ def _first_try(action: Action) -> bool:
     return isinstance(action, RunRule) and action.try_no == 1
 
 
-async def publish_completed(rt: Runtime, attempt_id: str, status: str, verdicts: dict) -> None:
+async def publish_completed(rt: Runtime, attempt_id: str, status: str, verdicts: dict) -> bool:
     """Publish evaluation.completed for the final state, then flag it, unindex, release.
 
     A crash between the publish and the flag publishes it again on recovery: consumers
-    dedupe on the message id (`{attemptId}:completed`).
+    dedupe on the message id (`{attemptId}:completed`). False when the final state was no
+    longer in Redis to be flagged (a restart lost it): the caller restores it.
     """
     body = {"attempt_id": attempt_id, "status": status, "verdicts": verdicts}
     await rt.broker.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
-    await rt.store.done(attempt_id, rt.worker_id)
+    held = await rt.store.done(attempt_id, rt.worker_id)
     rt.history.record("final_published", attempt_id=attempt_id, status=status)
+    return held

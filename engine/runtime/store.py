@@ -8,23 +8,37 @@ plain SET would drop it). Around those two keys the engine keeps its own bookkee
 plan (a resume after the ACK has no message to read it from), the evaluation state, the
 owner lease that the heartbeat renews, the attempts started (to count reruns), and two
 indexes the sweeper scans: evaluations running, and delayed retries with their due time.
+It also remembers the namespace's RabbitMQ queues and exchanges (`{namespace}engine:topology`)
+so `python -m engine.submit --purge` can remove exactly what the engine declared.
+
+Every client gets the config's connect and read timeouts. The store's own client retries a
+failed command for about 40 s (a Redis restart must not kill the worker); `probe()` makes
+the first contact without retries, so a wrong URL or password fails at once and says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from engine.config import EngineConfig
-from engine.core import RuleResult, Snapshot, status_rank
+from engine.config import (
+    EngineConfig,
+    ServiceUnavailable,
+    network_reason,
+    scrubbed,
+    secrets_of,
+)
+from engine.core import PERMANENTLY_FAILED, RuleResult, Snapshot, status_rank
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.runtime.autopipeline import AutoPipeline
 
@@ -59,52 +73,161 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def glob_escape(text: str) -> str:
+    """`text` as a literal inside a Redis MATCH pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def redis_unavailable(exc: BaseException, url: str, timeout_s: float) -> ServiceUnavailable:
+    """What a failed first contact with Redis means, as the one line `ServiceUnavailable`."""
+    if isinstance(exc, ServiceUnavailable):
+        return exc
+    if isinstance(exc, AuthenticationError):
+        reason = "wrong user name or password" if secrets_of(url) else "it requires a password"
+        return ServiceUnavailable("Redis", url, reason, "REDIS_URL", login=True)
+    text = scrubbed(str(exc), url)
+    if isinstance(exc, RedisError) and ("WRONGPASS" in text or "NOAUTH" in text):
+        return ServiceUnavailable("Redis", url, text, "REDIS_URL", login=True)
+    reason = network_reason(exc, timeout_s)
+    if reason is not None:
+        return ServiceUnavailable("Redis", url, reason, "REDIS_URL")
+    return ServiceUnavailable(
+        "Redis", url, f"{type(exc).__name__}: {text}", "REDIS_URL", todo="check REDIS_URL"
+    )
+
+
+def redis_client(config: EngineConfig, *, retries: int = 40) -> aioredis.Redis:
+    """A client with the config's timeouts; `retries` > 0 rides out a Redis restart."""
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=retries)
+    return aioredis.Redis.from_url(
+        config.redis_url,
+        decode_responses=True,
+        retry=retry if retries > 0 else Retry(NoBackoff(), 0),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError] if retries > 0 else [],
+        socket_connect_timeout=config.connect_timeout_s,
+        socket_timeout=config.read_timeout_s,
+        health_check_interval=0,
+    )
+
+
+async def probe_redis(config: EngineConfig) -> None:
+    """PING once without retries (the first answer must come within the connect timeout);
+    raise `ServiceUnavailable` saying why not."""
+    quick = dataclasses.replace(config, read_timeout_s=config.connect_timeout_s)
+    try:
+        client = redis_client(quick, retries=0)
+    except ValueError as exc:  # a malformed URL
+        reason = scrubbed(str(exc), config.redis_url)
+        raise ServiceUnavailable(
+            "Redis", config.redis_url, reason, "REDIS_URL", todo="fix REDIS_URL"
+        ) from None
+    try:
+        await client.ping()
+    except (RedisError, OSError) as exc:
+        raise redis_unavailable(exc, config.redis_url, config.connect_timeout_s) from None
+    finally:
+        await client.aclose()
+
+
 _TERMINAL = ",".join(sorted(s.value for s in TERMINAL_EVALUATION_STATUSES))
 
+# Shared by the scripts below: whether a state is terminal (ARGV carries the list), and
+# taking every rule of an evaluation out of the retries index (its plan names the rules;
+# a terminal evaluation leaves every index, so that no sweeper ever acts on it again).
+_LUA_TERMINAL = """
+local function terminal(state, list)
+  return state and string.find(',' .. list .. ',', ',' .. state .. ',', 1, true) ~= nil
+end
+"""
+_LUA_UNINDEX_RETRIES = """
+local function unindex_retries(plan_key, retries, attempt_id)
+  local raw = redis.call('GET', plan_key)
+  if not raw then return end
+  local ok, plan = pcall(cjson.decode, raw)
+  if not ok or type(plan) ~= 'table' or type(plan['passes']) ~= 'table' then return end
+  for _, p in ipairs(plan['passes']) do
+    if type(p) == 'table' and type(p['rules']) == 'table' then
+      for _, r in ipairs(p['rules']) do
+        if type(r) == 'table' and type(r['id']) == 'string' then
+          redis.call('ZREM', retries, attempt_id .. '\\31' .. r['id'])
+        end
+      end
+    end
+  end
+end
+"""
+
+
+def _script(body: str) -> str:
+    """A script with the shared functions above defined first."""
+    return _LUA_TERMINAL + _LUA_UNINDEX_RETRIES + body
+
+
 # Store a result (the first write wins) and count the starts of the rules it makes ready,
-# in one round trip: a rule's start marker rides on its dependency's result.
-# KEYS: result, retries index, runs keys... ARGV: json, ttl, member, attempts...
-# Returns {'' when this write won, else the stored result; start counts...}.
-_WRITE_RESULT = """
+# in one round trip: a rule's start marker rides on its dependency's result, and so does
+# the owner's look at the evaluation state, so a cancel is seen before the next start.
+# KEYS: result, retries index, state, runs keys... ARGV: json, ttl, member, terminal list,
+# attempts... Returns {'' when this write won, else the stored result; '' or the terminal
+# state (then nothing is counted: those rules must not start); start counts...}.
+_WRITE_RESULT = _script("""
 local won = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[3])
-local out = {''}
+local out = {'', ''}
 if not won then out[1] = redis.call('GET', KEYS[1]) end
-for i = 3, #KEYS do
+local state = redis.call('GET', KEYS[3])
+if terminal(state, ARGV[4]) then
+  out[2] = state
+  return out
+end
+for i = 4, #KEYS do
   out[i - 1] = redis.call('HINCRBY', KEYS[i], ARGV[i + 1], 1)
   redis.call('EXPIRE', KEYS[i], ARGV[2])
 end
 return out
-"""
+""")
 
-# KEYS: status, retries index. ARGV: status, rank, ttl, member, due_ms ('' = not retrying).
-# Nil when written; the current status when it would have moved the attempt count back.
-_WRITE_STATUS = """
+# KEYS: status, retries index, state. ARGV: status, rank, ttl, member, due_ms ('' = not
+# retrying), terminal list. Returns {'' when written, else the kept status (the write would
+# have moved the attempt count back); '' or the evaluation's terminal state}. The retry of
+# a terminal evaluation never enters the retries index.
+_WRITE_STATUS = _script("""
+local state = redis.call('GET', KEYS[3])
+local over = terminal(state, ARGV[6])
+local seen = ''
+if over then seen = state end
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local rank = 0
   if cur == 'permanently_failed' then rank = 1000000
   else rank = tonumber(string.match(cur, '^failed_attempt_(%d+)$')) or 0 end
-  if rank >= tonumber(ARGV[2]) then return cur end
+  if rank >= tonumber(ARGV[2]) then return {cur, seen} end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
-if ARGV[5] ~= '' then redis.call('ZADD', KEYS[2], ARGV[5], ARGV[4])
+if ARGV[5] ~= '' and not over then
+  redis.call('ZADD', KEYS[2], ARGV[5], ARGV[4])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
 else redis.call('ZREM', KEYS[2], ARGV[4]) end
-return false
-"""
+return {'', seen}
+""")
 
 # Start (or resume) an evaluation in one round trip: the lease, the terminal check, the
 # plan, the state, the running index and the snapshot of every rule.
-# KEYS: owner, state, plan, final_published, running index, passes, results..., statuses...
+# KEYS: owner, state, plan, final_published, running index, passes, retries index,
+# results..., statuses...
 # ARGV: me, lease_ms, plan json ('' = use the stored one), ttl, now_ms, attempt_id, terminal
 # list. Returns {'held', holder} | {'terminal', state, published} | {'noplan'} |
-# {'ok', plan json, {results and statuses}, {published passes}}.
-_BEGIN = """
+# {'ok', plan json, {results and statuses}, {published passes}}. A terminal evaluation
+# leaves the retries index here, and the running index once announced (until then the
+# sweeper must be able to bring it back, to be announced).
+_BEGIN = _script("""
 local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[1] then return {'held', cur} end
 local state = redis.call('GET', KEYS[2])
-if state and string.find(',' .. ARGV[7] .. ',', ',' .. state .. ',', 1, true) then
-  return {'terminal', state, redis.call('GET', KEYS[4]) or ''}
+if terminal(state, ARGV[7]) then
+  local published = redis.call('GET', KEYS[4]) or ''
+  unindex_retries(KEYS[3], KEYS[7], ARGV[6])
+  if published ~= '' then redis.call('ZREM', KEYS[5], ARGV[6]) end
+  return {'terminal', state, published}
 end
 local plan = ARGV[3]
 if plan == '' then plan = redis.call('GET', KEYS[3]) else
@@ -113,21 +236,27 @@ if not plan then return {'noplan'} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SET', KEYS[2], 'running', 'EX', ARGV[4])
 redis.call('ZADD', KEYS[5], ARGV[5], ARGV[6])
+redis.call('EXPIRE', KEYS[5], ARGV[4])
 local values = {}
-if #KEYS > 6 then values = redis.call('MGET', unpack(KEYS, 7)) end
+if #KEYS > 7 then values = redis.call('MGET', unpack(KEYS, 8)) end
 for i = 1, #values do if not values[i] then values[i] = '' end end
 return {'ok', plan, values, redis.call('HKEYS', KEYS[6])}
-"""
+""")
 
-# KEYS: runs keys... ARGV: ttl, attempts... The number of starts of each attempt so far.
-_MARK_STARTED = """
-local out = {}
-for i = 1, #KEYS do
+# Count the starts of rule attempts (more than one means a crash lost a run), unless the
+# evaluation is over: the owner's look at the state before a start, in a round trip it
+# makes anyway. KEYS: state, runs keys... ARGV: ttl, terminal list, attempts...
+# Returns {'' or the terminal state (then nothing is counted); start counts...}.
+_MARK_STARTED = _script("""
+local state = redis.call('GET', KEYS[1])
+if terminal(state, ARGV[2]) then return {state} end
+local out = {''}
+for i = 2, #KEYS do
   out[i] = redis.call('HINCRBY', KEYS[i], ARGV[i + 1], 1)
   redis.call('EXPIRE', KEYS[i], ARGV[1])
 end
 return out
-"""
+""")
 
 # KEYS: passes. ARGV: pass id, outcome, ttl.
 _MARK_PASS = """
@@ -136,14 +265,44 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-# After evaluation.completed is out: flag it, leave the running index, give the lease back.
-# KEYS: final_published, running index, owner. ARGV: ttl, attempt_id, me.
-_DONE = """
+# After evaluation.completed is out: flag it, leave both indexes, give the lease back.
+# 0, and nothing written, when the terminal state is gone: a Redis that lost its last
+# writes swallowed it (and maybe results) after the check, and the owner must restore it.
+# KEYS: final_published, running index, owner, state, plan, retries index.
+# ARGV: ttl, attempt_id, me, terminal list.
+_DONE = _script("""
+if not terminal(redis.call('GET', KEYS[4]), ARGV[4]) then return 0 end
 redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
+unindex_retries(KEYS[5], KEYS[6], ARGV[2])
 if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
 return 1
-"""
+""")
+
+# The owner's final state, written only once the store holds everything the verdicts name:
+# each result (a Redis that lost acknowledged writes may have dropped some) is written
+# again from the owner's memory (`SET NX`: a result that is there stays), each permanent
+# failure too. One round trip, the one that writes the state anyway.
+# KEYS: state, results..., statuses... ARGV: status, ttl, terminal list, number of results,
+# result json..., status values... Returns {'' when written, else the kept terminal state;
+# the positions (1-based, results then statuses) of what had vanished and was restored}.
+_FINISH = _script("""
+local cur = redis.call('GET', KEYS[1])
+if terminal(cur, ARGV[3]) then return {cur} end
+local out = {''}
+local n = tonumber(ARGV[4])
+for i = 1, n do
+  if redis.call('SET', KEYS[1 + i], ARGV[4 + i], 'NX', 'EX', ARGV[2]) then out[#out + 1] = i end
+end
+for i = n + 2, #KEYS do
+  if redis.call('GET', KEYS[i]) ~= ARGV[i + 3] then
+    redis.call('SET', KEYS[i], ARGV[i + 3], 'EX', ARGV[2])
+    out[#out + 1] = i - 1
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return out
+""")
 
 # Only delayed retries are left: out of the running index, lease given back.
 # KEYS: state, running index, owner. ARGV: ttl, attempt_id, me, terminal list.
@@ -167,13 +326,29 @@ end
 return 0
 """
 
-# KEYS: owner, running index. ARGV: me, lease_ms, now_ms, attempt_id. 1 while still ours.
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+# KEYS: owner, running index, state. ARGV: me, lease_ms, now_ms, attempt_id, terminal list,
+# ttl. 1 while still ours; 0 when lost. A terminal evaluation is not stamped again: once
+# announced it leaves the index (`_DONE`), and a stale stamp lets the sweeper announce or
+# drop it. 2 when the lease and the state are both gone: a Redis that lost acknowledged
+# writes forgot an evaluation its owner is running (nobody else can have begun it: `begin`
+# writes the state), so it is the owner's again, and the owner writes back its plan.
+_RENEW = _script("""
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if not terminal(redis.call('GET', KEYS[3]), ARGV[5]) then
+    redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+    redis.call('EXPIRE', KEYS[2], ARGV[6])
+  end
+  return 1
+end
+if cur or redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[3], 'running', 'EX', ARGV[6])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
-return 1
-"""
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+return 2
+""")
 
 # KEYS: owner. ARGV: me.
 _RELEASE = """
@@ -181,30 +356,54 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: state. ARGV: new state, ttl, terminal list. Nil when written; else the state kept.
-_SET_STATE = """
+# KEYS: state, plan, retries index. ARGV: new state, ttl, terminal list, attempt_id. Nil
+# when written; else the state kept. Writing a terminal state (a cancel) takes the
+# evaluation's rules out of the retries index at once; the running index follows once the
+# final state is announced (`_DONE`).
+_SET_STATE = _script("""
 local cur = redis.call('GET', KEYS[1])
-if cur and string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return cur end
+if terminal(cur, ARGV[3]) then return cur end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+if terminal(ARGV[1], ARGV[3]) then unindex_retries(KEYS[2], KEYS[3], ARGV[4]) end
 return false
-"""
+""")
 
-# KEYS: running index, owner. ARGV: attempt_id, threshold_ms, now_ms. 1 when claimed.
-_CLAIM_STALE = """
+# An evaluation that ended without announcing (another final state won): out of both
+# indexes. KEYS: running index, plan, retries index. ARGV: attempt_id.
+_UNINDEX = _script("""
+redis.call('ZREM', KEYS[1], ARGV[1])
+unindex_retries(KEYS[2], KEYS[3], ARGV[1])
+return 1
+""")
+
+# KEYS: running index, owner, state, final_published. ARGV: attempt_id, threshold_ms,
+# now_ms, terminal list. 1 when claimed. A terminal evaluation already announced leaves
+# the index instead, never to be re-published (one not announced yet is claimed: the
+# resume announces it).
+_CLAIM_STALE = _script("""
 local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if (not s) or tonumber(s) > tonumber(ARGV[2]) then return 0 end
+if terminal(redis.call('GET', KEYS[3]), ARGV[4]) and redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  return 0
+end
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 return 1
-"""
+""")
 
-# KEYS: retries index. ARGV: member, threshold_ms, new_score. 1 when claimed.
-_CLAIM_RETRY = """
+# KEYS: retries index, state. ARGV: member, threshold_ms, new_score, terminal list. 1 when
+# claimed; the member of a terminal evaluation leaves the index instead.
+_CLAIM_RETRY = _script("""
 local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if (not s) or tonumber(s) > tonumber(ARGV[2]) then return 0 end
+if terminal(redis.call('GET', KEYS[2]), ARGV[4]) then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  return 0
+end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 return 1
-"""
+""")
 
 
 @dataclass(frozen=True)
@@ -234,14 +433,8 @@ class RedisStore:
         self.ttl = config.state_ttl_s
         self.running_index = config.name("engine:running")
         self.retries_index = config.name("engine:retries")
-        self.redis = client or aioredis.Redis.from_url(
-            config.redis_url,
-            decode_responses=True,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=40),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            socket_connect_timeout=2.0,
-            health_check_interval=0,
-        )
+        self.topology_key = config.name("engine:topology")
+        self.redis = client or redis_client(config)
         r = self.redis
         self.batch = AutoPipeline(r)
         self._write_result = self.batch.register(_WRITE_RESULT)
@@ -257,61 +450,117 @@ class RedisStore:
         self._done = self.batch.register(_DONE)
         self._mark_pass = self.batch.register(_MARK_PASS)
         self._park = self.batch.register(_PARK)
+        self._finish = self.batch.register(_FINISH)
+        self._unindex = self.batch.register(_UNINDEX)
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+    async def probe(self) -> None:
+        """Fail fast, in one line, when Redis is unreachable or refuses the credentials."""
+        await probe_redis(self.config)
+
+    # --- what the namespace left behind -------------------------------------------------
+
+    async def remember_topology(self, names: Iterable[str]) -> None:
+        """Note the namespace's queues and exchanges (`queue:NAME`, `exchange:NAME`)."""
+        members = list(names)
+        if members:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.sadd(self.topology_key, *members)
+                pipe.expire(self.topology_key, self.ttl)
+                await pipe.execute()
+
+    async def topology(self) -> set[str]:
+        return set(await self.redis.smembers(self.topology_key))
+
+    async def purge(self, prefixes: Iterable[str], namespace: bool) -> int:
+        """Delete every `attempt:{prefix}*` key and, with `namespace`, the namespace's own
+        index and topology keys; return how many keys went."""
+        deleted = 0
+        for prefix in prefixes:
+            pattern = f"attempt:{glob_escape(prefix)}*"
+            batch: list[str] = []
+            async for key in self.redis.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= 1000:
+                    deleted += await self.redis.unlink(*batch)
+                    batch = []
+            if batch:
+                deleted += await self.redis.unlink(*batch)
+        if namespace:
+            deleted += await self.redis.unlink(
+                self.running_index, self.retries_index, self.topology_key
+            )
+        return deleted
 
     # --- rules --------------------------------------------------------------------------
 
     async def write_result(
         self, attempt_id: str, result: RuleResult, starts: Sequence[tuple[str, int]] = ()
-    ) -> tuple[RuleResult | None, list[int]]:
+    ) -> tuple[RuleResult | None, list[int], str | None]:
         """Store a result unless one is there already, and count the given starts.
 
-        Returns the result that was there before (None when this write won) and, for each
-        (rule, attempt) in `starts`, how many times that attempt has now been started.
+        Returns the result that was there before (None when this write won); for each
+        (rule, attempt) in `starts`, how many times that attempt has now been started; and
+        the evaluation's state if it is terminal (a cancel): then nothing was counted, and
+        those rules must not start.
         """
         reply = await self.batch.call(
             self._write_result,
             keys=[
                 result_key(attempt_id, result.rule_id),
                 self.retries_index,
+                eval_key(attempt_id, "state"),
                 *(runs_key(attempt_id, r) for r, _ in starts),
             ],
             args=[
                 result.to_json(),
                 self.ttl,
                 retry_member(attempt_id, result.rule_id),
+                _TERMINAL,
                 *(n for _, n in starts),
             ],
         )
         existing = RuleResult.from_json(reply[0]) if reply[0] else None
-        return existing, [int(c) for c in reply[1:]]
+        return existing, [int(c) for c in reply[2:]], reply[1] or None
 
     async def write_status(
         self, attempt_id: str, rule_id: str, status: str, due_ms: int | None = None
-    ) -> str | None:
-        """Write a status unless it would move the attempt count back; return the kept one."""
-        return await self.batch.call(
+    ) -> tuple[str | None, str | None]:
+        """Write a status unless it would move the attempt count back. Returns the status
+        kept instead (None when written) and the evaluation's state if it is terminal (its
+        retry is then not indexed, and must not be scheduled)."""
+        kept, over = await self.batch.call(
             self._write_status,
-            keys=[status_key(attempt_id, rule_id), self.retries_index],
+            keys=[
+                status_key(attempt_id, rule_id),
+                self.retries_index,
+                eval_key(attempt_id, "state"),
+            ],
             args=[
                 status,
                 status_rank(status),
                 self.ttl,
                 retry_member(attempt_id, rule_id),
                 "" if due_ms is None else due_ms,
+                _TERMINAL,
             ],
         )
+        return kept or None, over or None
 
-    async def mark_started(self, attempt_id: str, starts: Sequence[tuple[str, int]]) -> list[int]:
-        """Count the starts of rule attempts; more than one means a crash lost a run."""
+    async def mark_started(
+        self, attempt_id: str, starts: Sequence[tuple[str, int]]
+    ) -> tuple[list[int], str | None]:
+        """Count the starts of rule attempts (more than one means a crash lost a run), unless
+        the evaluation is terminal: then its state comes back and nothing is counted. With
+        no starts it is only that look at the state (before a level-1 retry)."""
         reply = await self.batch.call(
             self._mark_started,
-            keys=[runs_key(attempt_id, r) for r, _ in starts],
-            args=[self.ttl, *(n for _, n in starts)],
+            keys=[eval_key(attempt_id, "state"), *(runs_key(attempt_id, r) for r, _ in starts)],
+            args=[self.ttl, _TERMINAL, *(n for _, n in starts)],
         )
-        return [int(c) for c in reply]
+        return [int(c) for c in reply[1:]], reply[0] or None
 
     async def begin(
         self, attempt_id: str, me: str, rule_ids: Sequence[str], plan_json: str | None
@@ -322,7 +571,7 @@ class RedisStore:
         and its rules must be the ones passed (the caller read it first).
         """
         keys = [eval_key(attempt_id, w) for w in ("owner", "state", "plan", "final_published")]
-        keys += [self.running_index, eval_key(attempt_id, "passes")]
+        keys += [self.running_index, eval_key(attempt_id, "passes"), self.retries_index]
         keys += [result_key(attempt_id, r) for r in rule_ids]
         keys += [status_key(attempt_id, r) for r in rule_ids]
         reply = await self.batch.call(
@@ -356,17 +605,55 @@ class RedisStore:
     async def stored_plan(self, attempt_id: str) -> str | None:
         return await self.redis.get(eval_key(attempt_id, "plan"))
 
-    async def done(self, attempt_id: str, me: str) -> None:
-        """evaluation.completed is published: flag it, unindex, give the lease back."""
-        await self.batch.call(
-            self._done,
-            keys=[
-                eval_key(attempt_id, "final_published"),
-                self.running_index,
-                eval_key(attempt_id, "owner"),
-            ],
-            args=[self.ttl, attempt_id, me],
+    async def done(self, attempt_id: str, me: str) -> bool:
+        """evaluation.completed is published: flag it, unindex, give the lease back. False,
+        with nothing written, when the terminal state is no longer in Redis (lost writes)."""
+        return bool(
+            await self.batch.call(
+                self._done,
+                keys=[
+                    eval_key(attempt_id, "final_published"),
+                    self.running_index,
+                    eval_key(attempt_id, "owner"),
+                    eval_key(attempt_id, "state"),
+                    eval_key(attempt_id, "plan"),
+                    self.retries_index,
+                ],
+                args=[self.ttl, attempt_id, me, _TERMINAL],
+            )
         )
+
+    async def finish(
+        self,
+        attempt_id: str,
+        status: str,
+        results: Mapping[str, RuleResult],
+        failed: Sequence[str],
+    ) -> tuple[str | None, list[str]]:
+        """Write the final state, once every result in `results` and every permanent failure
+        in `failed` is in Redis again (restored from memory when a lossy restart dropped it).
+
+        Returns the terminal state kept instead (None when this write won) and the rules
+        whose result or status had vanished and were written again.
+        """
+        names = [*results, *failed]
+        reply = await self.batch.call(
+            self._finish,
+            keys=[
+                eval_key(attempt_id, "state"),
+                *(result_key(attempt_id, r) for r in results),
+                *(status_key(attempt_id, r) for r in failed),
+            ],
+            args=[
+                status,
+                self.ttl,
+                _TERMINAL,
+                len(results),
+                *(v.to_json() for v in results.values()),
+                *(PERMANENTLY_FAILED for _ in failed),
+            ],
+        )
+        return reply[0] or None, [names[int(i) - 1] for i in reply[1:]]
 
     async def park(self, attempt_id: str, me: str) -> None:
         await self.batch.call(
@@ -400,10 +687,13 @@ class RedisStore:
     async def set_state(self, attempt_id: str, state: str) -> str | None:
         """Set the evaluation state unless it is terminal already; return the kept terminal one.
 
-        A terminal state is written once: whoever wins publishes evaluation.completed.
+        A terminal state is written once: whoever wins publishes evaluation.completed. A
+        terminal state written (a cancel) takes the evaluation out of the retries index.
         """
         return await self.batch.call(
-            self._set_state, keys=[eval_key(attempt_id, "state")], args=[state, self.ttl, _TERMINAL]
+            self._set_state,
+            keys=[eval_key(attempt_id, "state"), eval_key(attempt_id, "plan"), self.retries_index],
+            args=[state, self.ttl, _TERMINAL, attempt_id],
         )
 
     async def mark_pass_published(self, attempt_id: str, pass_id: str, outcome: str) -> None:
@@ -412,9 +702,6 @@ class RedisStore:
             keys=[eval_key(attempt_id, "passes")],
             args=[pass_id, outcome, self.ttl],
         )
-
-    async def mark_final_published(self, attempt_id: str) -> None:
-        await self.redis.set(eval_key(attempt_id, "final_published"), "1", ex=self.ttl)
 
     # --- ownership, heartbeats, indexes ---------------------------------------------------
 
@@ -428,8 +715,9 @@ class RedisStore:
             )
         )
 
-    async def renew(self, attempt_ids: Iterable[str], me: str) -> dict[str, bool]:
-        """The heartbeat: extend each lease still ours and stamp the running index."""
+    async def renew(self, attempt_ids: Iterable[str], me: str) -> dict[str, int]:
+        """The heartbeat: extend each lease still ours and stamp the running index. Per
+        evaluation: 1 still ours, 0 lost, 2 forgotten by Redis and ours again (`_RENEW`)."""
         ids = list(attempt_ids)
         if not ids:
             return {}
@@ -438,19 +726,31 @@ class RedisStore:
             *[
                 self.batch.call(
                     self._renew,
-                    keys=[eval_key(a, "owner"), self.running_index],
-                    args=[me, self.config.stale_ms, now, a],
+                    keys=[eval_key(a, "owner"), self.running_index, eval_key(a, "state")],
+                    args=[me, self.config.stale_ms, now, a, _TERMINAL, self.ttl],
                 )
                 for a in ids
             ]
         )
-        return {a: bool(v) for a, v in zip(ids, out, strict=True)}
+        return {a: int(v) for a, v in zip(ids, out, strict=True)}
+
+    async def reinstate(self, attempt_id: str, plan_json: str) -> bool:
+        """Write back the plan `begin` stored, unless it is there (a forgotten evaluation's
+        resume needs it); True when it had vanished."""
+        key = eval_key(attempt_id, "plan")
+        return bool(await self.redis.set(key, plan_json, nx=True, ex=self.ttl))
 
     async def release(self, attempt_id: str, me: str) -> None:
         await self.batch.call(self._release, keys=[eval_key(attempt_id, "owner")], args=[me])
 
-    async def unindex_running(self, attempt_id: str) -> None:
-        await self.redis.zrem(self.running_index, attempt_id)
+    async def unindex(self, attempt_id: str) -> None:
+        """Out of the running and retries indexes: an evaluation whose final state another
+        writer won (a cancel) leaves them without announcing."""
+        await self.batch.call(
+            self._unindex,
+            keys=[self.running_index, eval_key(attempt_id, "plan"), self.retries_index],
+            args=[attempt_id],
+        )
 
     async def stale_evaluations(self, older_than_ms: int, limit: int = 100) -> list[str]:
         return await self.redis.zrangebyscore(
@@ -462,8 +762,13 @@ class RedisStore:
         return bool(
             await self.batch.call(
                 self._claim_stale,
-                keys=[self.running_index, eval_key(attempt_id, "owner")],
-                args=[attempt_id, now - older_than_ms, now],
+                keys=[
+                    self.running_index,
+                    eval_key(attempt_id, "owner"),
+                    eval_key(attempt_id, "state"),
+                    eval_key(attempt_id, "final_published"),
+                ],
+                args=[attempt_id, now - older_than_ms, now, _TERMINAL],
             )
         )
 
@@ -474,11 +779,12 @@ class RedisStore:
 
     async def claim_retry(self, member: str, grace_ms: int) -> bool:
         now = now_ms()
+        attempt_id, _ = split_member(member)
         return bool(
             await self.batch.call(
                 self._claim_retry,
-                keys=[self.retries_index],
-                args=[member, now - grace_ms, now + grace_ms],
+                keys=[self.retries_index, eval_key(attempt_id, "state")],
+                args=[member, now - grace_ms, now + grace_ms, _TERMINAL],
             )
         )
 

@@ -24,7 +24,7 @@ class Heartbeat:
         self,
         rt: Runtime,
         held: Callable[[], list[str]],
-        on_lost: Callable[[str], Awaitable[None]],
+        on_lost: Callable[..., Awaitable[None]],
     ) -> None:
         self.rt = rt
         self.held = held
@@ -41,8 +41,10 @@ class Heartbeat:
     async def beat(self) -> None:
         ours = await self.rt.store.renew(self.held(), self.rt.worker_id)
         for attempt_id, still in ours.items():
-            if not still:
+            if still == 0:
                 await self.on_lost(attempt_id)
+            elif still == 2:  # Redis lost writes and forgot it: ours again
+                await self.on_lost(attempt_id, forgotten=True)
 
 
 class Sweeper:

@@ -1,0 +1,158 @@
+"""The history checker: named anomalies, each proved by a short timeline of recorded events.
+
+Theory. A run leaves two records: the *history* (one event per protocol step, appended by
+every worker before the step's effect can be observed, plus the runner's submits, kills
+and cancels) and the *final state* (what Redis holds at the end: results, statuses,
+evaluation states, key TTLs). Each invariant is a property of these two records alone,
+checked without trusting the engine's own bookkeeping (its `rerun` flags, its counters).
+
+Each invariant is one module of this package, its docstring the property it proves
+(`history_complete`, `no_completed_rerun`, `prune_only_dependents`, `retry_delays_respected`,
+`dag_order`, `retry_budget`, ...); `invariants.REGISTRY` lists them in report order. What
+the run should have done comes from the scenario and the plan, computed by the checker's
+own code (`oracle`: delay tiers, the rules to prune, the retry budget), never by the
+engine's policy or plan methods: a bug the engine and its checker shared would be
+invisible.
+
+Verdicts follow Jepsen: "pass", "fail" (at least one violation, each with its evidence), or
+"unknown" when the check judged no case (each reports how many it judged: `cases`) or when
+the history is incomplete and the check reads it. A scenario may require minimum case
+counts (`CheckSpec.exercised`): fewer, or "unknown", fails the run like a budget. Safety
+checks are judged at every moment of the history; the liveness parts (every independent
+rule completed, every evaluation terminal) only on evaluations the final state calls
+terminal. The package is pure: plain data in, a `CheckResult` out, no I/O. The one clock it
+reads times each check (`CheckResult.durations_s`, for JUnit); no verdict depends on it.
+
+Layout: `records` (the data in and out), `context` (the history indexed once, fault
+windows from the runner's `fault_fired` / `fault_healed`, evidence helpers), `oracle` (the
+checker's own expectations), `rounds` (executions of a rule), one module per invariant,
+and `invariants` (the registry: one line per invariant). This module re-exports the
+public names and runs the checks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from chaos.checker.context import (
+    FAULT_EVENTS,
+    FINISHED_STATES,
+    STATE_KEY_PREFIX,
+    TERMINAL_STATES,
+    TIMELINE_LIMIT,
+    TTL_SLACK_S,
+    Context,
+    Outcome,
+    fault_windows,
+    faults_fired,
+    num,
+    sort_key,
+    timeline,
+)
+from chaos.checker.invariants import CHECKS, INVARIANTS, REGISTRY, Invariant
+from chaos.checker.records import (
+    BUDGETS,
+    CheckResult,
+    CheckSpec,
+    EvaluationFinal,
+    FinalState,
+    RetrySettings,
+    Verdict,
+    Violation,
+)
+
+__all__ = [
+    "BUDGETS",
+    "CHECKS",
+    "FAULT_EVENTS",
+    "FINISHED_STATES",
+    "INVARIANTS",
+    "REGISTRY",
+    "STATE_KEY_PREFIX",
+    "TERMINAL_STATES",
+    "TIMELINE_LIMIT",
+    "TTL_SLACK_S",
+    "CheckResult",
+    "CheckSpec",
+    "Context",
+    "EvaluationFinal",
+    "FinalState",
+    "Invariant",
+    "Outcome",
+    "RetrySettings",
+    "Verdict",
+    "Violation",
+    "check",
+    "fault_windows",
+    "faults_fired",
+    "sort_key",
+    "timeline",
+]
+
+
+def check(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckResult:
+    """Judge one run. Every invariant is computed (their stats feed the budgets); only
+    those in `spec.invariants` get a verdict and report their violations.
+
+    A verdict is "fail" with a violation, "unknown" when no case was judged, or when the
+    history is incomplete (`history_complete` found a gap) and the invariant reads the
+    history (a missing event could hide a violation or fake one: what it found is only
+    counted, as `violations_unconfirmed`), and "pass" otherwise."""
+    cx = Context(history, final, spec)
+    counts: dict[str, int] = {}
+    found_by: dict[str, list[Violation]] = {}
+    durations: dict[str, float] = {}
+    for inv in REGISTRY:
+        t0 = time.perf_counter()
+        judged, found = inv.check(cx)
+        durations[inv.name] = time.perf_counter() - t0
+        counts[inv.name], found_by[inv.name] = int(judged), found
+    incomplete = bool(found_by.get("history_complete"))
+    if incomplete:
+        cx.stats["history_incomplete"] = True
+
+    def blind(inv: Invariant) -> bool:
+        """A gap in the history can hide a violation or fake one (a missing write makes a
+        later start look premature): what reads it can be neither passed nor failed."""
+        return incomplete and inv.needs_history and inv.name != "history_complete"
+
+    def verdict_of(inv: Invariant) -> Verdict:
+        if blind(inv) or (counts[inv.name] <= 0 and not found_by[inv.name]):
+            return "unknown"
+        return "fail" if found_by[inv.name] else "pass"
+
+    verdicts: dict[str, Verdict] = {}
+    violations: list[Violation] = []
+    unconfirmed = 0
+    for inv in REGISTRY:
+        if inv.name in spec.invariants:
+            verdicts[inv.name] = verdict_of(inv)
+            if blind(inv):
+                unconfirmed += len(found_by[inv.name])
+            else:
+                violations.extend(found_by[inv.name])
+    if unconfirmed:
+        cx.stats["violations_unconfirmed"] = unconfirmed
+    exercise_failures = []
+    for name, least in spec.exercised.items():
+        n = counts[name]
+        verdict = verdicts.get(name) or verdict_of(next(i for i in REGISTRY if i.name == name))
+        if verdict == "unknown":
+            why = "history incomplete" if n > 0 else "no case judged"
+            exercise_failures.append(f"{name} unknown ({why}), exercised needs {least}")
+        elif n < least:
+            exercise_failures.append(f"{name} judged {n} case(s) < exercised {least}")
+    budget_failures = []
+    limits = {b: limit for b, limit in spec.budgets.items() if limit is not None}
+    if limits:
+        cx.stats["budgets"] = limits
+    for budget, limit in spec.budgets.items():
+        stat = BUDGETS[budget]
+        value = cx.stats.get(stat)
+        if limit is not None and value is not None and value > limit:
+            budget_failures.append(f"{stat} {num(value)} > {budget} {num(limit)}")
+    timed = {name: durations[name] for name in verdicts}
+    cases = {name: counts[name] for name in verdicts}
+    return CheckResult(
+        verdicts, violations, cx.stats, budget_failures, timed, cases, exercise_failures
+    )

@@ -1,0 +1,237 @@
+"""The history indexed once for every invariant (`Context`), the fault windows, and the
+helpers that build the evidence (a short timeline of recorded events)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from chaos.checker.oracle import max_attempts_of
+from chaos.checker.records import CheckSpec, EvaluationFinal, FinalState, Violation
+from engine.core.results import RuleResult
+from engine.plan import Plan, PlanError, plan_from_dict
+
+TERMINAL_STATES = frozenset({"completed", "partial", "failed", "cancelled"})
+FINISHED_STATES = frozenset({"completed", "partial", "failed"})  # terminal, not cancelled
+TIMELINE_LIMIT = 12
+TTL_SLACK_S = 60
+STATE_KEY_PREFIX = "attempt:"
+#: Runner and worker events about faults: counted, and shown in evidence (the windows a
+#: late retry is excused by come from `fault_windows`, on the runner's own records).
+FAULT_EVENTS = frozenset(
+    {
+        "crash",
+        "worker_killed",
+        "worker_restarted",
+        "service_killed",
+        "service_restarted",
+        "fault_fired",
+    }
+)
+
+
+@dataclass(frozen=True)
+class FaultWindow:
+    """When something was broken, from the runner's own records: a `fault_fired` (or the
+    runner's `worker_exited` after a crash, from the `crash` itself) opens it, the
+    `fault_healed` with the same `fault_id` closes it. Never healed: open until the last
+    event of the run. A record without a `fault_id` (a history from before the ids) is an
+    instant."""
+
+    start: float
+    end: float
+    label: str
+
+    def overlaps(self, t0: float, t1: float, recovery_s: float = 0.0) -> bool:
+        return self.start <= t1 and self.end + recovery_s >= t0
+
+
+def event_time(e: Mapping[str, Any]) -> float:
+    t = e.get("t")
+    return float(t) if isinstance(t, int | float) else 0.0
+
+
+def sort_key(e: Mapping[str, Any]) -> tuple[float, str, int]:
+    """Wall time, then source and per-source sequence (exact order within a process)."""
+    seq = e.get("seq")
+    return (event_time(e), str(e.get("src", "")), seq if isinstance(seq, int) else 0)
+
+
+def proc_of(e: Mapping[str, Any]) -> tuple[str, Any]:
+    return (str(e.get("src", "")), e.get("pid"))
+
+
+def as_int(value: Any, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+class Context:
+    """The history indexed once: by evaluation, by (evaluation, rule), faults apart."""
+
+    def __init__(self, history: list[dict], final: FinalState, spec: CheckSpec) -> None:
+        self.final = final
+        self.spec = spec
+        self.events = sorted((e for e in history if isinstance(e, Mapping)), key=sort_key)
+        self.by_eval: dict[str, list[dict]] = defaultdict(list)
+        self.by_pair: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        self.faults: list[dict] = []
+        self.submitted: dict[str, dict] = {}
+        self.cancelled = set(spec.cancelled)
+        for e in self.events:
+            ev = e.get("ev")
+            a = e.get("attempt_id")
+            if isinstance(a, str):
+                self.by_eval[a].append(e)
+                r = e.get("rule_id")
+                if isinstance(r, str):
+                    self.by_pair[(a, r)].append(e)
+            if ev in FAULT_EVENTS:
+                self.faults.append(e)
+            if ev == "submitted" and isinstance(a, str):
+                self.submitted.setdefault(a, e)
+            if ev == "cancel_requested" and isinstance(a, str):
+                self.cancelled.add(a)
+        self.plans: dict[str, Plan] = dict(spec.plans)
+        for a, e in self.submitted.items():
+            raw = e.get("plan")
+            if a not in self.plans and isinstance(raw, Mapping):
+                with contextlib.suppress(PlanError):  # a bad plan: nothing to judge it by
+                    self.plans[a] = plan_from_dict(dict(raw), source=f"plan of {a}")
+        self.evaluations = sorted(
+            set(self.plans) | set(final.evaluations) | set(self.submitted) | set(self.by_eval)
+        )
+        self.fault_windows = fault_windows(self.events)
+        self.stats: dict[str, Any] = {
+            "events": len(self.events),
+            "evaluations": len(self.evaluations),
+            "faults": len(self.faults),
+            "crashes": sum(1 for e in self.faults if e.get("ev") == "crash"),
+            "faults_fired": faults_fired(self.faults),
+        }
+
+    def final_of(self, a: str) -> EvaluationFinal | None:
+        return self.final.evaluations.get(a)
+
+    def result_of(self, a: str, r: str) -> RuleResult | None:
+        fin = self.final_of(a)
+        return None if fin is None else as_result(fin.results.get(r), r)
+
+    def max_attempts(self, a: str, r: str) -> int:
+        return max_attempts_of(self.plans.get(a), r, self.spec.policy)
+
+    def faults_between(self, t0: float, t1: float) -> list[FaultWindow]:
+        """The fault windows open at some moment of [t0, t1], each extended by the
+        scenario's `fault_recovery_s` (clients reconnecting once a fault healed)."""
+        rec = self.spec.fault_recovery_s
+        return [w for w in self.fault_windows if w.overlaps(t0, t1, rec)]
+
+    def fault_between(self, t0: float, t1: float) -> bool:
+        return bool(self.faults_between(t0, t1))
+
+
+def as_result(value: Any, rule_id: str) -> RuleResult | None:
+    if value is None or isinstance(value, RuleResult):
+        return value
+    if isinstance(value, str | bytes):
+        return RuleResult.from_json(value)
+    if isinstance(value, Mapping):
+        data = {"rule_id": rule_id, "tokens": 0, **value}
+        fields = {f.name for f in dataclasses.fields(RuleResult)}
+        return RuleResult(**{k: v for k, v in data.items() if k in fields})
+    raise TypeError(f"result of {rule_id!r}: expected a RuleResult, got {type(value).__name__}")
+
+
+def faults_fired(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """What was done to the run, by kind, for a summary: each runner `fault_fired` by its
+    action (`kill_worker`, `cancel`...), each worker `crash` as `crash@<failpoint>`. Kills
+    are counted once (their `worker_killed` / `service_killed` echo is not a second fault)."""
+    out: dict[str, int] = {}
+    for e in events:
+        if e.get("ev") == "fault_fired":
+            kind = str(e.get("action") or e.get("fault") or "fault")
+        elif e.get("ev") == "crash":
+            kind = f"crash@{e.get('failpoint') or 'unknown'}"
+        else:
+            continue
+        out[kind] = out.get(kind, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def fault_windows(events: list[dict]) -> list[FaultWindow]:
+    """The fault windows of a history sorted by time (see `FaultWindow`)."""
+    end_of_run = max((event_time(e) for e in events), default=0.0)
+    healed: dict[Any, float] = {}
+    crashes: dict[Any, float] = {}
+    for e in events:
+        if e.get("ev") == "fault_healed" and e.get("fault_id") is not None:
+            healed.setdefault(e["fault_id"], event_time(e))
+    out: list[FaultWindow] = []
+    for e in events:
+        ev, t, fid = e.get("ev"), event_time(e), e.get("fault_id")
+        if ev == "crash":
+            crashes[e.get("pid")] = e
+        elif ev == "fault_fired":
+            label = str(e.get("fault") or e.get("action") or "fault")
+            end = t if fid is None else healed.get(fid, end_of_run)
+            out.append(FaultWindow(t, max(end, t), label))
+        elif ev == "worker_exited":
+            crash = crashes.pop(e.get("pid"), None)
+            start = event_time(crash) if crash is not None else t
+            end = t if fid is None else healed.get(fid, end_of_run)
+            out.append(FaultWindow(start, max(end, t), f"worker {e.get('worker')} exited"))
+    for crash in crashes.values():  # no supervisor noted the exit: an instant
+        t = event_time(crash)
+        out.append(FaultWindow(t, t, f"crash@{crash.get('failpoint')}"))
+    return sorted(out, key=lambda w: (w.start, w.end))
+
+
+def timeline(
+    key: Iterable[Mapping[str, Any]],
+    context: Iterable[Mapping[str, Any]] = (),
+    limit: int = TIMELINE_LIMIT,
+) -> list[dict[str, Any]]:
+    """The proof: every key event (up to `limit`), then the context events nearest in time
+    to them, sorted by time."""
+    seen: set[int] = set()
+    keep: list[Mapping[str, Any]] = []
+    for e in key:
+        if id(e) not in seen:
+            seen.add(id(e))
+            keep.append(e)
+    keep.sort(key=sort_key)
+    if len(keep) > limit:  # the first and the last matter most
+        keep = keep[: limit // 2] + keep[len(keep) - (limit - limit // 2) :]
+    anchors = [event_time(e) for e in keep]
+    rest = [e for e in context if id(e) not in seen]
+    if anchors and rest and len(keep) < limit:
+        rest.sort(key=lambda e: min(abs(event_time(e) - t) for t in anchors))
+        keep += rest[: limit - len(keep)]
+    elif not anchors:
+        keep = sorted(rest, key=sort_key)[-limit:]
+    return [dict(e) for e in sorted(keep, key=sort_key)]
+
+
+def num(value: float | int) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}".rstrip("0").rstrip(".") if value != int(value) else str(int(value))
+    return str(value)
+
+
+def listed(items: Iterable[str], most: int = 5) -> str:
+    items = list(items)
+    head = ", ".join(items[:most])
+    return head if len(items) <= most else f"{head} and {len(items) - most} more"
+
+
+def of(events: Iterable[dict], *kinds: str) -> list[dict]:
+    return [e for e in events if e.get("ev") in kinds]
+
+
+#: What a check returns: (cases judged, violations). A case is one thing the invariant
+#: looked at (a rule's pair of events, an evaluation, a retry, a key): zero cases judged is
+#: "unknown", never "pass", since a check that saw nothing proved nothing.
+Outcome = tuple[int, list["Violation"]]

@@ -1,0 +1,150 @@
+"""The registry: every invariant the checker names, with its meaning and its check.
+
+Adding an invariant is one module exposing `check_<name>(cx: Context) -> Outcome` and one
+line below. The order is the report's order (journal, JUnit, summary line).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from chaos.checker.all_terminal import check_all_terminal
+from chaos.checker.attempts_monotonic import check_attempts_monotonic
+from chaos.checker.cancel_respected import check_cancel_respected
+from chaos.checker.completed_delivered import check_completed_delivered
+from chaos.checker.context import Context, Outcome
+from chaos.checker.dag_order import check_dag_order
+from chaos.checker.history_complete import check_history_complete
+from chaos.checker.idempotent_results import check_idempotent_results
+from chaos.checker.matches_reference import check_matches_reference
+from chaos.checker.no_completed_rerun import check_no_completed_rerun
+from chaos.checker.pass_results_correct import check_pass_results_correct
+from chaos.checker.prune_only_dependents import check_prune_only_dependents
+from chaos.checker.quiet_state import check_quiet_state
+from chaos.checker.reruns_explained import check_reruns_explained
+from chaos.checker.retry_budget import check_retry_budget
+from chaos.checker.retry_delays_respected import check_retry_delays_respected
+from chaos.checker.single_final_result import check_single_final_result
+from chaos.checker.state_keys_expire import check_state_keys_expire
+
+
+@dataclass(frozen=True)
+class Invariant:
+    """One named anomaly (Elle-style): its name, a one-line meaning, and the pure function
+    that judges it, returning (cases judged, violations). `needs_history`: the verdict
+    reads the history, so an incomplete one (a gap `history_complete` found) makes a pass
+    "unknown"; False for checks of the final state alone."""
+
+    name: str
+    meaning: str
+    check: Callable[[Context], Outcome]
+    needs_history: bool = True
+
+
+REGISTRY: tuple[Invariant, ...] = (
+    Invariant(
+        "history_complete",
+        "every history line parses (a torn last line excepted) and no source's seq has a gap",
+        check_history_complete,
+        needs_history=False,
+    ),
+    Invariant(
+        "no_completed_rerun",
+        "no rule starts again after its result was durably written",
+        check_no_completed_rerun,
+    ),
+    Invariant(
+        "prune_only_dependents",
+        "the rules left without a result are exactly the transitive dependents of the "
+        "permanently failed ones",
+        check_prune_only_dependents,
+    ),
+    Invariant(
+        "idempotent_results",
+        "what is kept and announced of a rule is its first durable write; without drift, "
+        "every execution gives one verdict: the fault-free reference's",
+        check_idempotent_results,
+    ),
+    Invariant(
+        "matches_reference",
+        "every evaluation not cancelled on purpose ends as it does without faults: status, "
+        "completed, permanently failed and skipped rules, verdicts (without drift)",
+        check_matches_reference,
+    ),
+    Invariant(
+        "all_terminal",
+        "every submitted evaluation ends completed, partial, failed or cancelled",
+        check_all_terminal,
+        needs_history=False,
+    ),
+    Invariant(
+        "attempts_monotonic",
+        "attempt numbers and persisted statuses never go back, and the final status agrees "
+        "with the attempts started",
+        check_attempts_monotonic,
+    ),
+    Invariant(
+        "retry_delays_respected",
+        "a delayed retry never starts before its tier, nor long after it without a fault",
+        check_retry_delays_respected,
+    ),
+    Invariant(
+        "single_final_result",
+        "one terminal state per evaluation, and one final result published",
+        check_single_final_result,
+    ),
+    Invariant(
+        "state_keys_expire",
+        "every attempt:* key in Redis carries a TTL of at most 7 days",
+        check_state_keys_expire,
+        needs_history=False,
+    ),
+    Invariant(
+        "dag_order",
+        "no rule starts before every dependency has a durable result",
+        check_dag_order,
+    ),
+    Invariant(
+        "retry_budget",
+        "each attempt makes at most immediate_retries + 1 calls, a delayed retry follows a "
+        "spent level 1, and permanently_failed follows max_attempts or a permanent error",
+        check_retry_budget,
+    ),
+    Invariant(
+        "cancel_respected",
+        "after a durable cancel no rule starts and no retry fires, the evaluation stays "
+        "cancelled, and only a requested cancel cancels",
+        check_cancel_respected,
+    ),
+    Invariant(
+        "pass_results_correct",
+        "each pass is announced once its rules are terminal, with the final state's and the "
+        "reference's outcome and rules",
+        check_pass_results_correct,
+    ),
+    Invariant(
+        "completed_delivered",
+        "a consumer bound before the first submit receives evaluation.completed of every "
+        "terminal evaluation, every copy the final state",
+        check_completed_delivered,
+    ),
+    Invariant(
+        "quiet_state",
+        "at the end no index holds a terminal evaluation, none was re-swept, and every key "
+        "the engine wrote carries a TTL",
+        check_quiet_state,
+    ),
+    Invariant(
+        "reruns_explained",
+        "every repeated start of a rule attempt follows a crash, kill, stall or service "
+        "fault that explains it",
+        check_reruns_explained,
+    ),
+)
+
+#: Name -> one-line meaning, in report order (what the CLI, journal and scenarios read).
+INVARIANTS: dict[str, str] = {inv.name: inv.meaning for inv in REGISTRY}
+#: Name -> check function.
+CHECKS: dict[str, Callable[[Context], Outcome]] = {inv.name: inv.check for inv in REGISTRY}
+assert len(INVARIANTS) == len(REGISTRY), "two invariants share a name"

@@ -1,0 +1,81 @@
+"""The checker's own expectations, computed from the scenario and the plan as plain data.
+
+Nothing here calls the engine's policy or plan methods: the delay tiers come from the
+scenario's retry settings (`tiers_ms`, `jitter`, `time_scale`) and the set to prune from the
+plan's `depends_on` edges, by code written for the checker. A bug shared by the engine and
+its checker (a wrong tier table lookup, a wrong closure) would otherwise be invisible: both
+would agree on the wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from chaos.checker.records import RetrySettings
+
+#: Agent errors the policy does not retry: the same call would fail the same way (the
+#: `AgentService` contract: an invalid output). Every other kind (timeout, quota, a missing
+#: tool) is worth retrying. The checker's own table, not the engine's `retryable` flag.
+PERMANENT_ERRORS: frozenset[str] = frozenset({"invalid_output"})
+
+#: The engine rounds a scaled delay to whole milliseconds (and to at least 1 ms): the
+#: bounds below allow that much either way.
+ROUNDING_MS = 1.0
+
+
+@dataclass(frozen=True)
+class DelayBounds:
+    """What the retry after `failed_attempt_{failed}` must wait, in run seconds: its tier
+    (1-based, as the history records it) times `time_scale`, up to `jitter` more."""
+
+    failed: int
+    tier: int
+    tier_ms: int
+    low_s: float
+    high_s: float
+
+
+def delay_bounds(settings: RetrySettings, time_scale: float, failed: int) -> DelayBounds:
+    """The retry after `failed_attempt_{failed}` (failed >= 1) goes to tier `failed`, and
+    every attempt past the table reuses the last tier; jitter is positive only, so the
+    delay lies in [tier, tier * (1 + jitter)], scaled by `time_scale`."""
+    if failed < 1:
+        raise ValueError(f"a retry follows failed_attempt_N with N >= 1; got {failed}")
+    tiers = settings.tiers_ms
+    index = min(failed, len(tiers)) - 1
+    tier_ms = tiers[index]
+    low_ms = max(tier_ms * time_scale - ROUNDING_MS, 0.0)
+    high_ms = max(tier_ms * (1.0 + settings.jitter) * time_scale, 1.0) + ROUNDING_MS
+    return DelayBounds(failed, index + 1, tier_ms, low_ms / 1000.0, high_ms / 1000.0)
+
+
+def dependents_of(plan: Any, roots: Iterable[str]) -> frozenset[str]:
+    """Every rule that depends, directly or not, on one of `roots` (the roots excluded
+    unless a cycle leads back to them), from each rule's `depends_on` alone."""
+    rules: Mapping[str, Any] = plan.rules
+    children: dict[str, list[str]] = {r: [] for r in rules}
+    for rid, rule in rules.items():
+        for dep in rule.depends_on:
+            children.setdefault(dep, []).append(rid)
+    seen: set[str] = set()
+    stack = [c for r in roots for c in children.get(r, ())]
+    while stack:
+        rid = stack.pop()
+        if rid not in seen:
+            seen.add(rid)
+            stack.extend(children.get(rid, ()))
+    return frozenset(seen)
+
+
+def max_attempts_of(plan: Any, rule_id: str, settings: RetrySettings) -> int:
+    """The rule's own `max_attempts` in the plan, else the scenario's."""
+    rule = plan.rules.get(rule_id) if plan is not None else None
+    own = getattr(rule, "max_attempts", None)
+    return own if isinstance(own, int) and own >= 1 else settings.max_attempts
+
+
+def is_permanent_error(kind: Any) -> bool:
+    """Whether a failed call's error `kind` is one the policy gives up on at once."""
+    return kind in PERMANENT_ERRORS

@@ -1,0 +1,212 @@
+"""The checker's records: what a run left (`FinalState`), what it was meant to do
+(`CheckSpec`), and what the checker concluded (`Violation`, `CheckResult`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from engine.agent import AgentProfile
+from engine.core.results import RuleResult
+from engine.plan import Plan
+
+if TYPE_CHECKING:
+    from chaos.reference import Reference
+
+Verdict = Literal["pass", "fail", "unknown"]
+
+#: How late a retry may start beyond its tier with no fault open, in engine ms: about one
+#: live hop of dead-letter, delivery, recovery and start at the shipped time scales
+#: (0.1 s of run time at 0.001, 1 s at 0.01).
+DEFAULT_RETRY_SLACK_MS = 100_000.0
+#: How long after a fault heals a client may take to notice: aio-pika's (and the
+#: simulator's) reconnect interval is 0.5 s; twice that.
+DEFAULT_FAULT_RECOVERY_S = 1.0
+#: How late a live machine may run a due timer (run seconds): a busy CI box delays event
+#: loops by tens of milliseconds, which engine-time slack at a small time scale does not
+#: cover. The simulator has no such lag: its runs use 0.
+LIVE_SCHEDULING_SLACK_S = 0.5
+
+#: Budget name -> the stat it bounds.
+BUDGETS: dict[str, str] = {
+    "max_duplicated_tokens": "duplicated_tokens",
+    "max_reruns": "reruns",
+    "max_retry_latency_s": "retry_latency_max_s",
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _all_invariants() -> tuple[str, ...]:
+    """Every registered invariant (imported late: the registry imports the records)."""
+    from chaos.checker.invariants import INVARIANTS
+
+    return tuple(INVARIANTS)
+
+
+@dataclass
+class EvaluationFinal:
+    """What Redis holds of one evaluation at the end of a run. `published`: its
+    `final_published` flag; `passes`: its `passes` hash, pass id -> outcome of each pass
+    result marked announced (None, for either: not read)."""
+
+    attempt_id: str
+    state: str | None
+    results: dict[str, RuleResult] = field(default_factory=dict)
+    statuses: dict[str, str] = field(default_factory=dict)
+    published: bool | None = None
+    passes: dict[str, str] | None = None
+
+
+@dataclass
+class FinalState:
+    """Every evaluation's final keys, and every Redis key of the run with its `TTL`
+    (seconds; -1: no TTL; -2: gone): the `attempt:*` keys and the engine's own, named
+    without the run's namespace (`engine:running`...). `indexes`: the engine's index keys
+    (same names) -> member -> score, as the run left them (None: not read)."""
+
+    evaluations: dict[str, EvaluationFinal] = field(default_factory=dict)
+    key_ttls: dict[str, int] = field(default_factory=dict)
+    indexes: dict[str, dict[str, float]] | None = None
+
+
+@dataclass(frozen=True)
+class RetrySettings:
+    """The scenario's retry settings as plain data: the checker computes what the engine
+    should have done from these, with its own code (`chaos.checker.oracle`), so a bug
+    shared by the engine's policy and its checker cannot hide. Anything with these four
+    attributes (a scenario's `retry`, an `engine.policy.RetryPolicy`) converts with `of`."""
+
+    immediate_retries: int = 2
+    max_attempts: int = 3
+    tiers_ms: tuple[int, ...] = (30_000, 120_000, 600_000)
+    jitter: float = 0.1
+
+    @classmethod
+    def of(cls, value: Any) -> RetrySettings:
+        if isinstance(value, RetrySettings):
+            return value
+        return cls(
+            immediate_retries=int(value.immediate_retries),
+            max_attempts=int(value.max_attempts),
+            tiers_ms=tuple(int(t) for t in value.tiers_ms),
+            jitter=float(value.jitter),
+        )
+
+
+@dataclass
+class CheckSpec:
+    """What the run was meant to do, and how strictly to judge it.
+
+    `agent`: the fake agent's profile for the reference comparison (None: no reference).
+    `policy` and `time_scale`: the retry settings and time scale (delay tiers are
+    milliseconds times `time_scale`); any object with a `RetrySettings`' fields is read as
+    plain data. `cancelled`: evaluations the scenario cancelled (runner `cancel_requested`
+    events are added). `budgets`: `BUDGETS` keys, None = unlimited. `exercised`: invariant
+    -> the fewest cases it must judge (fewer, or "unknown", fails the run).
+    `retry_slack_ms`: how late (engine ms, scaled by `time_scale`) a retry may start beyond
+    its tier when no fault was open; `scheduling_slack_s` (run seconds) is added to it for
+    live runs, whose machine delays timers. `fault_recovery_s`: how long after a fault heals its
+    effects may still delay a retry (run seconds: the clients' reconnect interval, not
+    engine time). `delay_tolerance_s`: timer granularity; a retry may
+    look this much early. `reference`: the same evaluations run without faults
+    (`chaos.reference`), for `matches_reference` and `idempotent_results`; None: no
+    reference (those comparisons are then "unknown" or skipped).
+    """
+
+    plans: dict[str, Plan] = field(default_factory=dict)
+    agent: AgentProfile | None = None
+    policy: RetrySettings | Any = field(default_factory=RetrySettings)
+    time_scale: float = 1.0
+    invariants: tuple[str, ...] = field(default_factory=_all_invariants)
+    cancelled: set[str] = field(default_factory=set)
+    budgets: dict[str, float | int | None] = field(default_factory=dict)
+    exercised: dict[str, int] = field(default_factory=dict)
+    retry_slack_ms: float = DEFAULT_RETRY_SLACK_MS
+    scheduling_slack_s: float = 0.0
+    fault_recovery_s: float = DEFAULT_FAULT_RECOVERY_S
+    delay_tolerance_s: float = 0.005
+    reference: Reference | None = None
+
+    def __post_init__(self) -> None:
+        from chaos.checker.invariants import INVARIANTS  # the registry imports this module
+
+        self.policy = RetrySettings.of(self.policy)
+        unknown = [n for n in (*self.invariants, *self.exercised) if n not in INVARIANTS]
+        if unknown:
+            raise ValueError(f"unknown invariant(s) {unknown}; expected some of {list(INVARIANTS)}")
+        bad = [b for b in self.budgets if b not in BUDGETS]
+        if bad:
+            raise ValueError(f"unknown budget(s) {bad}; expected some of {list(BUDGETS)}")
+        low = [n for n, least in self.exercised.items() if not (_is_int(least) and least >= 1)]
+        if low:
+            raise ValueError(f"exercised {low}: expected a case count >= 1")
+        if not (math.isfinite(self.time_scale) and self.time_scale >= 0):
+            raise ValueError("time_scale must be a finite number >= 0")
+        slacks = (self.retry_slack_ms, self.scheduling_slack_s, self.fault_recovery_s)
+        if min(*slacks, self.delay_tolerance_s) < 0:
+            raise ValueError(
+                "retry_slack_ms, scheduling_slack_s, fault_recovery_s and delay_tolerance_s "
+                "must be >= 0"
+            )
+
+    @property
+    def retry_slack_s(self) -> float:
+        """The slack in run seconds: engine time scaled like the tiers it pads, plus the
+        machine's scheduling lag."""
+        return self.retry_slack_ms * self.time_scale / 1000.0 + self.scheduling_slack_s
+
+
+@dataclass
+class Violation:
+    """One named anomaly, with the few events (sorted by time) that prove it."""
+
+    invariant: str
+    attempt_id: str
+    rule_id: str | None
+    message: str
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CheckResult:
+    """The verdicts, their evidence and the run's statistics. `cases` is how many cases
+    each judged invariant looked at (zero: "unknown"). `exercise_failures` are the
+    scenario's `exercised` minimums not met, one line each (they fail the run, like
+    budgets). `durations_s` is how long each invariant's check took (seconds, by name):
+    JUnit reports each test case's own time. It is kept out of `stats` and `to_dict` so
+    that one seed still gives one result."""
+
+    verdicts: dict[str, Verdict]
+    violations: list[Violation]
+    stats: dict[str, Any]
+    budget_failures: list[str]
+    durations_s: dict[str, float] = field(default_factory=dict)
+    cases: dict[str, int] = field(default_factory=dict)
+    exercise_failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.budget_failures
+            and not self.exercise_failures
+            and all(v != "fail" for v in self.verdicts.values())
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "verdicts": dict(self.verdicts),
+            "cases": dict(self.cases),
+            "violations": [v.to_dict() for v in self.violations],
+            "stats": dict(self.stats),
+            "budget_failures": list(self.budget_failures),
+            "exercise_failures": list(self.exercise_failures),
+        }

@@ -1,0 +1,165 @@
+"""`reruns_explained`: every repeated start of a rule attempt follows a fault that explains it.
+
+A *round* is one execution of one attempt of a rule in one process (a `rule_started` with
+`try_no` 1, its level-1 tries aside). Each round after the first of the same (evaluation,
+rule, attempt) is a rerun, and the engine only owes one when, between the earlier round's
+start and the rerun's, something broke what the earlier round's process held:
+
+- that process died: its `crash`, the runner's `worker_killed` of its pid, its
+  `worker_stopped` (a restart the runner asked for);
+- that process let the evaluation go (`evaluation_abandoned`: a lost lease, a failed
+  delivery) because of an injected fault: an `InjectedFault` (`raise` failpoint), or any
+  fault open meanwhile;
+- a failpoint stalled or raised in either process (`failpoint_fired`, a stall lasting its
+  `stall_ms`);
+- a fault of the run's services or links was open meanwhile: a Redis or broker kill until
+  its restart, any runner fault other than a worker kill or a cancel (network faults,
+  consumer timeouts, data loss), each until healed, plus `fault_recovery_s`.
+
+Anything else is an engine that gave up work it held, and a violation with its evidence:
+the two starts and what each process did in between (an engine that needlessly gives up its
+leases and reruns work must fail).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+from chaos.checker.context import (
+    Context,
+    Outcome,
+    as_int,
+    event_time,
+    of,
+    proc_of,
+    timeline,
+)
+from chaos.checker.holding import Proc, death_of, deaths
+from chaos.checker.records import Violation
+from chaos.checker.rounds import Round, rounds_of
+
+#: Runner fault actions scoped to one worker (their echo names the process) or harmless.
+_SCOPED = frozenset({"kill_worker", "restart_worker", "cancel"})
+#: What a process records while it resumes or takes over an evaluation: shown as evidence.
+_AROUND = (
+    "delivered",
+    "lease_taken_over",
+    "recovered",
+    "sweeper_resumed",
+    "evaluation_abandoned",
+    "evaluation_started",
+    "forwarded",
+)
+
+
+def _windows(cx: Context) -> list[tuple[float, float, dict]]:
+    """The run-wide fault windows: service kills until their restart, every other runner
+    fault (not a worker kill or a cancel) until its `fault_healed`."""
+    end_of_run = max((event_time(e) for e in cx.events), default=0.0)
+    healed: dict[Any, float] = {}
+    for e in of(cx.events, "fault_healed"):
+        if e.get("fault_id") is not None:
+            healed.setdefault(e["fault_id"], event_time(e))
+    out: list[tuple[float, float, dict]] = []
+    down: dict[str, dict] = {}
+    for e in cx.events:
+        ev, t = e.get("ev"), event_time(e)
+        if ev == "service_killed":
+            down.setdefault(str(e.get("service")), e)
+        elif ev == "service_restarted":
+            start = down.pop(str(e.get("service")), None)
+            out.append((event_time(start) if start else t, t, start or e))
+        elif ev == "fault_fired" and str(e.get("action")) not in _SCOPED:
+            fid = e.get("fault_id")
+            end = healed.get(fid, end_of_run) if fid is not None else t
+            out.append((t, max(t, end), e))
+        elif ev in ("consumer_timeout", "channel_closed"):
+            out.append((t, t, e))
+    out += [(event_time(e), math.inf, e) for e in down.values()]
+    return out
+
+
+def _stalls(cx: Context) -> dict[Proc, list[tuple[float, float, dict]]]:
+    out: dict[Proc, list[tuple[float, float, dict]]] = defaultdict(list)
+    for e in of(cx.events, "failpoint_fired"):
+        t = event_time(e)
+        out[proc_of(e)].append((t, t + as_int(e.get("stall_ms")) / 1000.0, e))
+    return out
+
+
+def check_reruns_explained(cx: Context) -> Outcome:
+    """One case per round (an execution is judged a first run or a rerun); a violation per
+    rerun (a round after the first of its attempt) no fault explains, with both starts and
+    what their processes did in between."""
+    out: list[Violation] = []
+    dead = deaths(cx.events)
+    windows = _windows(cx)
+    stalls = _stalls(cx)
+    slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)
+    cases = reruns = 0
+    why: dict[str, int] = defaultdict(int)
+    for (a, r), evs in sorted(cx.by_pair.items()):
+        by_attempt: dict[int, list[Round]] = defaultdict(list)
+        for rnd in rounds_of(evs):
+            by_attempt[rnd.attempt].append(rnd)
+        for attempt_rounds in by_attempt.values():
+            cases += len(attempt_rounds)  # a first round is judged too: it is no rerun
+            for i in range(1, len(attempt_rounds)):
+                prev, rnd = attempt_rounds[i - 1], attempt_rounds[i]
+                reruns += 1
+                reason = _explained(cx, a, prev, rnd, dead, windows, stalls, slack)
+                if reason is not None:
+                    why[reason] += 1
+                    continue
+                between = [
+                    e
+                    for e in cx.by_eval[a]
+                    if event_time(prev.start) <= event_time(e) <= event_time(rnd.start)
+                    and (proc_of(e) in (prev.proc, rnd.proc) or e.get("ev") == "sweeper_resumed")
+                    and e.get("ev") in _AROUND
+                ]
+                out.append(
+                    Violation(
+                        "reruns_explained",
+                        a,
+                        r,
+                        f"{r} attempt {rnd.attempt} started again by {rnd.proc[0]} "
+                        f"{event_time(rnd.start) - event_time(prev.start):.3f} s after "
+                        f"{prev.proc[0]} started it, with no "
+                        f"crash, kill, stall or service fault in between to explain it",
+                        timeline([prev.start, rnd.start, *between], prev.outcomes),
+                    )
+                )
+    cx.stats.update(reruns_judged=reruns, reruns_explained_by=dict(sorted(why.items())))
+    return cases, out
+
+
+def _explained(
+    cx: Context,
+    a: str,
+    prev: Round,
+    rnd: Round,
+    dead: Any,
+    windows: list[tuple[float, float, dict]],
+    stalls: dict[Proc, list[tuple[float, float, dict]]],
+    slack: float,
+) -> str | None:
+    """The kind of fault that explains the rerun, or None."""
+    t0, t1 = event_time(prev.start), event_time(rnd.start)
+    died = death_of(dead, prev.proc, t0)
+    if died is not None and event_time(died) <= t1:
+        return str(died.get("ev"))
+    for proc in (prev.proc, rnd.proc):
+        for s, e, _ in stalls.get(proc, []):
+            if s <= t1 and e + slack >= t0:
+                return "failpoint"
+    if any(s <= t1 and e + slack >= t0 for s, e, _ in windows):
+        return "service_fault"
+    for e in of(cx.by_eval[a], "evaluation_abandoned", "delivery_failed"):
+        if proc_of(e) == prev.proc and t0 <= event_time(e) <= t1:
+            text = str(e.get("reason") or e.get("error") or "")
+            if "InjectedFault" in text:
+                return "injected_raise"
+    return None

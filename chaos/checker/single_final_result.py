@@ -1,0 +1,105 @@
+"""`single_final_result`: one winning `evaluation_terminal`, equal to the final state; every
+`final_published` carries that state, and a second one only follows a crash or kill of
+the process that published the first.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from chaos.checker.context import (
+    TERMINAL_STATES,
+    Context,
+    Outcome,
+    event_time,
+    listed,
+    of,
+    timeline,
+)
+from chaos.checker.records import Violation
+
+
+def _killed(cx: Context, publisher: dict, t0: float, t1: float) -> bool:
+    """Whether the process that recorded `publisher` crashed or was killed in (t0, t1]."""
+    src, pid = publisher.get("src"), publisher.get("pid")
+    for e in cx.faults:
+        if not t0 < event_time(e) <= t1:
+            continue
+        if e.get("ev") == "crash" and (e.get("src"), e.get("pid")) == (src, pid):
+            return True
+        if e.get("ev") == "worker_killed" and (
+            (pid is not None and e.get("pid") == pid) or (src and e.get("worker") == src)
+        ):
+            return True
+    return False
+
+
+def check_single_final_result(cx: Context) -> Outcome:
+    """Per evaluation: at most one `evaluation_terminal` with `won: true`, with the final
+    state's status; every `final_published` carries the final state; and each
+    `final_published` after the first follows a crash or kill of the process that
+    published the one before it (a cancelled evaluation may have none: the canceller
+    publishes)."""
+    out: list[Violation] = []
+    judged = 0
+    published = 0
+    for a in cx.evaluations:
+        evs = cx.by_eval[a]
+        fin = cx.final_of(a)
+        state = fin.state if fin else None
+        won = [e for e in of(evs, "evaluation_terminal") if e.get("won") is True]
+        pubs = of(evs, "final_published")
+        published += len(pubs)
+        if won or pubs or state in TERMINAL_STATES:
+            judged += 1
+        if len(won) > 1:
+            out.append(
+                Violation(
+                    "single_final_result",
+                    a,
+                    None,
+                    f"{len(won)} workers won the terminal state: "
+                    f"{listed([str(e.get('status')) for e in won])}",
+                    timeline(won + pubs),
+                )
+            )
+        for e in won:
+            if state is not None and e.get("status") != state:
+                out.append(
+                    Violation(
+                        "single_final_result",
+                        a,
+                        None,
+                        f"terminal state {e.get('status')} was won, but Redis ends with {state}",
+                        timeline([e, *pubs]),
+                    )
+                )
+        statuses = sorted({str(e.get("status")) for e in pubs})
+        wrong = [e for e in pubs if state is not None and e.get("status") != state]
+        if len(statuses) > 1 or wrong:
+            out.append(
+                Violation(
+                    "single_final_result",
+                    a,
+                    None,
+                    f"final results published with status {listed(statuses)}; "
+                    f"Redis ends with {state}",
+                    timeline(pubs + won),
+                )
+            )
+        for prev, nxt in itertools.pairwise(pubs):
+            if not _killed(cx, prev, event_time(prev), event_time(nxt)):
+                out.append(
+                    Violation(
+                        "single_final_result",
+                        a,
+                        None,
+                        f"final result published again by {nxt.get('src')} "
+                        f"{event_time(nxt) - event_time(prev):.3f} s after {prev.get('src')} "
+                        "published it, "
+                        "with no crash of the first publisher in between",
+                        timeline([prev, nxt], won + cx.faults),
+                    )
+                )
+    cx.stats["final_published"] = published
+    return judged, out

@@ -1,0 +1,475 @@
+"""The checker's foundations on hand-built histories: case counts and `unknown`, the
+`exercised` minimums, `history_complete`, fault windows from the runner's own records, the
+redone `retry_delays_respected`, the checker's own oracle (tiers, prune set) and the
+invariants `dag_order` and `retry_budget`. Each has a passing and a failing history.
+
+Every check names the invariants it judges (`invariants=...`), so an invariant added
+later cannot change what these tests mean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chaos.checker import (
+    INVARIANTS,
+    REGISTRY,
+    CheckResult,
+    CheckSpec,
+    FinalState,
+    RetrySettings,
+    check,
+    fault_windows,
+)
+from chaos.checker.oracle import delay_bounds, dependents_of, is_permanent_error
+from chaos.journal import format_violation, summary_line
+from engine.history import UNREADABLE, FileHistory, read_history
+from engine.plan import Plan
+from engine.policy import RetryPolicy
+from tests.test_checker import PLAN, A, Run, retry_run, unrecorded
+
+
+def judged(run: Run, *names: str, **spec: Any) -> CheckResult:
+    return run.check(invariants=names, **spec)
+
+
+def fails(result: CheckResult, name: str) -> list[str]:
+    """The messages of `name`'s violations; its verdict must be fail, the run not ok."""
+    assert result.verdicts[name] == "fail", result.verdicts
+    assert not result.ok
+    found = [v for v in result.violations if v.invariant == name]
+    assert found and all(v.timeline for v in found)
+    for v in found:
+        assert len(v.timeline) <= 12 and format_violation(v)
+    return [v.message for v in found]
+
+
+def clean(result: CheckResult) -> None:
+    assert not result.violations, [format_violation(v) for v in result.violations]
+
+
+# --- cases, unknown, exercised ------------------------------------------------------------
+
+
+def test_every_verdict_reports_its_cases_and_zero_is_unknown() -> None:
+    result = judged(Run().golden(), "no_completed_rerun", "retry_delays_respected")
+    assert result.cases == {"no_completed_rerun": 5, "retry_delays_respected": 0}
+    assert result.verdicts == {"no_completed_rerun": "pass", "retry_delays_respected": "unknown"}
+    assert result.ok  # unknown alone does not fail a run: only a scenario's minimum does
+    assert result.to_dict()["cases"] == result.cases
+
+
+def test_an_exercised_minimum_fails_the_run_when_unmet_or_unknown() -> None:
+    run = Run().golden()
+    met = judged(run, "no_completed_rerun", exercised={"no_completed_rerun": 5})
+    assert met.ok and met.exercise_failures == []
+    short = judged(run, "no_completed_rerun", exercised={"no_completed_rerun": 6})
+    assert not short.ok
+    assert short.exercise_failures == ["no_completed_rerun judged 5 case(s) < exercised 6"]
+    none = judged(run, "retry_delays_respected", exercised={"retry_delays_respected": 1})
+    assert none.exercise_failures == [
+        "retry_delays_respected unknown (no case judged), exercised needs 1"
+    ]
+    line = summary_line("s", "sim", none, 1, "in 1 s").plain
+    assert "; unknown: retry_delays_respected (0 cases)" in line
+    assert "; exercised: retry_delays_respected unknown" in line and "\n" not in line
+
+
+def test_the_spec_refuses_bad_minimums() -> None:
+    with pytest.raises(ValueError, match="unknown invariant"):
+        CheckSpec(exercised={"no_such": 1})
+    with pytest.raises(ValueError, match="case count >= 1"):
+        CheckSpec(exercised={"dag_order": 0})
+
+
+def test_the_registry_is_one_line_per_invariant() -> None:
+    assert [inv.name for inv in REGISTRY] == list(INVARIANTS)
+    assert {"history_complete", "dag_order", "retry_budget"} <= set(INVARIANTS)
+    assert not next(i for i in REGISTRY if i.name == "state_keys_expire").needs_history
+
+
+# --- history_complete ------------------------------------------------------------------------
+
+
+def test_a_complete_history_passes_with_one_case_per_source() -> None:
+    run = Run().golden()
+    result = judged(run, "history_complete")
+    clean(result)
+    assert result.cases["history_complete"] == 2  # the runner and w1
+
+
+def test_a_gap_in_a_source_fails_and_makes_history_verdicts_unknown() -> None:
+    run = Run().golden()
+    del run.events[4]  # one event of w1 lost in the middle
+    names = ("history_complete", "no_completed_rerun", "all_terminal", "state_keys_expire")
+    result = judged(run, *names)
+    [message] = fails(result, "history_complete")
+    assert "w1's history breaks at seq 4: seq 4 is missing" in message
+    assert result.verdicts["no_completed_rerun"] == "unknown"  # read the broken history
+    assert result.verdicts["all_terminal"] == "pass"  # the final state alone
+    assert result.verdicts["state_keys_expire"] == "pass"
+    assert result.stats["history_incomplete"] is True
+    # a scenario that wanted the history judged fails with the reason
+    wanted = judged(run, *names, exercised={"no_completed_rerun": 1})
+    assert wanted.exercise_failures == [
+        "no_completed_rerun unknown (history incomplete), exercised needs 1"
+    ]
+
+
+def test_what_a_gap_fakes_is_unknown_not_fail() -> None:
+    # A lost `result_persisted` makes the dependent's start look premature: dag_order would
+    # accuse the engine of what the history lost. Only history_complete fails.
+    run = Run().golden()
+    lost = next(i for i, e in enumerate(run.events) if e["ev"] == "result_persisted")
+    del run.events[lost]
+    result = judged(run, "history_complete", "dag_order")
+    fails(result, "history_complete")
+    assert result.verdicts["dag_order"] == "unknown"
+    assert {v.invariant for v in result.violations} == {"history_complete"}
+    assert result.stats["violations_unconfirmed"] >= 1
+    whole = judged(Run().golden(), "history_complete", "dag_order")
+    assert whole.verdicts == {"history_complete": "pass", "dag_order": "pass"}
+
+
+def test_a_repeated_seq_fails_but_a_source_restarted_under_its_name_passes() -> None:
+    run = Run().golden()
+    run.events.append({**run.events[3], "t": run.t + 1})  # the same w1 line twice
+    [message] = fails(judged(run, "history_complete"), "history_complete")
+    assert "seq 3 appears 2 time(s)" in message
+    restarted = Run().golden()
+    restarted.seq["w1"] = 0  # a second process under the same name numbers from 1
+    restarted.ev("worker_started")
+    restarted.ev("worker_stopped")
+    clean(judged(restarted, "history_complete"))
+
+
+def test_a_history_without_seq_is_not_judged() -> None:
+    run = Run().golden()
+    for e in run.events:
+        e.pop("seq")
+    result = judged(run, "history_complete", "no_completed_rerun")
+    assert result.verdicts == {"history_complete": "unknown", "no_completed_rerun": "pass"}
+
+
+def test_unreadable_lines_only_a_torn_last_one_is_allowed(tmp_path: Path) -> None:
+    path = tmp_path / "history.jsonl"
+    writer = FileHistory(path, "w1")
+    for ev in ("worker_started", "delivered", "acked"):
+        writer.record(ev)
+    writer.close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"t": 1, "src": "w1", "se')  # SIGKILL mid-write: a torn last line
+    events = read_history(path, keep_unreadable=True)
+    assert [e["ev"] for e in events] == ["worker_started", "delivered", "acked", UNREADABLE]
+    assert events[-1]["last"] is True and events[-1]["line"] == 4
+    assert read_history(path) == events[:3]  # the default still skips it
+    result = check(events, FinalState(), CheckSpec(invariants=("history_complete",)))
+    assert result.verdicts == {"history_complete": "pass"}
+    assert result.stats["history_torn_lines"] == 1
+    lines = path.read_bytes().splitlines()
+    path.write_bytes(b"\n".join([lines[0], b"\xff{not json", *lines[1:3]]) + b"\n")
+    middle = read_history(path, keep_unreadable=True)
+    result = check(middle, FinalState(), CheckSpec(invariants=("history_complete",)))
+    [message] = fails(result, "history_complete")
+    assert "history line 2 does not parse and is not the last line" in message
+
+
+# --- fault windows, from the runner's records ------------------------------------------------
+
+
+def ev(t: float, name: str, seq: int, **fields: Any) -> dict[str, Any]:
+    return {"t": t, "src": "runner", "pid": 1, "seq": seq, "ev": name, **fields}
+
+
+def test_fault_windows_open_and_heal_by_the_runner_records() -> None:
+    events = [
+        ev(1.0, "fault_fired", 1, action="kill_worker", fault="f0", fault_id=1),
+        ev(1.5, "fault_fired", 2, action="kill_redis", fault="f1", fault_id=2),
+        ev(2.0, "fault_healed", 3, fault_id=1),
+        ev(3.0, "fault_fired", 4, action="cancel", fault="f2"),  # no id: an instant
+        {"t": 4.0, "src": "w2", "pid": 22, "seq": 1, "ev": "crash", "failpoint": "x"},
+        ev(4.1, "worker_exited", 5, worker=1, pid=22, fault_id=3),
+        ev(5.0, "fault_healed", 6, fault_id=3),
+        ev(9.0, "run_finished", 7),
+    ]
+    windows = [(w.start, w.end, w.label) for w in fault_windows(events)]
+    assert windows == [
+        (1.0, 2.0, "f0"),
+        (1.5, 9.0, "f1"),  # never healed: open until the run ended, not forever
+        (3.0, 3.0, "f2"),
+        (4.0, 5.0, "worker 1 exited"),  # from the crash itself
+    ]
+
+
+def late_retry_with(*faults: tuple[float, str, dict[str, Any]]) -> Run:
+    """`retry_run` with its retry 2 s late, and runner fault records at times relative to
+    the failure of attempt 1."""
+    run = retry_run(wait_s=2.0)
+    t0 = next(e["t"] for e in run.events if e["ev"] == "status_written")
+    for dt, name, fields in faults:
+        run.seq["runner"] += 1
+        run.events.append(ev(t0 + dt, name, run.seq["runner"], **fields))
+    return run
+
+
+def test_a_late_retry_is_excused_only_by_a_window_open_during_its_wait() -> None:
+    spec = {"time_scale": 0.01, "fault_recovery_s": 0.5}
+    during = late_retry_with(
+        (0.5, "fault_fired", {"fault_id": 1}), (0.9, "fault_healed", {"fault_id": 1})
+    )
+    result = judged(during, "retry_delays_respected", **spec)
+    clean(result)
+    assert result.stats["late_retries_excused"] == 1
+    before = late_retry_with(
+        (-5.0, "fault_fired", {"fault_id": 1}), (-4.0, "fault_healed", {"fault_id": 1})
+    )
+    [message] = fails(judged(before, "retry_delays_respected", **spec), "retry_delays_respected")
+    assert "with no fault open" in message
+    healed_just_before = late_retry_with(
+        (-1.0, "fault_fired", {"fault_id": 1}), (-0.2, "fault_healed", {"fault_id": 1})
+    )
+    clean(judged(healed_just_before, "retry_delays_respected", **spec))  # still recovering
+    # a fault_fired of any kind used to open a window forever: now only until its heal
+    killed = late_retry_with(
+        (-5.0, "fault_fired", {"action": "kill_worker", "fault_id": 1}),
+        (-4.9, "fault_healed", {"fault_id": 1}),
+    )
+    fails(judged(killed, "retry_delays_respected", **spec), "retry_delays_respected")
+
+
+# --- retry_delays_respected, on the checker's own tiers -------------------------------------
+
+
+def test_the_slack_is_engine_time_scaled_by_the_time_scale() -> None:
+    assert CheckSpec(time_scale=0.01, retry_slack_ms=100_000).retry_slack_s == 1.0
+    assert CheckSpec(time_scale=0.001, retry_slack_ms=100_000).retry_slack_s == 0.1
+    run = retry_run(wait_s=0.6)  # 0.27 s past tier 1 with jitter (0.331 s at 0.01)
+    clean(judged(run, "retry_delays_respected", time_scale=0.01))  # slack 1 s
+    tight = judged(run, "retry_delays_respected", time_scale=0.01, retry_slack_ms=10_000)
+    fails(tight, "retry_delays_respected")  # slack 0.1 s
+
+
+def test_a_retry_sent_to_a_longer_tier_than_the_settings_say_is_caught() -> None:
+    # failed_attempt_1 goes to tier 1 (30 s); the engine published it to tier 2 (2 min) and
+    # it duly arrived after 1.2 s at this scale: once accepted, because the checker took
+    # the engine's own delay as the expectation
+    run = retry_run(delay_ms=1200, wait_s=1.25)
+    next(e for e in run.events if e["ev"] == "retry_published")["tier"] = 2
+    [published, *_] = fails(
+        judged(run, "retry_delays_respected", time_scale=0.01), "retry_delays_respected"
+    )
+    assert "published to tier 2, but failed_attempt_1 goes to tier 1 (30000 ms)" in published
+    untagged = retry_run(delay_ms=1200, wait_s=1.25)  # no tier field: the delay says it
+    [message] = fails(
+        judged(untagged, "retry_delays_respected", time_scale=0.01), "retry_delays_respected"
+    )
+    assert "1200 ms delay, above tier 1's [299, 331] ms" in message
+    unpublished = retry_run(delay_ms=1200, wait_s=2.5)
+    unpublished.events = unrecorded(unpublished.events, "retry_published")
+    [late] = fails(
+        judged(unpublished, "retry_delays_respected", time_scale=0.01), "retry_delays_respected"
+    )
+    assert "past its tier 1" in late  # the start alone gives it away
+
+
+def test_a_retry_on_its_tier_passes_and_zero_retries_is_unknown() -> None:
+    result = judged(retry_run(), "retry_delays_respected", time_scale=0.01)
+    clean(result)
+    assert result.cases["retry_delays_respected"] == 1
+    assert result.verdicts["retry_delays_respected"] == "pass"
+    idle = judged(Run().golden(), "retry_delays_respected", time_scale=0.01)
+    assert idle.verdicts["retry_delays_respected"] == "unknown"
+
+
+def test_the_checker_ignores_a_wrong_engine_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug shared by the engine and its checker must not be invisible: break the
+    engine's tier lookup and transitive closure; the checker still judges correctly."""
+    monkeypatch.setattr(RetryPolicy, "tier_for", lambda self, n: len(self.tiers_ms) - 1)
+    monkeypatch.setattr(Plan, "transitive_dependents", lambda self, ids: frozenset())
+    run = retry_run(delay_ms=6000, wait_s=6.1)  # the (broken) engine's tier 3
+    fails(judged(run, "retry_delays_respected", time_scale=0.01), "retry_delays_respected")
+    run = Run()
+    run.submit()
+    run.fail(A, "a", 1, permanent=True)
+    run.ok(A, "c")
+    run.ok(A, "e")
+    run.ok(A, "d")  # a dependent of a (through b) ran: the prune set is the checker's own
+    run.finish(A, "partial")
+    fails(judged(run, "prune_only_dependents"), "prune_only_dependents")
+
+
+def test_the_oracle() -> None:
+    settings = RetrySettings(tiers_ms=(30_000, 120_000, 600_000), jitter=0.1)
+    first, fifth = delay_bounds(settings, 0.01, 1), delay_bounds(settings, 0.01, 5)
+    assert (first.tier, first.tier_ms) == (1, 30_000)
+    assert first.low_s == pytest.approx(0.299) and first.high_s == pytest.approx(0.331)
+    assert (fifth.tier, fifth.tier_ms) == (3, 600_000)  # past the table: the last tier
+    assert dependents_of(PLAN, ["a"]) == {"b", "d"} and dependents_of(PLAN, ["e"]) == set()
+    assert is_permanent_error("invalid_output") and not is_permanent_error("quota")
+    assert RetrySettings.of(RetryPolicy(immediate_retries=1)).immediate_retries == 1
+
+
+# --- dag_order --------------------------------------------------------------------------------
+
+
+def test_dag_order_passes_a_run_in_order() -> None:
+    result = judged(Run().golden(), "dag_order")
+    clean(result)
+    assert result.cases["dag_order"] == 3  # b, d and e have dependencies
+
+
+def test_a_rule_started_before_its_dependency_was_durable() -> None:
+    run = Run()
+    run.submit()
+    run.start(A, "a")
+    run.finished(A, "a")
+    early = run.start(A, "b")  # on an answer still only in memory
+    run.persisted(A, "a")
+    for r in ("b", "c", "d", "e"):
+        if r != "b":
+            run.start(A, r)
+        run.finished(A, r)
+        run.persisted(A, r)
+    run.finish(A, "completed")
+    result = judged(run, "dag_order")
+    [message] = fails(result, "dag_order")
+    assert message == "b started before a durable result of its dependency a"
+    [v] = result.violations
+    assert early in v.timeline and any(e["ev"] == "result_persisted" for e in v.timeline)
+
+
+def test_a_rule_started_without_any_durable_dependency() -> None:
+    run = Run()
+    run.submit()
+    run.ok(A, "c")
+    run.ok(A, "e")
+    run.ok(A, "d")  # neither a nor b ever ran
+    [message] = fails(judged(run, "dag_order"), "dag_order")
+    assert message == "d started without a durable result of its dependency b"
+
+
+def test_a_dependency_loaded_by_recovery_counts_as_durable() -> None:
+    run = Run()
+    run.submit()
+    run.start(A, "a")
+    run.finished(A, "a")
+    run.ev("crash", failpoint="rule_after_write")  # killed before recording its write
+    run.ev("recovered", "w2", 12, attempt_id=A, loaded=["a"], retrying={}, failed=[], fresh=[])
+    for r in ("b", "c", "d", "e"):
+        run.ok(A, r, src="w2", pid=12)
+    clean(judged(run, "dag_order"))
+
+
+# --- retry_budget ------------------------------------------------------------------------------
+
+
+def failing_attempt(run: Run, r: str, attempt: int, calls: int, kind: str = "timeout") -> None:
+    """`calls` calls of one attempt, each failing with `kind`; then, as the engine does,
+    failed_attempt_N (or permanently_failed for a permanent error)."""
+    for try_no in range(1, calls + 1):
+        run.start(A, r, attempt, try_no)
+        run.ev("rule_failed", attempt_id=A, rule_id=r, attempt=attempt, try_no=try_no, kind=kind)
+    permanent = is_permanent_error(kind)
+    run.status(A, r, "permanently_failed" if permanent else f"failed_attempt_{attempt}")
+
+
+SPEC = {"policy": RetrySettings(immediate_retries=2, max_attempts=3)}
+
+
+def test_retry_budget_passes_a_rule_that_spent_everything() -> None:
+    run = Run()
+    run.submit()
+    failing_attempt(run, "a", 1, 3)
+    failing_attempt(run, "a", 2, 3)
+    for try_no in (1, 2, 3):
+        run.start(A, "a", 3, try_no)
+        run.ev("rule_failed", attempt_id=A, rule_id="a", attempt=3, try_no=try_no, kind="quota")
+    run.status(A, "a", "permanently_failed")
+    result = judged(run, "retry_budget", **SPEC)
+    clean(result)
+    assert result.cases["retry_budget"] == 1
+
+
+def test_an_attempt_with_more_calls_than_level_1_allows() -> None:
+    run = Run()
+    run.submit()
+    failing_attempt(run, "a", 1, 4)
+    [message, *_] = fails(judged(run, "retry_budget", **SPEC), "retry_budget")
+    assert "made 4 calls in one execution; level 1 allows 3" in message
+
+
+def test_a_delayed_retry_before_level_1_was_spent() -> None:
+    run = Run()
+    run.submit()
+    failing_attempt(run, "a", 1, 2)  # one immediate retry short
+    run.ok(A, "a", 2)
+    [message] = fails(judged(run, "retry_budget", **SPEC), "retry_budget")
+    assert "a attempt 2 (a delayed retry) started although attempt 1 made 2 call(s)" in message
+
+
+def test_permanently_failed_before_max_attempts_without_a_permanent_error() -> None:
+    run = Run()
+    run.submit()
+    failing_attempt(run, "a", 1, 3)
+    run.status(A, "a", "permanently_failed")  # after 1 attempt of 3, all transient
+    [message] = fails(judged(run, "retry_budget", **SPEC), "retry_budget")
+    assert "permanently_failed after attempt 1 of 3" in message
+
+
+def test_a_permanent_error_ends_the_rule_at_once_and_is_never_retried() -> None:
+    run = Run()
+    run.submit()
+    failing_attempt(run, "a", 1, 1, kind="invalid_output")
+    clean(judged(run, "retry_budget", **SPEC))
+    again = Run()
+    again.submit()
+    again.start(A, "a", 1, 1)
+    again.ev("rule_failed", attempt_id=A, rule_id="a", attempt=1, try_no=1, kind="invalid_output")
+    again.start(A, "a", 1, 2)  # an immediate retry of an error that cannot change
+    [message] = fails(judged(again, "retry_budget", **SPEC), "retry_budget")
+    assert "called again after a permanent invalid_output error" in message
+
+
+def test_a_plan_max_attempts_is_the_rule_budget() -> None:
+    from tests.helpers import make_plan
+
+    plan = make_plan({"one": {"a": {"depends_on": [], "max_attempts": 1}}})
+    run = Run()
+    run.submit()
+    failing_attempt(run, "a", 1, 3)
+    run.status(A, "a", "permanently_failed")
+    clean(judged(run, "retry_budget", plans={A: plan}, **SPEC))
+
+
+# --- the scenario and the runners ---------------------------------------------------------------
+
+
+def test_a_scenario_states_what_it_must_exercise() -> None:
+    from chaos.scenario import ScenarioError, scenario_from_dict
+
+    base = {"name": "x", "plan": "plans/code_review.yaml"}
+    loaded = scenario_from_dict({**base, "exercised": {"dag_order": 8}}, "x.yaml", ".")
+    spec = loaded.check_spec(0, loaded.evaluations(0), set(), loaded.agent, reference=False)
+    assert spec.exercised == {"dag_order": 8}
+    assert isinstance(spec.policy, RetrySettings)  # the scenario's settings, as plain data
+    bad = {"invariants": ["all_terminal"], "exercised": {"dag_order": 1}}
+    with pytest.raises(ScenarioError, match=r"exercised\.dag_order: not among the invariants"):
+        scenario_from_dict({**base, **bad}, "x.yaml", ".")
+    with pytest.raises(ScenarioError, match=r"exercised\.dag_order: expected a value >= 1"):
+        scenario_from_dict({**base, "exercised": {"dag_order": 0}}, "x.yaml", ".")
+
+
+def test_the_simulated_runner_heals_every_fault_it_undoes() -> None:
+    from chaos.scenario import load_scenario
+    from sim import run_scenario
+
+    outcome = run_scenario(load_scenario("scenarios/worker_kill_storm.yaml"))
+    fired = {e["fault_id"] for e in outcome.history if e["ev"] == "fault_fired"}
+    healed = {e["fault_id"] for e in outcome.history if e["ev"] == "fault_healed"}
+    assert len(fired) == 6 and fired == healed  # every kill restarted, so every one healed
+    end = max(e["t"] for e in outcome.history)
+    assert all(w.end < end for w in fault_windows(outcome.history))
+    assert outcome.result.verdicts["history_complete"] == "pass"

@@ -1,0 +1,261 @@
+"""The fault-free reference and `matches_reference`; the drifting agent.
+
+The reference of a run is the simulator run on the same seed, plans and profile with the
+faults stripped, so it must replay exactly and say what a fault-free run says. The check
+compares final states with it field by field. The agent's draws depend on (seed,
+attemptId, ruleId, attempt, try) only, and `drift` changes the verdict of reruns alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import chaos.reference as reference_module
+from chaos.checker import CheckSpec, EvaluationFinal, FinalState, check
+from chaos.reference import Outcome, Reference, fault_free, outcome_of, reference_for
+from chaos.scenario import load_scenario, schema_text
+from engine.agent import AgentProfile, AgentProfileError, FakeAgent
+from engine.core.results import RuleResult
+from engine.core.states import PERMANENTLY_FAILED
+from sim import run_scenario
+from tests.helpers import make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = ROOT / "scenarios"
+
+#: a -> b, and c alone: `a` failing for good skips b and leaves c complete.
+PLAN = make_plan({"one": {"a": [], "c": []}, "two": {"b": ["a"]}})
+A = "att-1"
+
+
+# --- the reference of a shipped scenario ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["crash_in_write_window", "worker_kill_storm"])
+def test_the_reference_replays_and_is_the_fault_free_run(name: str) -> None:
+    loaded = load_scenario(SCENARIOS / f"{name}.yaml")
+    seed = loaded.spec.seed
+    plans = loaded.evaluations(seed)
+    first = reference_for(loaded, seed, plans)
+    reference_module._cache.clear()  # computed again, not read back
+    again = reference_for(loaded, seed, plans)
+    assert first is not again and first.to_dict() == again.to_dict()
+
+    stripped = fault_free(loaded)
+    assert stripped.spec.faults == () and loaded.spec.faults  # the file keeps its faults
+    clean = run_scenario(stripped, seed, reference=False)
+    assert not [e for e in clean.history if e["ev"] in ("crash", "fault_fired")]
+    assert first.unfinished == () and set(first.evaluations) == set(plans)
+    for a, plan in plans.items():
+        expected = outcome_of(plan, clean.final.evaluations[a], clean.history)
+        assert first.of(a) == expected
+        assert expected.status in ("completed", "partial", "failed")
+        assert expected.passes and set(expected.passes) == {p.id for p in plan.passes}
+    assert first.drift == loaded.agent.drift
+
+
+def test_permanent_failure_prunes_has_every_kind_of_rule_in_its_reference() -> None:
+    loaded = load_scenario(SCENARIOS / "permanent_failure_prunes.yaml")
+    ref = reference_for(loaded, loaded.spec.seed, loaded.evaluations(loaded.spec.seed))
+    for outcome in ref.evaluations.values():
+        assert outcome.status == "partial"
+        assert outcome.permanently_failed == {"static_analysis"}
+        assert outcome.skipped and outcome.completed
+        assert set(outcome.verdicts) == outcome.completed
+        assert any(p.outcome == "partial" for p in outcome.passes.values())
+
+
+def test_a_reference_needs_the_scenarios_own_evaluations() -> None:
+    loaded = load_scenario(SCENARIOS / "crash_in_write_window.yaml")
+    plans = loaded.evaluations(loaded.spec.seed)
+    with pytest.raises(ValueError, match="not the evaluations"):
+        reference_for(loaded, loaded.spec.seed + 1, plans)
+
+
+def test_both_modes_get_a_reference_from_the_scenario() -> None:
+    loaded = load_scenario(SCENARIOS / "crash_in_write_window.yaml")
+    seed = loaded.spec.seed
+    spec = loaded.check_spec(seed, loaded.evaluations(seed), set(), loaded.agent)
+    assert spec.reference is not None and set(spec.reference.evaluations) == set(
+        loaded.evaluations(seed)
+    )
+    assert loaded.check_spec(seed, {}, set(), loaded.agent, reference=False).reference is None
+    outcome = run_scenario(loaded)
+    assert outcome.result.verdicts["matches_reference"] == "pass"
+    assert outcome.result.cases["matches_reference"] == len(loaded.evaluations(seed))
+
+
+# --- matches_reference on hand-built final states --------------------------------------------
+
+
+def _result(rule_id: str, verdict: str = "pass") -> RuleResult:
+    return RuleResult(rule_id, verdict, 0.9, 100)
+
+
+def _final(
+    state: str = "partial", results: dict[str, RuleResult] | None = None, failed: bool = True
+) -> FinalState:
+    if results is None:
+        results = {"c": _result("c")}
+    statuses = {"a": PERMANENTLY_FAILED} if failed else {}
+    return FinalState({A: EvaluationFinal(A, state, dict(results), statuses)})
+
+
+RIGHT = Reference(
+    {
+        A: Outcome(
+            status="partial",
+            completed=frozenset({"c"}),
+            permanently_failed=frozenset({"a"}),
+            skipped=frozenset({"b"}),
+            verdicts={"c": "pass"},
+            scores={"c": 0.9},
+        )
+    }
+)
+
+
+def _judge(final: FinalState, reference: Reference | None = RIGHT, **spec: object):
+    result = check(
+        [],
+        final,
+        CheckSpec(plans={A: PLAN}, reference=reference, invariants=("matches_reference",), **spec),
+    )
+    return result.verdicts["matches_reference"], result.violations
+
+
+def test_the_right_final_state_matches() -> None:
+    assert _judge(_final()) == ("pass", [])
+
+
+def test_a_wrong_status_is_named() -> None:
+    verdict, [v] = _judge(_final(state="failed"))
+    assert verdict == "fail" and v.invariant == "matches_reference" and v.attempt_id == A
+    assert "status failed, reference partial" in v.message
+
+
+def test_a_wrong_rule_set_is_named() -> None:
+    verdict, [v] = _judge(_final(results={"c": _result("c"), "b": _result("b")}))
+    assert verdict == "fail"
+    assert "completed also has b" in v.message and "skipped lacks b" in v.message
+    assert v.rule_id == "b"
+    verdict, [v] = _judge(_final(failed=False))  # a was never marked permanently failed
+    assert "permanently_failed lacks a" in v.message and "skipped also has a" in v.message
+
+
+def test_a_wrong_verdict_is_named_unless_the_agent_drifts() -> None:
+    wrong = _final(results={"c": _result("c", "fail")})
+    verdict, [v] = _judge(wrong)
+    assert verdict == "fail" and v.rule_id == "c"
+    assert "verdict of c fail, reference pass" in v.message
+    drifting = Reference(RIGHT.evaluations, drift=0.5)
+    assert _judge(wrong, drifting) == ("pass", [])  # verdicts are idempotent_results' then
+
+
+def test_without_a_reference_nothing_is_judged() -> None:
+    assert _judge(_final(state="failed"), None) == ("unknown", [])
+
+
+def test_an_evaluation_cancelled_on_purpose_is_not_held_to_its_reference() -> None:
+    assert _judge(_final(state="cancelled"), cancelled={A}) == ("unknown", [])
+    verdict, [v] = _judge(_final(state="cancelled"))  # cancelled, but not by the scenario
+    assert verdict == "fail" and "status cancelled" in v.message
+
+
+# --- the agent: draws from (seed, attemptId, ruleId, attempt, try), drift on reruns ----------
+
+CALLS = [
+    (f"att-{i}", f"r{j}", attempt, t)
+    for i in range(4)
+    for j in range(25)
+    for attempt in (1, 2)
+    for t in (1, 2)
+]
+
+
+def test_a_first_execution_draws_the_same_whatever_the_drift() -> None:
+    profile = AgentProfile(seed=5, error_rate=0.2, permanent_error_rate=0.05)
+    steady = FakeAgent(profile)
+    for drift in (0.0, 0.5, 1.0):
+        drifting = FakeAgent(AgentProfile(**{**vars(profile), "drift": drift}))
+        assert all(steady.draw(*c, 1) == drifting.draw(*c, 1) for c in CALLS)
+
+
+def test_a_rerun_may_drift_and_only_in_its_verdict() -> None:
+    profile = AgentProfile(seed=5, error_rate=0.2, drift=1.0)
+    agent, twin = FakeAgent(profile), FakeAgent(profile)
+    changed = 0
+    for c in CALLS:
+        first, rerun = agent.draw(*c, 1), agent.draw(*c, 2)
+        assert rerun == twin.draw(*c, 2)  # deterministic per seed
+        assert (rerun.latency_ms, rerun.error, rerun.tokens) == (
+            first.latency_ms,
+            first.error,
+            first.tokens,
+        )
+        if first.result is not None and rerun.result is not None:
+            changed += first.result.verdict != rerun.result.verdict
+    assert 0 < changed < len(CALLS)  # sometimes another verdict, sometimes the same
+    other_seed = FakeAgent(AgentProfile(seed=6, error_rate=0.2, drift=1.0))
+    assert [agent.draw(*c, 2) for c in CALLS] != [other_seed.draw(*c, 2) for c in CALLS]
+
+
+def test_without_drift_a_rerun_answers_as_the_first_execution() -> None:
+    agent = FakeAgent(AgentProfile(seed=5, error_rate=0.2))
+    assert all(agent.draw(*c, 1) == agent.draw(*c, 3) for c in CALLS)
+
+
+def test_forced_failures_count_calls_from_attempt_and_try() -> None:
+    """`fail_rules` fails the first N calls of a fault-free run, whoever makes them: a
+    worker started after a crash fails the same calls (no per-process counter)."""
+    profile = AgentProfile(fail_rules={"r": 4})
+    three = FakeAgent(profile)  # 3 tries per attempt: calls (1,1) (1,2) (1,3) (2,1) fail
+    assert [three.draw("a", "r", 1, t).error is not None for t in (1, 2, 3)] == [True] * 3
+    assert three.draw("a", "r", 2, 1).error is not None
+    assert three.draw("a", "r", 2, 2).error is None
+    one = FakeAgent(profile, immediate_retries=0)  # one try per attempt
+    assert [one.draw("a", "r", n, 1).error is not None for n in (1, 2, 3, 4, 5)] == [
+        True,
+        True,
+        True,
+        True,
+        False,
+    ]
+    assert FakeAgent(profile).draw("a", "r", 2, 1) == three.draw("a", "r", 2, 1)
+
+
+def test_drift_is_a_bounded_profile_field() -> None:
+    assert AgentProfile.from_dict({"drift": 0.5}).drift == 0.5
+    assert AgentProfile.from_dict({}).to_dict()["drift"] == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(AgentProfileError, match="drift"):
+            AgentProfile.from_dict({"drift": bad})
+    schema = json.loads(schema_text())["properties"]["agent"]["properties"]["drift"]
+    assert (schema["minimum"], schema["maximum"]) == (0, 1)
+
+
+def test_the_engine_tells_the_agent_a_rerun_is_one() -> None:
+    """In the simulator (the live orchestrator does the same): the start marker's count is
+    the execution the agent draws for, and what is written is that draw."""
+    loaded = load_scenario(SCENARIOS / "crash_in_write_window.yaml")
+    outcome = run_scenario(loaded)
+    assert outcome.result.ok, outcome.result.violations
+    agent = FakeAgent(AgentProfile.from_dict({"seed": loaded.spec.seed, **loaded.spec.agent}))
+    reruns = [e for e in outcome.history if e["ev"] == "rule_started" and e["execution"] > 1]
+    assert {e["rule_id"] for e in reruns} == {"test_run"} and len(reruns) == 2
+    assert all(e["rerun"] for e in reruns)
+    for e in reruns:
+        [written] = [
+            x
+            for x in outcome.history
+            if x["ev"] == "result_persisted"
+            and x["won"]
+            and (x["attempt_id"], x["rule_id"]) == (e["attempt_id"], e["rule_id"])
+        ]
+        drawn = agent.draw(e["attempt_id"], e["rule_id"], e["attempt"], e["try_no"], 2).result
+        assert drawn is not None and written["verdict"] == drawn.verdict
+        first = agent.draw(e["attempt_id"], e["rule_id"], e["attempt"], e["try_no"], 1).result
+        assert first is not None and first.verdict != drawn.verdict  # drifted, as described
