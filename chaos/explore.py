@@ -170,7 +170,8 @@ def simulate(data: dict[str, Any], mutant: str | None = None) -> SeedResult:
     try:
         loaded = load_document(data)
     except ScenarioError as exc:
-        return SeedResult(seed, True, (), message=f"invalid variant: {exc}")
+        # The harness drew a variant it cannot load: a bug of the explorer, never a pass.
+        return SeedResult(seed, False, ("invalid_variant",), message=f"invalid variant: {exc}")
     outcome = run_scenario(loaded, seed=seed, mutant=mutant)
     result = outcome.result
     failed = [k for k, v in result.verdicts.items() if v == "fail"]

@@ -557,6 +557,11 @@ class Scenario(_Model):
     )
     faults: ListOf[Fault] = ()
     invariants: ListOf[InvariantName] = INVARIANT_NAMES
+    not_checked: ListOf[InvariantName] = Field(
+        default=(),
+        description="invariants this scenario cannot exercise (a run without delayed retries "
+        "judges no retry delay): every other one is checked, those added later included",
+    )
     budgets: BudgetsSpec = BudgetsSpec()
     exercised: dict[InvariantName, Annotated[int, Field(ge=1, le=MAX_HITS)]] = Field(
         default_factory=dict,
@@ -604,7 +609,22 @@ class Scenario(_Model):
             ) from None
         return value
 
-    @field_validator("invariants")
+    @model_validator(mode="before")
+    @classmethod
+    def _without_not_checked(cls, data: Any) -> Any:
+        """`not_checked` names what `invariants` leaves out: the checked ones are the rest (a
+        name already left out stays out, so a loaded scenario dumped and read again is the
+        same)."""
+        if not isinstance(data, dict) or not isinstance(data.get("not_checked"), list | tuple):
+            return data
+        listed = data.get("invariants", INVARIANT_NAMES)
+        if not isinstance(listed, list | tuple):
+            return data
+        data = dict(data)
+        data["invariants"] = [n for n in listed if n not in data["not_checked"]]
+        return data
+
+    @field_validator("invariants", "not_checked")
     @classmethod
     def _distinct_invariants(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for i, name in enumerate(value):

@@ -121,3 +121,11 @@ def test_all_failpoints_enumerates_every_crash_point() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     tried = int(out.stdout.split(" crash points tried")[0].split()[-1])
     assert tried > 40  # 13 rules: dozens of hits of the rule-level failpoints
+
+
+def test_a_variant_that_cannot_load_is_a_failure_not_a_pass() -> None:
+    from chaos.explore import simulate
+
+    result = simulate({"name": "broken", "seed": 3, "plans": "not a list"})
+    assert not result.ok and result.failed == ("invalid_variant",)
+    assert result.message.startswith("invalid variant:")

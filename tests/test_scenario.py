@@ -1397,3 +1397,26 @@ def test_fuzz_mutation_reaches_deep_errors() -> None:
 
     collect()
     assert {"faults", "plans"} <= seen, seen
+
+
+# --- not_checked --------------------------------------------------------------------------------
+
+
+def test_not_checked_leaves_out_only_what_it_names() -> None:
+    spec = load(minimal(not_checked=["retry_delays_respected"])).spec
+    assert "retry_delays_respected" not in spec.invariants
+    assert set(spec.invariants) == set(INVARIANT_NAMES) - {"retry_delays_respected"}
+    listed = load(minimal(invariants=["all_terminal", "dag_order"], not_checked=["dag_order"])).spec
+    assert listed.invariants == ("all_terminal",)
+
+
+def test_not_checked_reads_the_same_twice_and_refuses_unknown_names() -> None:
+    once = load(minimal(not_checked=["dag_order"])).spec
+    again = load(minimal(invariants=list(once.invariants), not_checked=["dag_order"])).spec
+    assert again.invariants == once.invariants
+    with pytest.raises(ScenarioError) as err:
+        load(minimal(not_checked=["no_such_check"]))
+    assert "not_checked" in _assert_one_line(err.value, "s.yaml")
+    with pytest.raises(ScenarioError) as err:  # exercised must still be checked
+        load(minimal(not_checked=["dag_order"], exercised={"dag_order": 1}))
+    assert "exercised.dag_order" in _assert_one_line(err.value, "s.yaml")
