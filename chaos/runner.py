@@ -22,7 +22,7 @@ import json
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -364,35 +364,21 @@ class ScenarioRun:
         if not broker.dead_letter_loss or client.broker.connection is None:
             return
         channel = await client.broker.connection.channel()
-        offset = 0
         try:
-            while True:
-                await asyncio.sleep(0.02)
-                if not self.raw_history.exists():
+            async for ev in self._history_events():
+                if ev.get("ev") != "retry_published":
                     continue
-                with open(self.raw_history, "rb") as fh:
-                    fh.seek(offset)
-                    chunk = fh.read()
-                end = chunk.rfind(b"\n") + 1
-                offset += end
-                for line in chunk[:end].splitlines():
-                    try:
-                        ev = json.loads(line)
-                    except ValueError:
-                        continue
-                    if ev.get("ev") != "retry_published":
-                        continue
-                    a, rule, n = ev.get("attempt_id"), ev.get("rule_id"), ev.get("attempt")
-                    seed_id = f"{str(a).removeprefix(self.run_prefix)}:{rule}:{n}"
-                    if broker.loses(self.seed, seed_id):
-                        queue = client.broker.delay_queues.get((int(ev["tier"]) - 1, ev["bucket"]))
-                        taken = queue is not None and await _take(channel, queue, f"{a}:{rule}:{n}")
-                        self.history.record(
-                            "retry_lost" if taken else "retry_loss_missed",
-                            attempt_id=a,
-                            rule_id=rule,
-                            attempt=n,
-                        )
+                a, rule, n = ev.get("attempt_id"), ev.get("rule_id"), ev.get("attempt")
+                seed_id = f"{str(a).removeprefix(self.run_prefix)}:{rule}:{n}"
+                if broker.loses(self.seed, seed_id):
+                    queue = client.broker.delay_queues.get((int(ev["tier"]) - 1, ev["bucket"]))
+                    taken = queue is not None and await _take(channel, queue, f"{a}:{rule}:{n}")
+                    self.history.record(
+                        "retry_lost" if taken else "retry_loss_missed",
+                        attempt_id=a,
+                        rule_id=rule,
+                        attempt=n,
+                    )
         finally:
             with contextlib.suppress(Exception):
                 await channel.close()
@@ -413,10 +399,10 @@ class ScenarioRun:
                 await asyncio.sleep(delay)
             await self._fire(fault)
 
-    async def _event_faults(self) -> None:
-        triggers = EventTriggers(self.schedule)
+    async def _history_events(self) -> AsyncIterator[dict[str, Any]]:
+        """The events the workers and the runner append, as they land (whole lines only)."""
         offset = 0
-        while not triggers.done:
+        while True:
             await asyncio.sleep(0.02)
             if not self.raw_history.exists():
                 continue
@@ -427,14 +413,22 @@ class ScenarioRun:
             offset += end
             for line in chunk[:end].splitlines():
                 try:
-                    ev = json.loads(line)
+                    yield json.loads(line)
                 except ValueError:
                     continue
-                for fault in triggers.feed(ev):
-                    if fault.delay_s:  # a repetition: `every_s` after the one before
-                        self._later(fault.delay_s, self._fire(fault))
-                    else:
-                        await self._fire(fault)
+
+    async def _event_faults(self) -> None:
+        triggers = EventTriggers(self.schedule)
+        if triggers.done:
+            return
+        async for ev in self._history_events():
+            for fault in triggers.feed(ev):
+                if fault.delay_s:  # a repetition: `every_s` after the one before
+                    self._later(fault.delay_s, self._fire(fault))
+                else:
+                    await self._fire(fault)
+            if triggers.done:
+                return
 
     # --- the run ------------------------------------------------------------------------
 
