@@ -58,6 +58,7 @@ def sweep(w: SimWorker) -> Generator[Any, Any, None]:
     for attempt_id in stale:
         if attempt_id in held:
             continue
+        claimed_from_ms = store.now_ms()  # the claim is atomic, somewhere after this
         if not (yield from store.call(redis.claim_stale, attempt_id, stale_ms, store.now_ms())):
             continue
         body = {
@@ -67,10 +68,11 @@ def sweep(w: SimWorker) -> Generator[Any, Any, None]:
             "published_ms": store.now_ms(),
         }
         yield from w.broker.publish_work(body, f"{attempt_id}:resume:{body['published_ms']}")
-        w.record("sweeper_resumed", attempt_id=attempt_id)
+        w.record("sweeper_resumed", attempt_id=attempt_id, claimed_from_ms=claimed_from_ms)
     grace = config.grace_ms
     overdue = yield from store.call(redis.overdue_retries, grace, store.now_ms())
     for member in overdue:
+        claimed_from_ms = store.now_ms()
         if not (yield from store.call(redis.claim_retry, member, grace, store.now_ms())):
             continue
         attempt_id, rule_id = split_member(member)
@@ -88,4 +90,10 @@ def sweep(w: SimWorker) -> Generator[Any, Any, None]:
             "delay_ms": 0,
         }
         yield from w.broker.publish_work(body, f"{attempt_id}:{rule_id}:{n + 1}")
-        w.record("sweeper_retried", attempt_id=attempt_id, rule_id=rule_id, attempt=n + 1)
+        w.record(
+            "sweeper_retried",
+            attempt_id=attempt_id,
+            rule_id=rule_id,
+            attempt=n + 1,
+            claimed_from_ms=claimed_from_ms,
+        )

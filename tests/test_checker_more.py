@@ -449,6 +449,20 @@ def test_a_terminal_evaluation_swept_again_is_a_violation() -> None:
     assert "re-swept 1 time(s)" in v.message
 
 
+def test_a_sweep_judged_before_the_announcement_is_not_a_re_sweep() -> None:
+    # The sweeper records its re-publish after the fact: one recorded after the announcement
+    # whose claim began before it judged an evaluation not yet terminal.
+    h = H().golden()
+    announced = max(e["t"] for e in h.events if e["ev"] == "final_published")
+    before = int((announced - 0.005) * 1000)
+    h.ev("sweeper_retried", "w2", 22, attempt_id=A, rule_id="c", attempt=2, claimed_from_ms=before)
+    passing(h.check("quiet_state"), "quiet_state")
+    after = int((announced + 0.005) * 1000) + 1
+    h.ev("sweeper_retried", "w2", 22, attempt_id=A, rule_id="c", attempt=2, claimed_from_ms=after)
+    (v,) = failing(h.check("quiet_state"), "quiet_state")
+    assert "re-swept 1 time(s)" in v.message
+
+
 def test_a_key_without_a_ttl_is_a_violation() -> None:
     h = H().golden()
     h.ttls[f"attempt:{A}:rule:a:runs"] = -1

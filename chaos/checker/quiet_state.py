@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
 
 from chaos.checker.context import (
     TERMINAL_STATES,
@@ -52,6 +54,14 @@ def announced_at(evs: list[dict]) -> float | None:
         e for e in of(evs, "cancel_written") if e.get("state") == "cancelled"
     ]
     return min((event_time(e) for e in marks), default=None)
+
+
+def claim_start(e: Mapping[str, Any]) -> float:
+    """The earliest moment a sweeper's claim can have happened: it is recorded once the
+    re-publish is out, so a claim recorded after an announcement may still have judged the
+    evaluation before it was terminal; only one that began after it re-swept it."""
+    start = e.get("claimed_from_ms")
+    return start / 1000.0 if isinstance(start, int | float) else event_time(e)
 
 
 def check_quiet_state(cx: Context) -> Outcome:
@@ -95,7 +105,7 @@ def check_quiet_state(cx: Context) -> Outcome:
                 )
         if t_quiet is None:
             continue
-        late = [e for e in of(evs, *SWEPT) if event_time(e) > t_quiet]
+        late = [e for e in of(evs, *SWEPT) if claim_start(e) > t_quiet]
         if late:
             first = late[0]
             out.append(

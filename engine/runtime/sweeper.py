@@ -65,6 +65,7 @@ class Sweeper:
         stale_ms = rt.config.stale_ms
         held = set(self.held())
         for attempt_id in await rt.store.stale_evaluations(stale_ms):
+            claimed_from_ms = now_ms()  # the claim is atomic, somewhere after this
             if attempt_id in held or not await rt.store.claim_stale(attempt_id, stale_ms):
                 continue
             body = {
@@ -74,9 +75,12 @@ class Sweeper:
                 "published_ms": now_ms(),
             }
             await rt.broker.publish_work(body, f"{attempt_id}:resume:{body['published_ms']}")
-            rt.history.record("sweeper_resumed", attempt_id=attempt_id)
+            rt.history.record(
+                "sweeper_resumed", attempt_id=attempt_id, claimed_from_ms=claimed_from_ms
+            )
         grace = rt.config.grace_ms
         for member in await rt.store.overdue_retries(grace):
+            claimed_from_ms = now_ms()
             if not await rt.store.claim_retry(member, grace):
                 continue
             attempt_id, rule_id = split_member(member)
@@ -95,5 +99,9 @@ class Sweeper:
             }
             await rt.broker.publish_work(body, f"{attempt_id}:{rule_id}:{n + 1}")
             rt.history.record(
-                "sweeper_retried", attempt_id=attempt_id, rule_id=rule_id, attempt=n + 1
+                "sweeper_retried",
+                attempt_id=attempt_id,
+                rule_id=rule_id,
+                attempt=n + 1,
+                claimed_from_ms=claimed_from_ms,
             )
