@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,14 +35,39 @@ from rich.console import Console
 from rich.table import Table
 
 from chaos import stack  # stdlib only: the signal handler must not import anything
+from engine.config import OneLineParser
+from engine.policy import MAX_SEED
 
 EXIT_OK, EXIT_VIOLATION, EXIT_INPUT, EXIT_STACK = 0, 1, 2, 3
 NO_WRAP_WIDTH = 100_000  # the console width off a terminal: wider than any line printed
 
 
+#: The most seeds one `chaos sim` explores: a million runs is hours, not a typo's billions.
+MAX_SEEDS = 1_000_000
+
+
+def _within(least: int, most: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [least, most], or argparse's one-line error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number; got {text[:40]!r}"
+            ) from None
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number within [{least}, {most}]; got {text[:40]}"
+            )
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m chaos", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = OneLineParser(prog="python -m chaos", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     run = sub.add_parser("run", help="run scenarios and check their invariants")
     run.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     run.add_argument(
@@ -50,15 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: live when redis-server and RabbitMQ are here, else the simulator",
     )
-    run.add_argument("--seed", type=int, help="override every scenario's seed")
+    run.add_argument("--seed", type=_within(0, MAX_SEED), help="override every scenario's seed")
     run.add_argument("--out", type=Path, help="output folder (default out/<time>)")
     run.add_argument("--mutant", help="run the workers with this deliberately broken behaviour")
     run.add_argument("--quiet", action="store_true", help="no progress display")
     sim = sub.add_parser("sim", help="explore many seeds in the simulator, shrink failures")
     sim.add_argument("scenario", metavar="SCENARIO")
-    sim.add_argument("--seeds", type=int, default=100, help="how many seeds (default 100)")
-    sim.add_argument("--first-seed", type=int, default=0)
-    sim.add_argument("--jobs", type=int, default=0, help="processes (default: every core)")
+    sim.add_argument(
+        "--seeds", type=_within(1, MAX_SEEDS), default=100, help="how many seeds (default 100)"
+    )
+    sim.add_argument("--first-seed", type=_within(0, MAX_SEED), default=0)
+    sim.add_argument(
+        "--jobs", type=_within(0, 256), default=0, help="processes (default: every core)"
+    )
     sim.add_argument("--mutant", help="explore a deliberately broken engine")
     sim.add_argument("--shrink", action="store_true", help="shrink the first failure found")
     sim.add_argument(

@@ -399,3 +399,20 @@ def test_extremes_are_what_they_say() -> None:
     floats = [v for v in EXTREMES if isinstance(v, float)]
     assert any(math.isnan(v) for v in floats) and math.inf in floats and 1e30 in floats
     assert 2**64 in EXTREMES and any(isinstance(v, int) and v > 10**300 for v in EXTREMES)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["run", "S", "--seed", str(2**64)], "--seed: expected a whole number within"),
+        (["sim", "S", "--seeds", "-5"], "--seeds: expected a whole number within [1, "),
+        (["sim", "S", "--first-seed", str(2**63)], "--first-seed: expected a whole number"),
+        (["sim", "S", "--jobs", "x"], "--jobs: expected a whole number; got 'x'"),
+        (["bogus"], "invalid choice: 'bogus'"),
+    ],
+)
+def test_command_line_numbers_are_bounded_in_one_line(argv: list[str], expected: str) -> None:
+    scenario = str(Path(__file__).resolve().parents[1] / "scenarios" / "crash_after_ack.yaml")
+    code, out, err = _cli(*[scenario if a == "S" else a for a in argv])
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and expected in err, err
