@@ -257,6 +257,9 @@ def test_rabbit_durable_queue_survives_sigkill_and_stop_leaves_nothing() -> None
         assert _pgrep(str(data_dir))  # beam's command line carries its private HOME
 
         asyncio.run(_publish(node.url))
+        # The confirm covers the message; the queue's own record is in Mnesia's log, which
+        # a busy machine may not have written yet when beam is SIGKILLed: write it first.
+        assert "dumped" in node.ctl("eval", "mnesia:dump_log().")
         first_beam = node.beam_pid
 
         node.kill()
