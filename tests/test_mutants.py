@@ -470,7 +470,7 @@ def test_per_message_ttl(tmp_path: Path) -> None:
         for s in (mut, ref):
             s.wait_for(
                 lambda s=s: s.events("delivered", ids[s][1], kind="retry", attempt=2),
-                timeout=10,
+                timeout=PATIENCE_S,
                 what="B's retry",
             )
         for s in (mut, ref):
@@ -484,7 +484,8 @@ def test_per_message_ttl(tmp_path: Path) -> None:
             if s is mut:  # out only when A's message, at the head of the one queue, expired
                 assert short_out["t"] >= long["t"] + 2.0 - 0.05, waited
             else:
-                assert 0.1 - 0.005 <= waited < 0.6, waited
+                # not held behind A's 2 s message, however slow the machine
+                assert waited >= 0.1 - 0.005 and short_out["t"] < long["t"] + 2.0, waited
         assert f"{mut.ns}evaluation.retry.shared" in _broker_objects("queues", mut.ns)
 
 
