@@ -1,6 +1,11 @@
 """Rules per second of one live worker, as a ratio to the raw Redis SET rate of this run.
 
     python bench/rules_per_second.py [--evaluations 200] [--plan plans/code_review.yaml]
+    python bench/rules_per_second.py --against /tmp/before [--rounds 5]
+
+With `--against`, the engine of another checkout (a `git worktree` of the commit before a
+change) runs too, in rounds interleaved with this one's, and the median rates of both are
+compared: the cost of a change, measured on the same machine in the same minutes.
 
 The baseline is measured in the same run, on the same Redis, because these machines are
 noisy: one client doing sequential `SET`s is one round trip each. The durable bookkeeping
@@ -47,7 +52,11 @@ async def set_rate(n: int) -> float:
 
 
 async def rule_rate(
-    plan_path: Path, evaluations: int, tmp: Path, worker_args: list[str]
+    plan_path: Path,
+    evaluations: int,
+    tmp: Path,
+    worker_args: list[str],
+    engine_root: Path | None = None,
 ) -> tuple[float, int]:
     plan = load_plan(plan_path)
     ns = f"bench{uuid.uuid4().hex[:6]}."
@@ -56,6 +65,7 @@ async def rule_rate(
     worker = WorkerProcess(
         ["--namespace", ns, "--agent", json.dumps({"latency_ms": 0}), *worker_args],
         log_path=log,
+        cwd=engine_root,
     )
     ids = [f"{ns}{i}" for i in range(evaluations)]
     try:
@@ -116,14 +126,39 @@ async def _cleanup(client: EngineClient, ns: str) -> None:
         await ch.exchange_delete(f"{ns}{name}")
 
 
+def _compare(args: argparse.Namespace) -> int:
+    import tempfile
+
+    worker_args = ["--max-evaluations", str(args.max_evaluations)]
+    here: list[float] = []
+    there: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):  # interleaved: both see the same machine's moods
+            for root, rates in ((None, here), (args.against.resolve(), there)):
+                rate, _ = asyncio.run(
+                    rule_rate(args.plan, args.evaluations, Path(tmp), worker_args, root)
+                )
+                rates.append(rate)
+            print(f"round {i + 1}: this engine {here[-1]:8.0f} /s, against {there[-1]:8.0f} /s")
+    mine, theirs = statistics.median(here), statistics.median(there)
+    print(f"median rules per second: this engine {mine:.0f} /s, {args.against}: {theirs:.0f} /s")
+    print(f"ratio this/against: {mine / theirs:.3f} ({(mine / theirs - 1) * 100:+.1f} %)")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--evaluations", type=int, default=600)
     p.add_argument("--sets", type=int, default=5000)
     p.add_argument("--plan", type=Path, default=ROOT / "plans" / "code_review.yaml")
     p.add_argument("--max-evaluations", type=int, default=64, help="the worker's concurrency")
+    p.add_argument("--against", type=Path, help="another checkout whose engine to compare with")
+    p.add_argument("--rounds", type=int, default=5, help="with --against: rounds of each")
     args = p.parse_args()
     import tempfile
+
+    if args.against is not None:
+        return _compare(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         sets = [asyncio.run(set_rate(args.sets)) for _ in range(3)]

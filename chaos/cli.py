@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     its handlers to the defaults while it exits (a late Ctrl-C would kill it mid-exit).
     """
     previous = _catch_signals()  # first: before anything is started
-    name = _command_name(argv)
+    name = _Guard.name = _command_name(argv)
     try:
         try:
             code = _main(argv)
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_IGN if exiting else handler)
+        if _Guard.watchdog is not None:  # unwound in time
+            _Guard.watchdog.cancel()
     return code
 
 
@@ -186,6 +188,15 @@ class _Guard:
     armed = False
     signum: int | None = None
     stderr: TextIO | None = None  # the real one, kept for the last line
+    name = "chaos"  # the command, for the last line
+    said = threading.Lock()  # held by whoever prints the last line (once)
+    watchdog: threading.Timer | None = None
+
+
+#: How long the unwinding after a signal may take before the process stops everything
+#: and exits anyway: a task that swallows its cancellation (a robust AMQP connection
+#: reconnecting to a killed broker) must not keep an interrupted run alive.
+UNWIND_LIMIT_S = 15.0
 
 
 def _catch_signals() -> dict[int, Any]:
@@ -193,6 +204,7 @@ def _catch_signals() -> dict[int, Any]:
     (a background job of a script) stays ignored; off the main thread Python delivers
     none, so nothing is installed."""
     _Guard.armed, _Guard.signum, _Guard.stderr = True, None, None
+    _Guard.said, _Guard.watchdog = threading.Lock(), None
     if threading.current_thread() is not threading.main_thread():
         return {}
     previous = {}
@@ -211,11 +223,18 @@ def _on_signal(signum: int, _frame: Any) -> None:
     if _Guard.signum is not None:
         return
     _Guard.signum = signum
+    _Guard.watchdog = threading.Timer(UNWIND_LIMIT_S, _unwound_too_long)
+    _Guard.watchdog.daemon = True
+    _Guard.watchdog.start()
     if not _Guard.armed:
         return
     _quiet()
     stack.kill_owned()
     raise Interrupted(signum)
+
+
+def _unwound_too_long() -> None:
+    os._exit(_interrupted(_Guard.name))
 
 
 def _quiet() -> None:
@@ -246,7 +265,8 @@ def _interrupted(name: str) -> int:
         line = f"{name}: interrupted ({what}); still running: {reaped.survivors}"
     else:
         line = f"{name}: interrupted ({what}); everything it started is stopped"
-    print(line, file=_Guard.stderr or sys.__stderr__, flush=True)
+    if _Guard.said.acquire(blocking=False):  # the main thread or the watchdog, not both
+        print(line, file=_Guard.stderr or sys.__stderr__, flush=True)
     return 128 + signum
 
 

@@ -140,15 +140,15 @@ def concrete(data: dict[str, Any]) -> dict[str, Any]:
         entry: dict[str, Any] = {"action": planned.action}
         if planned.action not in ("kill_redis", "kill_broker"):
             entry["target"] = planned.target
-        if planned.restart_after_s is not None or planned.action != "cancel":
-            entry["restart_after_s"] = planned.restart_after_s
+        if planned.action not in ("cancel", "pause_worker"):
+            entry["restart_after_s"] = planned.restart_after_s  # None: never restarted
+        if planned.pause_s is not None:
+            entry["pause_s"] = planned.pause_s
         if planned.at_s is not None:
             entry["at_s"] = planned.at_s  # exact: a rounded kill lands elsewhere
         else:
             assert planned.after is not None
             entry["after"] = planned.after.model_dump(mode="json", exclude_none=True)
-        if entry.get("restart_after_s") is None:
-            entry.pop("restart_after_s", None)
         kept.append(entry)
     for i, fault in enumerate(kept):
         fault["name"] = f"fault{i}"

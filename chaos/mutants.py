@@ -96,17 +96,19 @@ def result_without_ttl() -> None:
 
 
 def overwrite_result() -> None:
-    """idempotent_results: rule results are written with a plain `SET ... EX` instead of
-    `SET NX`, so the last write wins and every write reports that it won. A late write by an
-    execution that lost its lease (a frozen worker waking up in the write window) then
-    replaces the result the owner wrote and announced first. The rest of the script is
-    unchanged: the source is replaced before `RedisStore.__init__` registers it."""
+    """idempotent_results: rule results are written blind, with a plain `SET ... EX` instead
+    of `SET NX` and past the fence, so the last write wins and every write reports that it
+    won. A late write by an execution that lost its lease (a frozen worker waking up in the
+    write window) then replaces the result the owner wrote and announced first. The rest of
+    the script is unchanged: the source is replaced before `RedisStore.__init__` registers
+    it."""
     first_wins = "redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])"
-    if first_wins not in store._WRITE_RESULT:
+    refused = f"if other then return {{'{store.FENCED}', other}} end"
+    if first_wins not in store._WRITE_RESULT or refused not in store._WRITE_RESULT:
         raise RuntimeError("overwrite_result: the result write script changed")
     store._WRITE_RESULT = store._WRITE_RESULT.replace(
         first_wins, "redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])"
-    )
+    ).replace(refused, "")
 
 
 def reset_attempts_on_recovery() -> None:
@@ -481,6 +483,21 @@ def ignore_lease() -> None:
     store._BEGIN = store._BEGIN.replace(check, "")
 
 
+def no_fencing() -> None:
+    """no_completed_rerun: the owner's writes carry no fence token, and it starts rules on
+    whatever its last write allowed however long ago that was, so a worker that lost its
+    lease (frozen past it, then awake) still writes results and start markers, and starts
+    rules its successor has finished, until its next heartbeat notices. The heartbeat
+    itself still judges by the token."""
+    fence = store.RedisStore._fence
+
+    def unfenced(self: store.RedisStore, attempt_id: str, token: str | None) -> Any:
+        return fence(self, attempt_id, None)
+
+    store.RedisStore._fence = unfenced  # type: ignore[method-assign]
+    orchestrator.PassExecutionOrchestrator._lease_short = lambda self: False  # type: ignore[method-assign]
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -601,6 +618,11 @@ MUTANTS: dict[str, Mutant] = {
             ignore_lease,
             "reruns_explained",
             "begin ignores the lease: a second worker runs the evaluation beside its owner",
+        ),
+        _mutant(
+            no_fencing,
+            "no_completed_rerun",
+            "the owner's writes are not fenced: a worker that lost its lease writes on",
         ),
     )
 }

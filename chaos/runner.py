@@ -324,6 +324,15 @@ class ScenarioRun:
                 w.stopped_on_purpose = True
             w.restart_at = time.monotonic()
             w.heals.append(fault_id)
+        elif fault.action == "pause_worker":
+            w = self.workers[fault.target]
+            if w.proc is None or not w.proc.alive:
+                self._healed(fault_id)  # nothing to pause: nothing broken
+                return
+            proc = w.proc
+            proc.pause()
+            self.history.record("worker_paused", worker=w.index, pid=proc.pid)
+            self._later(fault.pause_s or 0.0, self._resume_worker(w, proc, fault_id))
         elif fault.action in ("kill_redis", "kill_broker"):
             name = "redis" if fault.action == "kill_redis" else "broker"
             svc = self.services.service(name)
@@ -339,6 +348,12 @@ class ScenarioRun:
                 state = await client.cancel(attempt_id)
             self.history.record("cancel_written", attempt_id=attempt_id, state=state)
             self._healed(fault_id)
+
+    async def _resume_worker(self, w: _Worker, proc: WorkerProcess, fault_id: int) -> None:
+        if w.proc is proc and proc.alive:
+            proc.resume()
+            self.history.record("worker_resumed", worker=w.index, pid=proc.pid)
+        self._healed(fault_id)
 
     async def _restart_service(self, name: str, fault_id: int) -> None:
         svc = self.services.service(name)

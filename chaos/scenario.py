@@ -92,11 +92,12 @@ INVARIANT_NAMES: tuple[str, ...] = tuple(INVARIANTS)
 RUNNER_ACTIONS: tuple[str, ...] = (
     "kill_worker",  # SIGKILL one worker process
     "restart_worker",  # stop one worker gracefully (SIGTERM), start it again
+    "pause_worker",  # stop one worker for pause_s (SIGSTOP, then SIGCONT): a long GC pause
     "kill_redis",  # SIGKILL the scenario's throwaway redis-server
     "kill_broker",  # SIGKILL the scenario's throwaway RabbitMQ node
     "cancel",  # cancel one submitted evaluation
 )
-WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker"})
+WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pause_worker"})
 
 
 MAX_EVALUATIONS_PER_PLAN = 10_000
@@ -454,6 +455,9 @@ class RunnerFault(_Model):
     restart_after_s: float | None = Field(
         default=0.5, ge=0, le=MAX_RUN_S, description="null: never restart"
     )
+    pause_s: float | None = Field(
+        default=None, gt=0, le=MAX_RUN_S, description="pause_worker: how long it stays stopped"
+    )
     count: int = Field(default=1, ge=1, le=100)
     every_s: float | None = Field(default=None, gt=0, le=MAX_RUN_S)
     name: str | None = Field(default=None, pattern=ID_PATTERN)
@@ -471,8 +475,13 @@ class RunnerFault(_Model):
         if "target" in self.model_fields_set and self.action not in (*WORKER_ACTIONS, "cancel"):
             _fail(
                 "target",
-                f"only for kill_worker, restart_worker and cancel; action is {self.action}",
+                "only for kill_worker, restart_worker, pause_worker and cancel; "
+                f"action is {self.action}",
             )
+        if self.action == "pause_worker" and self.pause_s is None:
+            _fail("pause_s", "required field is missing (action is pause_worker)")
+        if self.action != "pause_worker" and self.pause_s is not None:
+            _fail("pause_s", f"only with action pause_worker; action is {self.action}")
         return self
 
     @property
@@ -840,6 +849,7 @@ class PlannedFault:
     after: AfterEvent | None
     delay_s: float
     restart_after_s: float | None
+    pause_s: float | None = None
 
     @property
     def label(self) -> str:
@@ -883,6 +893,7 @@ def fault_schedule(
                     after=fault.after,
                     delay_s=delay,
                     restart_after_s=None if fault.action == "cancel" else fault.restart_after_s,
+                    pause_s=fault.pause_s,
                 )
             )
     out.sort(key=lambda p: (p.at_s is None, p.at_s or 0.0, p.fault, p.repetition))

@@ -33,8 +33,10 @@ class WorkerProcess:
         log_path: str | Path | None = None,
         name: str = "worker",
         module: Sequence[str] = ("engine.worker",),
+        cwd: str | Path | None = None,
     ) -> None:
         self.module = list(module)  # e.g. ("chaos.mutants", "no_sweeper") for a mutant
+        self.cwd = cwd  # another checkout's engine (`python -m` imports from the cwd first)
         self.args = list(args)
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else None
@@ -56,6 +58,7 @@ class WorkerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                cwd=self.cwd,
             )
         finally:
             if out is not subprocess.DEVNULL:
@@ -85,13 +88,27 @@ class WorkerProcess:
         self.proc.wait()
         _LIVE.discard(self)
 
+    def pause(self) -> None:
+        """SIGSTOP the worker's process group: everything in it stops, timers included."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT: the paused worker goes on where it stopped, every timer overdue."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)
+
     def terminate(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL if it does not stop in time."""
+        """SIGTERM, then SIGKILL if it does not stop in time (a paused worker is woken to
+        hear the SIGTERM)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, signal.SIGCONT)
                 self.proc.wait(timeout)
             except ProcessLookupError:
                 pass

@@ -115,8 +115,9 @@ class Worker:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
-    def held(self) -> list[str]:
-        return list(self.controller.evaluations)
+    def held(self) -> dict[str, str]:
+        """The evaluations in memory, each with its lease's fence token."""
+        return {a: orch.fence for a, orch in self.controller.evaluations.items()}
 
     async def _lost(self, attempt_id: str, forgotten: bool = False) -> None:
         """The heartbeat found the lease gone: another worker has it (step aside), or a

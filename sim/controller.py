@@ -113,6 +113,11 @@ class Controller:
         plan_in_message = plan is not None
         if plan is None:
             plan = yield from w.store.call(w.redis.stored_plan, attempt_id)
+        if self._slots.locked():  # every slot taken: pass another owner's message on at once
+            holder = yield from w.store.call(w.redis.holder, attempt_id)
+            if holder is not None and holder != w.worker_id:
+                yield from self._forward(attempt_id, holder, body, d)
+                return
         yield from self._slots.acquire()
         try:
             yield from self._begin(kind, attempt_id, body, d, plan, plan_in_message)
@@ -133,9 +138,8 @@ class Controller:
         # 2. Lease, state, plan and ReEvaluateUseCase's read of Redis, in one round trip.
         begun = yield from self._read(attempt_id, plan, plan_in_message)
         if begun.holder is not None:
-            if not (yield from self._take_over(attempt_id, begun.holder, body, d)):
-                return
-            begun = yield from self._read(attempt_id, plan, plan_in_message)
+            yield from self._forward(attempt_id, begun.holder, body, d)
+            return
         if begun.terminal is not None:
             if not begun.published and plan is not None:
                 snapshot = yield from w.store.call(w.redis.snapshot, attempt_id, plan.order)
@@ -144,11 +148,10 @@ class Controller:
             w.record("terminal_dropped", attempt_id=attempt_id, kind=kind)
             w.broker.settle(d)
             return
-        if begun.no_plan or begun.holder is not None or plan is None or begun.snapshot is None:
-            reason = "no plan" if begun.no_plan or plan is None else "lease race"
-            w.record("message_rejected", attempt_id=attempt_id, reason=reason)
+        if begun.no_plan or plan is None or begun.snapshot is None:
+            w.record("message_rejected", attempt_id=attempt_id, reason="no plan")
             yield from w.store.call(w.redis.release, attempt_id, w.worker_id)
-            w.broker.settle(d, ack=reason == "no plan")
+            w.broker.settle(d)
             return
         snapshot = begun.snapshot
 
@@ -177,7 +180,7 @@ class Controller:
         w.record(
             "evaluation_started", attempt_id=attempt_id, plan=plan.id, resumed=resumed, kind=kind
         )
-        orch = Orchestrator(w, core, self._done)
+        orch = Orchestrator(w, core, self._done, begun.fence)
         self.evaluations[attempt_id] = orch
         orch.holds_slot = True
         if w.fp:
@@ -220,23 +223,20 @@ class Controller:
             max_parallel=config.max_parallel,
         )
 
-    def _take_over(
+    def _forward(
         self, attempt_id: str, holder: str, body: dict[str, Any], d: Delivery
-    ) -> Generator[Any, Any, bool]:
-        """Forward the message to the live worker holding the lease, or take a dead one's."""
+    ) -> Generator[Any, Any, None]:
+        """The live `_forward`: pass it on, or (unroutable) back to the queue after a pause."""
         w = self.w
         try:
             yield from w.broker.forward(f"worker.{holder}", body, d.message_id)
         except Unroutable:
-            if (yield from w.store.call(w.redis.steal, attempt_id, holder, w.worker_id)):
-                w.record("lease_taken_over", attempt_id=attempt_id, previous=holder)
-                return True
-            yield w.env.timeout(0.05)
+            w.record("forward_failed", attempt_id=attempt_id, to=holder)
+            yield w.env.timeout(min(w.config.heartbeat_ms, 200) / 1000)
             w.broker.settle(d, ack=False)
-            return False
+            return
         w.record("forwarded", attempt_id=attempt_id, to=holder)
         w.broker.settle(d)
-        return False
 
     def _done(self, orch: Orchestrator) -> None:
         if self.evaluations.get(orch.attempt_id) is orch:

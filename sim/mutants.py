@@ -221,6 +221,11 @@ def _ignore_lease() -> None:
     SimRedis.begin = lease_blind_begin  # type: ignore[method-assign]
 
 
+def _no_fencing() -> None:
+    SimRedis._fenced = lambda self, a, token: None  # type: ignore[method-assign]
+    orchestrator.Orchestrator._lease_short = lambda self: False  # type: ignore[method-assign]
+
+
 #: Shell mutants patched on the simulator's seam, with `patched`, like the core's.
 PATCHED: dict[str, Callable[[], None]] = {
     "start_after_cancel": _start_after_cancel,
@@ -229,6 +234,7 @@ PATCHED: dict[str, Callable[[], None]] = {
     "leak_running_index": _leak_running_index,
     "needless_rerun": _needless_rerun,
     "ignore_lease": _ignore_lease,
+    "no_fencing": _no_fencing,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
 _SHELL_OWNERS: tuple[Any, ...] = (

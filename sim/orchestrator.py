@@ -35,6 +35,7 @@ from engine.core import (
     SkipRules,
 )
 from engine.failpoints import InjectedFault
+from engine.runtime.store import LeaseLost
 from sim import module
 from sim.broker import Delivery, Unroutable
 from sim.sync import Lock
@@ -43,16 +44,21 @@ if TYPE_CHECKING:
     from sim.worker import SimWorker
 
 #: What a live task may fail with short of a bug in the simulator: logged, then abandoned.
-TASK_ERRORS = (InjectedFault, ConnectionError, Unroutable, ProtocolError)
+TASK_ERRORS = (InjectedFault, ConnectionError, Unroutable, ProtocolError, LeaseLost)
 _CANCELLED = True
 
 
 class Orchestrator:
     def __init__(
-        self, w: SimWorker, core: Evaluation, on_done: Callable[[Orchestrator], None]
+        self,
+        w: SimWorker,
+        core: Evaluation,
+        on_done: Callable[[Orchestrator], None],
+        fence: str = "",
     ) -> None:
         self.w = w
         self.core = core
+        self.fence = fence  # the lease's token: every write of this copy carries it
         self.attempt_id = core.attempt_id
         self.retry_messages: dict[tuple[str, int], Delivery] = {}
         self._lock = Lock(w.env)
@@ -66,6 +72,7 @@ class Orchestrator:
         self._kept: dict[str, str] = {}  # rule -> verdict of another write that came first
         self._looked = False  # the state was read for the actions being executed
         self._over: str | None = None  # the terminal state the store showed (a cancel)
+        self._lease_until = 0.0  # time the lease runs to, by the last fenced write
 
     # --- inputs -------------------------------------------------------------------------
 
@@ -163,6 +170,13 @@ class Orchestrator:
             self._over = over
             self._starts = []
 
+    def _leased(self, sent: float) -> None:
+        self._lease_until = sent + self.w.config.stale_ms / 1000
+
+    def _lease_short(self) -> bool:
+        """The live `_lease_short`: a start after a pause asks the store again first."""
+        return self.w.env.now > self._lease_until - self.w.config.heartbeat_ms / 1000
+
     def _mark_starts(self, counts: list[int]) -> None:
         for (rule_id, _), count in zip(self._starts, counts, strict=True):
             self._counted[rule_id] = count
@@ -172,8 +186,12 @@ class Orchestrator:
         w, a = self.w, self.attempt_id
         match action:
             case RunRule():
-                if self._over is None and (self._starts or not self._looked):
-                    counts, over = yield from w.store.call(w.redis.mark_started, a, self._starts)
+                if self._over is None and (self._starts or not self._looked or self._lease_short()):
+                    sent = w.env.now
+                    counts, over = yield from w.store.call(
+                        w.redis.mark_started, a, self._starts, self.fence
+                    )
+                    self._leased(sent)
                     self._look(over)
                     self._mark_starts(counts)
                 if self._over is not None:
@@ -182,9 +200,11 @@ class Orchestrator:
                     self._execution[action.rule_id] = self._counted.pop(action.rule_id, 1)
                 self._spawn(self._run_rule(action, self._execution.get(action.rule_id, 1)))
             case PersistResult(rule_id=rule_id, result=result):
+                sent = w.env.now
                 existing, counts, over = yield from w.store.call(
-                    w.redis.write_result, a, result, self._starts
+                    w.redis.write_result, a, result, self._starts, self.fence
                 )
+                self._leased(sent)
                 self._look(over)
                 self._mark_starts(counts)
                 w.record(
@@ -202,7 +222,7 @@ class Orchestrator:
                 if w.fp:
                     yield from w.fp.hit("rule_after_write", rule_id, a)
             case PersistStatus():
-                self._look((yield from module.persist_status(w, a, action)))
+                self._look((yield from module.persist_status(w, a, action, self.fence)))
             case ScheduleRetry():
                 if self._over is not None:
                     w.record(
@@ -237,7 +257,7 @@ class Orchestrator:
                     "evaluation.pass_result", body, f"{a}:pass:{action.pass_id}"
                 )
                 yield from w.store.call(
-                    w.redis.mark_pass_published, a, action.pass_id, action.outcome
+                    w.redis.mark_pass_published, a, action.pass_id, action.outcome, self.fence
                 )
                 w.record(
                     "pass_published",
@@ -256,7 +276,7 @@ class Orchestrator:
                     fresh=list(action.fresh),
                 )
             case Park(waiting=waiting):
-                yield from w.store.call(w.redis.park, a, w.worker_id)
+                yield from w.store.call(w.redis.park, a, w.worker_id, self.fence)
                 w.record("parked", attempt_id=a, waiting=dict(waiting))
                 yield from self._close(release=False, requeue_held=True)
             case Finish():
@@ -314,7 +334,9 @@ class Orchestrator:
         """Another write came first: without the lease step aside, with it adopt the kept
         result (the live `_adopt`). False when the evaluation was abandoned."""
         w, a = self.w, self.attempt_id
-        held = yield from w.store.call(w.redis.renew, [a], w.worker_id, w.store.now_ms())
+        held = yield from w.store.call(
+            w.redis.renew, {a: self.fence}, w.worker_id, w.store.now_ms()
+        )
         if not held.get(a):
             yield from self.abandon(f"{rule_id}: another write of its result came first")
             return False
@@ -339,20 +361,30 @@ class Orchestrator:
             verdicts=verdicts,
         )
         if kept is None:
-            if w.fp:
-                yield from w.fp.hit("before_final_publish", None, a)
-            held = yield from publish_completed(w, a, status, verdicts)
-            for _ in range(3):
-                if held is not False:
-                    break
-                yield from self._confirm_final(action, again=True)
-                held = yield from w.store.call(w.redis.done, a, w.worker_id)
-            if w.fp:
-                yield from w.fp.hit("after_final_publish", None, a)
+            # The live `asyncio.shield`: the announcement runs as a process of its own,
+            # which losing the lease (`abandon`) does not interrupt.
+            announcing = w.spawn(self._task(self._announce(action, status, verdicts)))
+            if announcing is not None:
+                yield announcing
             yield from self._close(release=False)
             return
         yield from w.store.call(w.redis.unindex, a)
         yield from self._close()
+
+    def _announce(
+        self, action: Finish, status: str, verdicts: dict[str, str]
+    ) -> Generator[Any, Any, None]:
+        w, a = self.w, self.attempt_id
+        if w.fp:
+            yield from w.fp.hit("before_final_publish", None, a)
+        held = yield from publish_completed(w, a, status, verdicts)
+        for _ in range(3):
+            if held is not False:
+                break
+            yield from self._confirm_final(action, again=True)
+            held = yield from w.store.call(w.redis.done, a, w.worker_id)
+        if w.fp:
+            yield from w.fp.hit("after_final_publish", None, a)
 
     def _confirm_final(self, action: Finish, again: bool = False) -> Generator[Any, Any, Any]:
         """`RedisStore.finish`: the final state, once every named result is in Redis."""
@@ -360,7 +392,7 @@ class Orchestrator:
         results = {r: core.results[r] for r in action.verdicts if r in core.results}
         failed = [r for r in core.rules_in(RuleState.PERMANENTLY_FAILED) if r in action.verdicts]
         kept, restored = yield from w.store.call(
-            w.redis.finish, a, action.status.value, results, failed
+            w.redis.finish, a, action.status.value, results, failed, self.fence
         )
         if restored or again:
             w.record(

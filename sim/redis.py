@@ -31,6 +31,7 @@ from engine.core import PERMANENTLY_FAILED, RuleResult, Snapshot, status_rank
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.runtime.store import (
     Begun,
+    LeaseLost,
     eval_key,
     result_key,
     retry_member,
@@ -41,6 +42,15 @@ from engine.runtime.store import (
 
 TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
 _MISSING = object()
+
+
+class Fenced:
+    """What a fenced script returns when it wrote nothing (the live `{FENCED, holder}`):
+    `RedisClient.call` raises `LeaseLost` with it, as the live store does."""
+
+    def __init__(self, attempt_id: str, other: str) -> None:
+        self.attempt_id = attempt_id
+        self.other = other
 
 
 def _rank(status: str) -> int:
@@ -200,9 +210,43 @@ class SimRedis:
     def ping(self) -> str:
         return "PONG"
 
+    def _fenced(self, a: str, token: str | None) -> Fenced | None:
+        """`fenced` of `_LUA_FENCE`: refused unless the token is the current one and no
+        other worker holds the lease; then the lease runs on from now."""
+        if not token:
+            return None
+        me = token.partition(":")[2]
+        fence_key, owner = eval_key(a, "fence"), eval_key(a, "owner")
+        cur = self.get(fence_key)
+        if cur is not None and cur != token:
+            return Fenced(a, cur)
+        holder = self.get(owner)
+        if holder is not None and holder != me:
+            return Fenced(a, holder)
+        if cur is None:
+            self._set(fence_key, token, self.ttl)
+        self._set(owner, me, self.lease_s)
+        return None
+
+    def _next_fence(self, a: str, me: str) -> str:
+        key = eval_key(a, "fence")
+        cur = self.get(key)
+        head = cur.partition(":")[0] if cur else ""
+        token = f"{(int(head) if head.isdigit() else 0) + 1}:{me}"
+        self._set(key, token, self.ttl)
+        return token
+
     def write_result(
-        self, a: str, result: RuleResult, starts: Sequence[tuple[str, int]]
-    ) -> tuple[RuleResult | None, list[int], str | None]:
+        self,
+        a: str,
+        result: RuleResult,
+        starts: Sequence[tuple[str, int]],
+        fence: str | None = None,
+    ) -> tuple[RuleResult | None, list[int], str | None] | Fenced:
+        # overwrite_result's blind write passes the fence too
+        refused = self._fenced(a, fence) if self.first_write_wins else None
+        if refused is not None:
+            return refused
         key = result_key(a, result.rule_id)
         existing = self.get(key) if self.first_write_wins else None  # SET reports no loser
         if existing is None:
@@ -226,9 +270,15 @@ class SimRedis:
         for rule_id in plan.rules:
             self._zrem(self.retries_index, retry_member(a, rule_id))
 
-    def _count_starts(self, a: str, starts: Sequence[tuple[str, int]]) -> list[int]:
+    def _count_starts(
+        self, a: str, starts: Sequence[tuple[str, int]], unindex: bool = False
+    ) -> list[int]:
+        """The start markers; with `unindex` (`_MARK_STARTED`), a delayed retry's attempt
+        also leaves the retries index as it starts."""
         counts = []
         for rule_id, attempt in starts:
+            if unindex and attempt > 1:
+                self._zrem(self.retries_index, retry_member(a, rule_id))
             key = runs_key(a, rule_id)
             runs = self._container(key)
             field = str(attempt)
@@ -238,16 +288,22 @@ class SimRedis:
         return counts
 
     def mark_started(
-        self, a: str, starts: Sequence[tuple[str, int]]
-    ) -> tuple[list[int], str | None]:
+        self, a: str, starts: Sequence[tuple[str, int]], fence: str | None = None
+    ) -> tuple[list[int], str | None] | Fenced:
+        refused = self._fenced(a, fence)
+        if refused is not None:
+            return refused
         over = self._over(a)
         if over is not None:
             return [], over
-        return self._count_starts(a, starts), None
+        return self._count_starts(a, starts, unindex=True), None
 
     def write_status(
-        self, a: str, rule_id: str, status: str, due_ms: int | None
-    ) -> tuple[str | None, str | None]:
+        self, a: str, rule_id: str, status: str, due_ms: int | None, fence: str | None = None
+    ) -> tuple[str | None, str | None] | Fenced:
+        refused = self._fenced(a, fence)
+        if refused is not None:
+            return refused
         over = self._over(a)
         key = status_key(a, rule_id)
         cur = self.get(key)
@@ -281,9 +337,10 @@ class SimRedis:
         if plan is None:
             return Begun(no_plan=True)
         self._set(owner, me, self.lease_s)
+        token = self._next_fence(a, me)
         self._set(eval_key(a, "state"), "running", self.ttl)
         self._zadd(self.running_index, a, now_ms)
-        return Begun(plan_json=None, snapshot=self.snapshot(a, rule_ids))
+        return Begun(plan_json=None, snapshot=self.snapshot(a, rule_ids), fence=token)
 
     def snapshot(self, a: str, rule_ids: Sequence[str]) -> Snapshot:
         results = {}
@@ -319,8 +376,16 @@ class SimRedis:
         return True
 
     def finish(
-        self, a: str, status: str, results: Mapping[str, RuleResult], failed: Sequence[str]
-    ) -> tuple[str | None, list[str]]:
+        self,
+        a: str,
+        status: str,
+        results: Mapping[str, RuleResult],
+        failed: Sequence[str],
+        fence: str | None = None,
+    ) -> tuple[str | None, list[str]] | Fenced:
+        refused = self._fenced(a, fence)
+        if refused is not None:
+            return refused
         over = self._over(a)
         if over is not None:
             return over, []
@@ -338,11 +403,15 @@ class SimRedis:
         self._set(eval_key(a, "state"), status, self.ttl)
         return None, restored
 
-    def park(self, a: str, me: str) -> None:
+    def park(self, a: str, me: str, fence: str | None = None) -> Fenced | None:
+        refused = self._fenced(a, fence)
+        if refused is not None:
+            return refused
         if self.get(eval_key(a, "state")) not in TERMINAL:
             self._set(eval_key(a, "state"), "parked", self.ttl)
         self._zrem(self.running_index, a)
         self.release(a, me)
+        return None
 
     def set_state(self, a: str, state: str) -> str | None:
         cur = self.get(eval_key(a, "state"))
@@ -353,25 +422,38 @@ class SimRedis:
             self._unindex_retries(a)
         return None
 
-    def mark_pass_published(self, a: str, pass_id: str, outcome: str) -> None:
+    def mark_pass_published(
+        self, a: str, pass_id: str, outcome: str, fence: str | None = None
+    ) -> Fenced | None:
+        refused = self._fenced(a, fence)
+        if refused is not None:
+            return refused
         key = eval_key(a, "passes")
         self._container(key)[pass_id] = outcome
         self._expire(key, self.ttl)
+        return None
 
-    def steal(self, a: str, holder: str, me: str) -> bool:
-        owner = eval_key(a, "owner")
-        cur = self.get(owner)
-        if cur is None or cur == holder:
-            self._set(owner, me, self.lease_s)
-            return True
-        return False
-
-    def renew(self, ids: Iterable[str], me: str, now_ms: int) -> dict[str, int]:
+    def renew(self, ids: Iterable[str] | Mapping[str, str], me: str, now_ms: int) -> dict[str, int]:
+        fences = ids if isinstance(ids, Mapping) else dict.fromkeys(ids, "")
         out = {}
-        for a in ids:
+        for a, token in fences.items():
             owner = eval_key(a, "owner")
             cur = self.get(owner)
-            if cur == me:
+            if token:  # the fence decides (`_RENEW`)
+                fence = self.get(eval_key(a, "fence"))
+                if (fence is not None and fence != token) or (cur is not None and cur != me):
+                    out[a] = 0
+                    continue
+                if fence is None:
+                    self._set(eval_key(a, "fence"), token, self.ttl)
+                self._set(owner, me, self.lease_s)
+                forgotten = self.get(eval_key(a, "state")) is None
+                if forgotten:
+                    self._set(eval_key(a, "state"), "running", self.ttl)
+                if self._over(a) is None:
+                    self._zadd(self.running_index, a, now_ms)
+                out[a] = 2 if forgotten else 1
+            elif cur == me:
                 self._expire(owner, self.lease_s)
                 if self._over(a) is None:
                     self._zadd(self.running_index, a, now_ms)
@@ -391,6 +473,9 @@ class SimRedis:
             return False
         self._set(key, plan, self.ttl)
         return True
+
+    def holder(self, a: str) -> str | None:
+        return self.get(eval_key(a, "owner"))
 
     def release(self, a: str, me: str) -> None:
         owner = eval_key(a, "owner")
@@ -420,18 +505,17 @@ class SimRedis:
     def overdue_retries(self, grace_ms: int, now_ms: int) -> list[str]:
         return self._zrange_upto(self.retries_index, now_ms - grace_ms, 100)
 
-    def claim_retry(self, member: str, grace_ms: int, now_ms: int) -> bool:
+    def claim_retry(self, member: str, grace_ms: int, now_ms: int) -> str | None:
+        """`_CLAIM_RETRY`: the rule's status, read with the claim (None: not claimed)."""
         z = self.get(self.retries_index) or {}
         score = z.get(member)
         if score is None or score > now_ms - grace_ms:
-            return False
-        if self._over(split_member(member)[0]) is not None:
+            return None
+        a, rule_id = split_member(member)
+        if self._over(a) is not None:
             self._zrem(self.retries_index, member)
-            return False
+            return None
         self._container(self.retries_index)[member] = now_ms + grace_ms
-        return True
-
-    def status_of(self, a: str, rule_id: str) -> str | None:
         return self.get(status_key(a, rule_id))
 
 
@@ -484,6 +568,8 @@ class RedisClient:
                 self._in_at = back
                 yield env.timeout(back - now)
                 if redis.epoch == box[0]:
+                    if isinstance(box[1], Fenced):
+                        raise LeaseLost(f"{box[1].attempt_id}: the lease is {box[1].other}'s now")
                     return box[1]
             failures += 1  # connection refused or reset: redis-py's Retry
             if failures > self.RETRIES:

@@ -146,6 +146,7 @@ class SimRun:
         self.boot_rng = random.Random(f"{tag}:boot")
         self.salt_rng = random.Random(f"{tag}:salt")
         self.schedule: list[PlannedFault] = fault_schedule(spec, random.Random(self.seed))
+        self.pauses = any(f.action == "pause_worker" for f in self.schedule)
         self.id_prefix = loaded.id_prefix(self.seed)
         self.plans: dict[str, Plan] = loaded.evaluations(self.seed)
         self.attempt_ids: list[str] = list(self.plans)
@@ -316,6 +317,14 @@ class SimRun:
                 slot.stopped_on_purpose = True
             slot.restart_at = self.env.now
             slot.heals.append(fault_id)
+        elif fault.action == "pause_worker":
+            w = self.slots[fault.target].worker
+            if w is None or not w.alive:
+                self._healed(fault_id)
+                return
+            w.freeze(fault.pause_s or 0.0)  # SIGSTOP: none of its processes takes a step
+            self.runner.record("worker_paused", worker=fault.target, pid=w.pid)
+            self._later_do(fault.pause_s or 0.0, self._resume_worker(fault.target, w, fault_id))
         elif fault.action in ("kill_redis", "kill_broker"):
             name = "redis" if fault.action == "kill_redis" else "broker"
             (self.redis if name == "redis" else self.broker).kill()
@@ -357,6 +366,12 @@ class SimRun:
         state = kept or EvaluationStatus.CANCELLED.value
         self.runner.record("cancel_written", attempt_id=attempt_id, state=state)
         yield from client.close()
+
+    def _resume_worker(self, index: int, w: SimWorker, fault_id: int) -> Generator[Any, Any, None]:
+        if self.slots[index].worker is w and w.alive:
+            self.runner.record("worker_resumed", worker=index, pid=w.pid)
+        self._healed(fault_id)
+        yield from ()
 
     def _later_do(self, delay_s: float, gen: Generator) -> None:
         def later() -> Generator[Any, Any, None]:

@@ -25,7 +25,7 @@ def heartbeat(w: SimWorker) -> Generator[Any, Any, None]:
     period = w.config.heartbeat_ms / 1000
     while True:
         yield w.env.timeout(period)
-        held = list(w.controller.evaluations)
+        held = {a: orch.fence for a, orch in w.controller.evaluations.items()}
         if not held:
             continue
         try:
@@ -73,10 +73,8 @@ def sweep(w: SimWorker) -> Generator[Any, Any, None]:
     overdue = yield from store.call(redis.overdue_retries, grace, store.now_ms())
     for member in overdue:
         claimed_from_ms = store.now_ms()
-        if not (yield from store.call(redis.claim_retry, member, grace, store.now_ms())):
-            continue
+        status = yield from store.call(redis.claim_retry, member, grace, store.now_ms())
         attempt_id, rule_id = split_member(member)
-        status = yield from store.call(redis.status_of, attempt_id, rule_id)
         n = parse_status(status) if status else None
         if n is None:
             continue

@@ -38,6 +38,10 @@ class Semaphore:
                 self._waiters.remove(ev)
             raise
 
+    def locked(self) -> bool:
+        """asyncio's `Semaphore.locked`: an `acquire` now would wait."""
+        return self._free == 0 or bool(self._waiters)
+
     def release(self) -> None:
         if self._waiters:
             self._waiters.popleft().succeed()  # the unit passes straight to the next waiter

@@ -81,7 +81,8 @@ class SimWorker:
             else None
         )
         self.frozen_until = 0.0  # simulated time the current freeze ends
-        self._freezable = self.fp is not None and self.fp.freezes  # else no step is watched
+        # else no step is watched: a `freeze` failpoint or the runner's `pause_worker`
+        self._freezable = (self.fp is not None and self.fp.freezes) or run.pauses
         self.no_redis_results = run.mutant == "no_redis_results"
         self.double_final_publish = run.mutant == "double_final_publish"
         self.controller = Controller(self)

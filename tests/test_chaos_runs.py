@@ -54,6 +54,7 @@ CATCHES = {
     "leak_running_index": "permanent_failure_prunes",
     "needless_rerun": "permanent_failure_prunes",  # no fault at all: no rerun is owed
     "ignore_lease": "consumer_timeout",  # retries delivered to the worker not owning them
+    "no_fencing": "paused_owner",  # the paused owner wakes and starts what was finished
 }
 
 

@@ -613,6 +613,25 @@ def test_a_second_final_result_after_the_publisher_crashed_is_allowed() -> None:
     only(bystander.check(), "single_final_result")
 
 
+def test_a_second_final_result_after_the_publisher_paused_is_allowed() -> None:
+    # w1 sent evaluation.completed, then stopped before flagging it (its `final_published`
+    # comes last, after its pause); a sweeper's resume announced it again meanwhile.
+    for pause in (
+        {"ev": "worker_paused", "src": "runner", "pid": 11, "worker": 0},
+        {"ev": "failpoint_fired", "src": "w1", "pid": 11, "action": "freeze", "stall_ms": 900},
+    ):
+        run = Run().golden()
+        [mine] = [e for e in run.events if e["ev"] == "final_published"]
+        run.ev(pause.pop("ev"), pause.pop("src"), pause.pop("pid"), **pause)
+        run.ev("final_published", "w2", 12, attempt_id=A, status="completed")
+        mine["t"] = run.events[-1]["t"] + 0.1  # recorded once flagged, after the pause
+        passes(run.check())
+    unpaused = Run().golden()
+    unpaused.ev("failpoint_fired", "w1", 11, action="stall", stall_ms=900)  # one task only
+    unpaused.ev("final_published", "w2", 12, attempt_id=A, status="completed")
+    only(unpaused.check(), "single_final_result")
+
+
 def test_final_results_that_disagree_with_the_state() -> None:
     run = Run().golden()
     run.ev("evaluation_terminal", "w2", 12, attempt_id=A, status="partial", won=True)

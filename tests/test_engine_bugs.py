@@ -116,7 +116,7 @@ def test_the_claim_scripts_drop_a_terminal_evaluation_instead_of_restamping_it()
     redis.release("a1", "w1")
     redis._set(eval_key("a1", "state"), "cancelled", 3600)  # a cancel that cleaned nothing
     redis._set(eval_key("a1", "final_published"), "1", 3600)
-    assert redis.claim_retry(retry_member("a1", "compiles"), 0, 10_000) is False
+    assert redis.claim_retry(retry_member("a1", "compiles"), 0, 10_000) is None
     assert redis.claim_stale("a1", 0, 10_000) is False
     assert not redis.get("r") and not redis.get("q")  # (an emptied set is gone)
     # a terminal evaluation not yet announced is still claimed: the resume announces it

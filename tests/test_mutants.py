@@ -45,7 +45,7 @@ from engine.core import (
 from engine.history import FileHistory, read_history
 from engine.plan import Plan
 from engine.policy import RetryPolicy
-from engine.runtime.store import RedisStore, eval_key, result_key
+from engine.runtime.store import LeaseLost, RedisStore, eval_key, result_key
 from sim import mutants as sim_mutants
 from sim.history import Source
 from tests.helpers import OK, PERMANENT, TRANSIENT, agent, example_plan, result_for, run_plan
@@ -674,6 +674,40 @@ def test_ignore_lease() -> None:
     before, after = _probe("probe_lease", "ignore_lease")
     assert before == {"holder": "w1", "begun": False, "owner": "w1"}
     assert after == {"holder": None, "begun": True, "owner": "w2"}  # taken from a live owner
+
+
+def probe_fence() -> dict[str, Any]:
+    """w1 begins an evaluation; its lease lapses; w2 begins it (a new token); w1, awake,
+    writes a result and counts a start with its old token. What lands?"""
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
+        a = ids[0]
+        first = await store.begin(a, "w1", TINY.order, TINY.to_json())
+        await store.redis.delete(eval_key(a, "owner"))  # the lease lapses
+        second = await store.begin(a, "w2", TINY.order, None)
+        late = RuleResult("compiles", "fail", 0.1, 5)
+        try:
+            await store.write_result(a, late, [("unit_tests", 1)], first.fence)
+            refused = False
+        except LeaseLost:
+            refused = True
+        stored = await store.redis.get(result_key(a, "compiles"))
+        return {
+            "tokens": [first.fence, second.fence],
+            "refused": refused,
+            "written": stored is not None,
+            "owner": await store.redis.get(eval_key(a, "owner")),
+        }
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_no_fencing() -> None:
+    before, after = _probe("probe_fence", "no_fencing")
+    assert before == {"tokens": ["1:w1", "2:w2"], "refused": True, "written": False, "owner": "w2"}
+    # The stale owner's write lands beside the new owner.
+    assert after == {"tokens": ["1:w1", "2:w2"], "refused": False, "written": True, "owner": "w2"}
 
 
 def probe_renewals() -> dict[str, Any]:

@@ -569,7 +569,7 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     (
         "runner_action",
         _fault(1, action="explode"),
-        "faults[1].action: expected one of kill_worker, restart_worker, kill_redis, "
+        "faults[1].action: expected one of kill_worker, restart_worker, pause_worker, kill_redis, "
         "kill_broker, cancel; got 'explode'",
     ),
     ("runner_no_action", _drop(1, "action"), "faults[1].action: required field is missing"),
@@ -606,7 +606,7 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     (
         "target_on_redis",
         _fault(1, action="kill_redis"),
-        "faults[1].target: only for kill_worker, restart_worker and cancel",
+        "faults[1].target: only for kill_worker, restart_worker, pause_worker and cancel",
     ),
     (
         "window_reversed",
@@ -1194,6 +1194,7 @@ def test_committed_schema_is_current() -> None:
     assert schema["$defs"]["RunnerFault"]["properties"]["action"]["enum"] == [
         "kill_worker",
         "restart_worker",
+        "pause_worker",
         "kill_redis",
         "kill_broker",
         "cancel",

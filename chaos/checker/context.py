@@ -110,7 +110,7 @@ class Context:
             "evaluations": len(self.evaluations),
             "faults": len(self.faults),
             "crashes": sum(1 for e in self.faults if e.get("ev") == "crash"),
-            "faults_fired": faults_fired(self.faults),
+            "faults_fired": faults_fired(self.events),
         }
 
     def final_of(self, a: str) -> EvaluationFinal | None:
@@ -147,14 +147,18 @@ def as_result(value: Any, rule_id: str) -> RuleResult | None:
 
 def faults_fired(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """What was done to the run, by kind, for a summary: each runner `fault_fired` by its
-    action (`kill_worker`, `cancel`...), each worker `crash` as `crash@<failpoint>`. Kills
-    are counted once (their `worker_killed` / `service_killed` echo is not a second fault)."""
+    action (`kill_worker`, `cancel`...), each worker `crash` as `crash@<failpoint>`, each
+    other failpoint that fired as `<action>@<failpoint>` (`freeze@before_final_publish`).
+    Kills are counted once (their `worker_killed` / `service_killed` echo is not a second
+    fault)."""
     out: dict[str, int] = {}
     for e in events:
         if e.get("ev") == "fault_fired":
             kind = str(e.get("action") or e.get("fault") or "fault")
         elif e.get("ev") == "crash":
             kind = f"crash@{e.get('failpoint') or 'unknown'}"
+        elif e.get("ev") == "failpoint_fired" and e.get("action") not in (None, "crash"):
+            kind = f"{e.get('action')}@{e.get('failpoint') or 'unknown'}"
         else:
             continue
         out[kind] = out.get(kind, 0) + 1

@@ -50,7 +50,14 @@ class Session:
 
 #: Events that settle a delivery that opened no session.
 SETTLED_ALONE = frozenset(
-    {"forwarded", "terminal_dropped", "duplicate_dropped", "message_rejected", "delivery_failed"}
+    {
+        "forwarded",
+        "forward_failed",
+        "terminal_dropped",
+        "duplicate_dropped",
+        "message_rejected",
+        "delivery_failed",
+    }
 )
 
 

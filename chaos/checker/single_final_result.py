@@ -1,6 +1,9 @@
 """`single_final_result`: one winning `evaluation_terminal`, equal to the final state; every
-`final_published` carries that state, and a second one only follows a crash or kill of
-the process that published the first.
+`final_published` carries that state, and a second one only follows a stop of a process
+that was announcing it: a crash, a kill, or a pause (`pause_worker`, a `freeze`) long
+enough for its lease to lapse, after which a sweeper announces again what it had already
+sent (`final_published` is recorded once the flag is written, after the send: the two
+events of such a pair may come in either order).
 """
 
 from __future__ import annotations
@@ -18,16 +21,24 @@ from chaos.checker.context import (
 )
 from chaos.checker.records import Violation
 
+#: What stops a process from the outside view of its announcements.
+_STOPS = ("crash", "worker_killed", "worker_paused", "failpoint_fired")
 
-def _killed(cx: Context, publisher: dict, t0: float, t1: float) -> bool:
-    """Whether the process that recorded `publisher` crashed or was killed in (t0, t1]."""
+
+def _stopped(cx: Context, publisher: dict, t0: float, t1: float) -> bool:
+    """Whether the process that recorded `publisher` crashed, was killed or was paused (a
+    `worker_paused`, a `freeze` failpoint) in [t0, t1]."""
     src, pid = publisher.get("src"), publisher.get("pid")
-    for e in cx.faults:
-        if not t0 < event_time(e) <= t1:
+    for e in of(cx.events, *_STOPS):
+        if not t0 <= event_time(e) <= t1:
             continue
-        if e.get("ev") == "crash" and (e.get("src"), e.get("pid")) == (src, pid):
+        ev = e.get("ev")
+        own = (e.get("src"), e.get("pid")) == (src, pid)
+        if ev == "crash" and own:
             return True
-        if e.get("ev") == "worker_killed" and (
+        if ev == "failpoint_fired" and own and e.get("action") == "freeze":
+            return True
+        if ev in ("worker_killed", "worker_paused") and (
             (pid is not None and e.get("pid") == pid) or (src and e.get("worker") == src)
         ):
             return True
@@ -37,9 +48,9 @@ def _killed(cx: Context, publisher: dict, t0: float, t1: float) -> bool:
 def check_single_final_result(cx: Context) -> Outcome:
     """Per evaluation: at most one `evaluation_terminal` with `won: true`, with the final
     state's status; every `final_published` carries the final state; and each
-    `final_published` after the first follows a crash or kill of the process that
-    published the one before it (a cancelled evaluation may have none: the canceller
-    publishes)."""
+    `final_published` after the first follows a stop (crash, kill, pause) of either
+    process of the pair since the first terminal state was won (a cancelled evaluation
+    may have none: the canceller publishes)."""
     out: list[Violation] = []
     judged = 0
     published = 0
@@ -87,8 +98,11 @@ def check_single_final_result(cx: Context) -> Outcome:
                     timeline(pubs + won),
                 )
             )
+        since = min((event_time(e) for e in won), default=None)
         for prev, nxt in itertools.pairwise(pubs):
-            if not _killed(cx, prev, event_time(prev), event_time(nxt)):
+            t0 = event_time(prev) if since is None else min(since, event_time(prev))
+            t1 = event_time(nxt)
+            if not any(_stopped(cx, p, t0, t1) for p in (prev, nxt)):
                 out.append(
                     Violation(
                         "single_final_result",
@@ -97,7 +111,7 @@ def check_single_final_result(cx: Context) -> Outcome:
                         f"final result published again by {nxt.get('src')} "
                         f"{event_time(nxt) - event_time(prev):.3f} s after {prev.get('src')} "
                         "published it, "
-                        "with no crash of the first publisher in between",
+                        "with no crash, kill or pause of either publisher in between",
                         timeline([prev, nxt], won + cx.faults),
                     )
                 )

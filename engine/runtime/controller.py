@@ -6,10 +6,13 @@ published: a crash before that leaves the message with RabbitMQ, which redeliver
 retry message is held longer, until the outcome of the attempt it asked for is durable:
 a crash mid-retry redelivers the retry itself, and no sweeper is needed for it.
 
-One worker owns an evaluation at a time (a lease in Redis, renewed by the heartbeat).
-A message for an evaluation owned by another live worker is forwarded to that worker's
-private queue; if the broker cannot route it there, the owner's connection is gone and
-its lease is taken over at once, without waiting for the heartbeat to go stale.
+One worker owns an evaluation at a time (a lease in Redis, renewed by the heartbeat and by
+every write of the owner, and fenced: each acquisition gets a new token that every write
+carries). A message for an evaluation another worker holds is forwarded to that worker's
+private queue. A forward the broker cannot route is no proof that the owner is dead (its
+connection may be re-declaring the queue after a broker restart or a closed channel):
+the message goes back to the queue and comes round again, until the queue is back or the
+lease expires, and only an expired lease hands the evaluation over.
 """
 
 from __future__ import annotations
@@ -141,6 +144,13 @@ class EvaluationController:
 
         # A slot is taken before the lease and held while the evaluation is in memory;
         # `_done` gives it back. A delivery that puts nothing in memory gives it back here.
+        # With every slot taken, a message for an evaluation another worker holds is passed
+        # on at once rather than held until a slot frees (its retry would start late).
+        if self._slots.locked():
+            holder = await rt.store.holder(attempt_id)
+            if holder is not None and holder != rt.worker_id:
+                await self._forward(attempt_id, holder, message)
+                return
         await self._slots.acquire()
         try:
             await self._begin(kind, attempt_id, body, message, plan, bool(raw))
@@ -161,9 +171,8 @@ class EvaluationController:
         # 2. Lease, state, plan and ReEvaluateUseCase's read of Redis, in one round trip.
         begun = await self.reevaluate.read(attempt_id, plan, plan_in_message)
         if begun.holder is not None:
-            if not await self._take_over(attempt_id, begun.holder, message):
-                return
-            begun = await self.reevaluate.read(attempt_id, plan, plan_in_message)
+            await self._forward(attempt_id, begun.holder, message)
+            return
         if begun.terminal is not None:
             if not begun.published and plan is not None:
                 snapshot = await rt.store.snapshot(attempt_id, plan.order)
@@ -172,11 +181,11 @@ class EvaluationController:
             rt.history.record("terminal_dropped", attempt_id=attempt_id, kind=kind)
             await settle(message)
             return
-        if begun.no_plan or begun.holder is not None or plan is None or begun.snapshot is None:
-            reason = "no plan" if begun.no_plan or plan is None else "lease race"
+        if begun.no_plan or plan is None or begun.snapshot is None:
+            reason = "no plan"
             rt.history.record("message_rejected", attempt_id=attempt_id, reason=reason)
             await rt.store.release(attempt_id, rt.worker_id)
-            await settle(message, ack=reason == "no plan")
+            await settle(message)
             return
         snapshot = begun.snapshot
 
@@ -209,7 +218,7 @@ class EvaluationController:
         rt.history.record(
             "evaluation_started", attempt_id=attempt_id, plan=plan.id, resumed=resumed, kind=kind
         )
-        orch = PassExecutionOrchestrator(rt, core, self._done)
+        orch = PassExecutionOrchestrator(rt, core, self._done, begun.fence)
         self.evaluations[attempt_id] = orch
         orch.holds_slot = True
         rt.metrics.running.set(len(self.evaluations))
@@ -222,24 +231,23 @@ class EvaluationController:
             orch.retry_messages[(str(body["rule_id"]), int(body["attempt"]))] = message
         orch.start()
 
-    async def _take_over(
+    async def _forward(
         self, attempt_id: str, holder: str, message: AbstractIncomingMessage
-    ) -> bool:
-        """Forward the message to the live worker holding the lease, or take a dead one's."""
+    ) -> None:
+        """Pass the message on to the worker holding the lease. Unroutable, it goes back to
+        the queue after a pause (a heartbeat, at most): the holder's queue comes back, or
+        its lease expires and the next `begin` takes the evaluation."""
         rt = self.rt
         queue = rt.config.name(f"worker.{holder}")
         try:
             await rt.broker.forward(queue, message.body, message.message_id)
         except Unroutable:
-            if await rt.store.steal(attempt_id, holder, rt.worker_id):
-                rt.history.record("lease_taken_over", attempt_id=attempt_id, previous=holder)
-                return True
-            await asyncio.sleep(0.05)
+            rt.history.record("forward_failed", attempt_id=attempt_id, to=holder)
+            await asyncio.sleep(min(rt.config.heartbeat_ms, 200) / 1000)
             await settle(message, ack=False)
-            return False
+            return
         rt.history.record("forwarded", attempt_id=attempt_id, to=holder)
         await settle(message)
-        return False
 
     def _done(self, orch: PassExecutionOrchestrator) -> None:
         if self.evaluations.get(orch.attempt_id) is orch:

@@ -17,14 +17,18 @@ class EvaluationModule:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
-    async def persist_status(self, attempt_id: str, action: PersistStatus) -> str | None:
+    async def persist_status(
+        self, attempt_id: str, action: PersistStatus, fence: str | None = None
+    ) -> str | None:
         """Write the status; return the evaluation's state if the store says it is over (a
         cancel): the caller then schedules no retry and starts nothing more."""
         rt = self.rt
         due = None
         if action.retry_due_in_ms is not None:
             due = now_ms() + round(action.retry_due_in_ms * rt.config.time_scale)
-        kept, over = await rt.store.write_status(attempt_id, action.rule_id, action.status, due)
+        kept, over = await rt.store.write_status(
+            attempt_id, action.rule_id, action.status, due, fence
+        )
         rt.history.record(
             "status_written",
             attempt_id=attempt_id,

@@ -14,6 +14,7 @@ unacknowledged retries are handed back, and the sweeper or a redelivery resumes 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -37,14 +38,20 @@ from engine.core.results import RuleResult
 from engine.core.states import EvaluationStatus, RuleState
 from engine.runtime.context import Runtime, log, settle
 from engine.runtime.module import EvaluationModule
+from engine.runtime.store import LeaseLost
 
 
 class PassExecutionOrchestrator:
     def __init__(
-        self, rt: Runtime, core: Evaluation, on_done: Callable[[PassExecutionOrchestrator], None]
+        self,
+        rt: Runtime,
+        core: Evaluation,
+        on_done: Callable[[PassExecutionOrchestrator], None],
+        fence: str = "",
     ) -> None:
         self.rt = rt
         self.core = core
+        self.fence = fence  # the lease's token: every write of this copy carries it
         self.attempt_id = core.attempt_id
         self.module = EvaluationModule(rt)
         self.retry_messages: dict[tuple[str, int], AbstractIncomingMessage] = {}
@@ -62,6 +69,7 @@ class PassExecutionOrchestrator:
         self._kept: dict[str, str] = {}  # rule -> verdict of another write that came first
         self._looked = False  # the state was read for the actions being executed
         self._over: str | None = None  # the terminal state the store showed (a cancel)
+        self._lease_until = 0.0  # monotonic time the lease runs to, by the last fenced write
 
     # --- inputs -------------------------------------------------------------------------
 
@@ -122,7 +130,10 @@ class PassExecutionOrchestrator:
             return
         exc = task.exception()
         if exc is not None and not self._closed:
-            log.error("evaluation %s failed", self.attempt_id, exc_info=exc)
+            if isinstance(exc, LeaseLost):  # fenced off: another worker owns it now
+                log.warning("evaluation %s: %s", self.attempt_id, exc)
+            else:
+                log.error("evaluation %s failed", self.attempt_id, exc_info=exc)
             self._spawn(self.abandon(f"{type(exc).__name__}: {exc}"))
 
     async def _feed(self, fn: Callable[..., list[Action]], *args: object, **kw: object) -> None:
@@ -155,6 +166,16 @@ class PassExecutionOrchestrator:
             self._over = over
             self._starts = []
 
+    def _leased(self, sent: float) -> None:
+        """A fenced write sent at `sent` landed, so the lease ran on from then at least."""
+        self._lease_until = sent + self.rt.config.stale_ms / 1000
+
+    def _lease_short(self) -> bool:
+        """Too little of the lease is known to be left to start a rule on it: the worker
+        was paused or lagged since its last fenced write (the reply that allowed the starts
+        may be seconds old), so the store is asked again, fenced, before any start."""
+        return time.monotonic() > self._lease_until - self.rt.config.heartbeat_ms / 1000
+
     def _mark_starts(self, counts: list[int]) -> None:
         for (rule_id, _), count in zip(self._starts, counts, strict=True):
             self._counted[rule_id] = count
@@ -166,8 +187,10 @@ class PassExecutionOrchestrator:
             case RunRule():
                 # Before any start, the store's word on a cancel: on the start markers'
                 # round trip, or (a level-1 retry has none) a look at the state alone.
-                if self._over is None and (self._starts or not self._looked):
-                    counts, over = await rt.store.mark_started(a, self._starts)
+                if self._over is None and (self._starts or not self._looked or self._lease_short()):
+                    sent = time.monotonic()
+                    counts, over = await rt.store.mark_started(a, self._starts, self.fence)
+                    self._leased(sent)
                     self._look(over)
                     self._mark_starts(counts)
                 if self._over is not None:
@@ -176,7 +199,11 @@ class PassExecutionOrchestrator:
                     self._execution[action.rule_id] = self._counted.pop(action.rule_id, 1)
                 self._spawn(self._run_rule(action, self._execution.get(action.rule_id, 1)))
             case PersistResult(rule_id=rule_id, result=result):
-                existing, counts, over = await rt.store.write_result(a, result, self._starts)
+                sent = time.monotonic()
+                existing, counts, over = await rt.store.write_result(
+                    a, result, self._starts, self.fence
+                )
+                self._leased(sent)
                 self._look(over)
                 self._mark_starts(counts)
                 rt.history.record(
@@ -193,7 +220,7 @@ class PassExecutionOrchestrator:
                     return
                 await rt.failpoints.hit("rule_after_write", rule_id, a)
             case PersistStatus():
-                self._look(await self.module.persist_status(a, action))
+                self._look(await self.module.persist_status(a, action, self.fence))
             case ScheduleRetry():
                 if self._over is not None:  # over: a retry would only be dropped
                     rt.history.record(
@@ -226,7 +253,7 @@ class PassExecutionOrchestrator:
                 await rt.broker.publish_event(
                     "evaluation.pass_result", body, f"{a}:pass:{action.pass_id}"
                 )
-                await rt.store.mark_pass_published(a, action.pass_id, action.outcome)
+                await rt.store.mark_pass_published(a, action.pass_id, action.outcome, self.fence)
                 rt.history.record(
                     "pass_published",
                     attempt_id=a,
@@ -245,7 +272,7 @@ class PassExecutionOrchestrator:
                     fresh=list(action.fresh),
                 )
             case Park(waiting=waiting):
-                await rt.store.park(a, rt.worker_id)
+                await rt.store.park(a, rt.worker_id, self.fence)
                 rt.history.record("parked", attempt_id=a, waiting=dict(waiting))
                 # A retry that arrived while parking is handed back, not dropped: its
                 # redelivery resumes the evaluation from Redis.
@@ -318,7 +345,7 @@ class PassExecutionOrchestrator:
         lease (a retried script met its own write, or a late writer beat this one) the
         kept result is the rule's from now on, in the core and in what is announced.
         False when the evaluation was abandoned."""
-        held = await self.rt.store.renew([self.attempt_id], self.rt.worker_id)
+        held = await self.rt.store.renew({self.attempt_id: self.fence}, self.rt.worker_id)
         if not held.get(self.attempt_id):
             await self.abandon(f"{rule_id}: another write of its result came first")
             return False
@@ -345,22 +372,28 @@ class PassExecutionOrchestrator:
         )
         if kept is None:
             rt.metrics.evaluations.labels(status=status).inc()
-            await rt.failpoints.hit("before_final_publish", None, a)
-            held = await publish_completed(rt, a, status, verdicts)
-            for _ in range(3):
-                if held is not False:
-                    break
-                # A lossy Redis restart swallowed the final state after it was written:
-                # what was announced is made durable again before the evaluation leaves.
-                await self._confirm_final(action, again=True)
-                held = await rt.store.done(a, rt.worker_id)
-            await rt.failpoints.hit("after_final_publish", None, a)
+            # The terminal state is this copy's and durable: its announcement goes out even
+            # if the lease is lost meanwhile (`abandon` cancels this task, not the shield).
+            await asyncio.shield(self._announce(action, status, verdicts))
             await self._close(release=False)
             return
         if action.status is not EvaluationStatus.CANCELLED:
             log.info("evaluation %s was already %s", a, kept)
         await rt.store.unindex(a)
         await self._close()
+
+    async def _announce(self, action: Finish, status: str, verdicts: dict[str, str]) -> None:
+        rt, a = self.rt, self.attempt_id
+        await rt.failpoints.hit("before_final_publish", None, a)
+        held = await publish_completed(rt, a, status, verdicts)
+        for _ in range(3):
+            if held is not False:
+                break
+            # A lossy Redis restart swallowed the final state after it was written: what
+            # was announced is made durable again before the evaluation leaves.
+            await self._confirm_final(action, again=True)
+            held = await rt.store.done(a, rt.worker_id)
+        await rt.failpoints.hit("after_final_publish", None, a)
 
     async def _confirm_final(self, action: Finish, again: bool = False) -> str | None:
         """Write the final state once Redis holds every result and permanent failure the
@@ -369,7 +402,9 @@ class PassExecutionOrchestrator:
         core, a = self.core, self.attempt_id
         results = {r: core.results[r] for r in action.verdicts if r in core.results}
         failed = [r for r in core.rules_in(RuleState.PERMANENTLY_FAILED) if r in action.verdicts]
-        kept, restored = await self.rt.store.finish(a, action.status.value, results, failed)
+        kept, restored = await self.rt.store.finish(
+            a, action.status.value, results, failed, self.fence
+        )
         if restored or again:
             self.rt.history.record(
                 "final_state_restored" if again else "results_restored",

@@ -158,18 +158,72 @@ end
 """
 
 
+# The fence: every acquisition of the lease writes a new token (`n:worker`, n one more
+# than the last); an owner's write carries its token and lands only while that token is
+# the current one and no other worker holds the lease, so a worker that lost its lease
+# (paused, lagging, partitioned) cannot write over its successor. Each fenced write also
+# runs the lease on from the store's clock: an owner that writes, starts or announces
+# holds a lease good for another `stale_ms`. A token Redis lost is written back (nobody
+# else acquired since: that would have written one). An empty token is an unfenced write
+# (tools and tests, never the owner).
+_LUA_FENCE = """
+local function fenced(fence_key, owner_key, token, lease_ms, ttl)
+  if token == '' then return nil end
+  local me = string.match(token, '^%d+:(.*)$')
+  local cur = redis.call('GET', fence_key)
+  if cur and cur ~= token then return cur end
+  local holder = redis.call('GET', owner_key)
+  if holder and holder ~= me then return holder end
+  if not cur then redis.call('SET', fence_key, token, 'EX', ttl) end
+  redis.call('SET', owner_key, me, 'PX', lease_ms)
+  return nil
+end
+local function next_fence(fence_key, me, ttl)
+  local cur = redis.call('GET', fence_key)
+  local n = (cur and tonumber(string.match(cur, '^(%d+):'))) or 0
+  local token = (n + 1) .. ':' .. me
+  redis.call('SET', fence_key, token, 'EX', ttl)
+  return token
+end
+"""
+
+#: What a fenced script returns, with the current token or holder, when it wrote nothing.
+FENCED = "!fenced"
+
+
+class LeaseLost(Exception):
+    """An owner's write was refused: another worker acquired the lease since (the fence)."""
+
+
 def _script(body: str) -> str:
     """A script with the shared functions above defined first."""
-    return _LUA_TERMINAL + _LUA_UNINDEX_RETRIES + body
+    return _LUA_TERMINAL + _LUA_UNINDEX_RETRIES + _LUA_FENCE + body
+
+
+def _fenced_script(body: str) -> str:
+    """An owner's script: its last two KEYS are the fence and the lease, its last three ARGV
+    the token (`n:worker`), the lease in ms and the TTL; nothing is written unless the
+    token is current (see `_LUA_FENCE`). `NK` is the number of KEYS before the fence's."""
+    return _script(
+        """
+local NK, NA = #KEYS - 2, #ARGV - 3
+local other = fenced(KEYS[NK + 1], KEYS[NK + 2], ARGV[NA + 1], ARGV[NA + 2], ARGV[NA + 3])
+if other then return {'"""
+        + FENCED
+        + """', other} end
+"""
+        + body
+    )
 
 
 # Store a result (the first write wins) and count the starts of the rules it makes ready,
 # in one round trip: a rule's start marker rides on its dependency's result, and so does
 # the owner's look at the evaluation state, so a cancel is seen before the next start.
-# KEYS: result, retries index, state, runs keys... ARGV: json, ttl, member, terminal list,
-# attempts... Returns {'' when this write won, else the stored result; '' or the terminal
-# state (then nothing is counted: those rules must not start); start counts...}.
-_WRITE_RESULT = _script("""
+# KEYS: result, retries index, state, runs keys..., fence, owner. ARGV: json, ttl, member,
+# terminal list, attempts..., token, lease_ms, ttl. Returns {'' when this write won,
+# else the stored result; '' or the terminal state (then nothing is counted: those rules
+# must not start); start counts...}, or {FENCED, holder}.
+_WRITE_RESULT = _fenced_script("""
 local won = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[3])
 local out = {'', ''}
@@ -179,18 +233,19 @@ if terminal(state, ARGV[4]) then
   out[2] = state
   return out
 end
-for i = 4, #KEYS do
+for i = 4, NK do
   out[i - 1] = redis.call('HINCRBY', KEYS[i], ARGV[i + 1], 1)
   redis.call('EXPIRE', KEYS[i], ARGV[2])
 end
 return out
 """)
 
-# KEYS: status, retries index, state. ARGV: status, rank, ttl, member, due_ms ('' = not
-# retrying), terminal list. Returns {'' when written, else the kept status (the write would
-# have moved the attempt count back); '' or the evaluation's terminal state}. The retry of
-# a terminal evaluation never enters the retries index.
-_WRITE_STATUS = _script("""
+# KEYS: status, retries index, state, fence, owner. ARGV: status, rank, ttl, member, due_ms
+# ('' = not retrying), terminal list, token, lease_ms, ttl. Returns {'' when written, else
+# the kept status (the write would have moved the attempt count back); '' or the
+# evaluation's terminal state}, or {FENCED, holder}. The retry of a terminal evaluation
+# never enters the retries index.
+_WRITE_STATUS = _fenced_script("""
 local state = redis.call('GET', KEYS[3])
 local over = terminal(state, ARGV[6])
 local seen = ''
@@ -212,13 +267,14 @@ return {'', seen}
 
 # Start (or resume) an evaluation in one round trip: the lease, the terminal check, the
 # plan, the state, the running index and the snapshot of every rule.
-# KEYS: owner, state, plan, final_published, running index, passes, retries index,
+# KEYS: owner, state, plan, final_published, running index, passes, retries index, fence,
 # results..., statuses...
 # ARGV: me, lease_ms, plan json ('' = use the stored one), ttl, now_ms, attempt_id, terminal
 # list. Returns {'held', holder} | {'terminal', state, published} | {'noplan'} |
-# {'ok', plan json, {results and statuses}, {published passes}}. A terminal evaluation
-# leaves the retries index here, and the running index once announced (until then the
-# sweeper must be able to bring it back, to be announced).
+# {'ok', plan json, {results and statuses}, {published passes}, fence token}: every
+# acquisition gets a new token, which fences off whoever held the lease before. A terminal
+# evaluation leaves the retries index here, and the running index once announced (until
+# then the sweeper must be able to bring it back, to be announced).
 _BEGIN = _script("""
 local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[1] then return {'held', cur} end
@@ -234,36 +290,47 @@ if plan == '' then plan = redis.call('GET', KEYS[3]) else
   redis.call('SET', KEYS[3], plan, 'NX', 'EX', ARGV[4]) end
 if not plan then return {'noplan'} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local token = next_fence(KEYS[8], ARGV[1], ARGV[4])
 redis.call('SET', KEYS[2], 'running', 'EX', ARGV[4])
 redis.call('ZADD', KEYS[5], ARGV[5], ARGV[6])
 redis.call('EXPIRE', KEYS[5], ARGV[4])
 local values = {}
-if #KEYS > 7 then values = redis.call('MGET', unpack(KEYS, 8)) end
+if #KEYS > 8 then values = redis.call('MGET', unpack(KEYS, 9)) end
 for i = 1, #values do if not values[i] then values[i] = '' end end
-return {'ok', plan, values, redis.call('HKEYS', KEYS[6])}
+return {'ok', plan, values, redis.call('HKEYS', KEYS[6]), token}
 """)
 
 # Count the starts of rule attempts (more than one means a crash lost a run), unless the
 # evaluation is over: the owner's look at the state before a start, in a round trip it
-# makes anyway. KEYS: state, runs keys... ARGV: ttl, terminal list, attempts...
-# Returns {'' or the terminal state (then nothing is counted); start counts...}.
-_MARK_STARTED = _script("""
+# makes anyway; the fenced write also runs the lease on, so a rule starts under a lease
+# good for another `stale_ms` by the store's clock. A delayed retry's attempt leaves the
+# retries index as it starts: its message is held by the owner until the outcome is
+# durable (a redelivery restarts it should the owner die), so the sweeper must not take a
+# long attempt for a lost retry; the status written at its end indexes the next due time.
+# KEYS: state, retries index, runs keys..., fence, owner. ARGV: ttl, terminal list,
+# attempts..., retry members ('' for a first attempt)..., token, lease_ms, ttl. Returns
+# {'' or the terminal state (then nothing is counted); start counts...}, or {FENCED,
+# holder}.
+_MARK_STARTED = _fenced_script("""
 local state = redis.call('GET', KEYS[1])
 if terminal(state, ARGV[2]) then return {state} end
 local out = {''}
-for i = 2, #KEYS do
-  out[i] = redis.call('HINCRBY', KEYS[i], ARGV[i + 1], 1)
-  redis.call('EXPIRE', KEYS[i], ARGV[1])
+local n = NK - 2
+for k = 1, n do
+  local key = KEYS[k + 2]
+  out[k + 1] = redis.call('HINCRBY', key, ARGV[k + 2], 1)
+  redis.call('EXPIRE', key, ARGV[1])
+  if ARGV[k + 2 + n] ~= '' then redis.call('ZREM', KEYS[2], ARGV[k + 2 + n]) end
 end
 return out
 """)
 
-# KEYS: passes. ARGV: pass id, outcome, ttl.
-_MARK_PASS = """
+# KEYS: passes, fence, owner. ARGV: pass id, outcome, ttl, token, lease_ms, ttl.
+_MARK_PASS = _fenced_script("""
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
+return {1}
+""")
 
 # After evaluation.completed is out: flag it, leave both indexes, give the lease back.
 # 0, and nothing written, when the terminal state is gone: a Redis that lost its last
@@ -283,10 +350,11 @@ return 1
 # each result (a Redis that lost acknowledged writes may have dropped some) is written
 # again from the owner's memory (`SET NX`: a result that is there stays), each permanent
 # failure too. One round trip, the one that writes the state anyway.
-# KEYS: state, results..., statuses... ARGV: status, ttl, terminal list, number of results,
-# result json..., status values... Returns {'' when written, else the kept terminal state;
-# the positions (1-based, results then statuses) of what had vanished and was restored}.
-_FINISH = _script("""
+# KEYS: state, results..., statuses..., fence, owner. ARGV: status, ttl, terminal list,
+# number of results, result json..., status values..., token, lease_ms, ttl. Returns
+# {'' when written, else the kept terminal state; the positions (1-based, results then
+# statuses) of what had vanished and was restored}, or {FENCED, holder}.
+_FINISH = _fenced_script("""
 local cur = redis.call('GET', KEYS[1])
 if terminal(cur, ARGV[3]) then return {cur} end
 local out = {''}
@@ -294,7 +362,7 @@ local n = tonumber(ARGV[4])
 for i = 1, n do
   if redis.call('SET', KEYS[1 + i], ARGV[4 + i], 'NX', 'EX', ARGV[2]) then out[#out + 1] = i end
 end
-for i = n + 2, #KEYS do
+for i = n + 2, NK do
   if redis.call('GET', KEYS[i]) ~= ARGV[i + 3] then
     redis.call('SET', KEYS[i], ARGV[i + 3], 'EX', ARGV[2])
     out[#out + 1] = i - 1
@@ -305,35 +373,42 @@ return out
 """)
 
 # Only delayed retries are left: out of the running index, lease given back.
-# KEYS: state, running index, owner. ARGV: ttl, attempt_id, me, terminal list.
-_PARK = """
-local cur = redis.call('GET', KEYS[1])
-if not (cur and string.find(',' .. ARGV[4] .. ',', ',' .. cur .. ',', 1, true)) then
+# KEYS: state, running index, owner, fence, owner. ARGV: ttl, attempt_id, me, terminal
+# list, token, lease_ms, ttl.
+_PARK = _fenced_script("""
+if not terminal(redis.call('GET', KEYS[1]), ARGV[4]) then
   redis.call('SET', KEYS[1], 'parked', 'EX', ARGV[1])
 end
 redis.call('ZREM', KEYS[2], ARGV[2])
 if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
-return 1
-"""
+return {1}
+""")
 
-# KEYS: owner. ARGV: expected holder, me, lease_ms. 1 when taken over.
-_STEAL = """
-local cur = redis.call('GET', KEYS[1])
-if (not cur) or cur == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-return 0
-"""
-
-# KEYS: owner, running index, state. ARGV: me, lease_ms, now_ms, attempt_id, terminal list,
-# ttl. 1 while still ours; 0 when lost. A terminal evaluation is not stamped again: once
-# announced it leaves the index (`_DONE`), and a stale stamp lets the sweeper announce or
-# drop it. 2 when the lease and the state are both gone: a Redis that lost acknowledged
-# writes forgot an evaluation its owner is running (nobody else can have begun it: `begin`
-# writes the state), so it is the owner's again, and the owner writes back its plan.
+# KEYS: owner, running index, state, fence. ARGV: me, lease_ms, now_ms, attempt_id,
+# terminal list, ttl, token. 1 while still ours; 0 when lost. A terminal evaluation is not
+# stamped again: once announced it leaves the index (`_DONE`), and a stale stamp lets the
+# sweeper announce or drop it. With a token, the fence decides: a lease that lapsed while
+# nobody acquired it (the token is still the current one: a late heartbeat) is the
+# owner's again, and any other token means lost. 2 when the state is gone too: a Redis
+# that lost acknowledged writes forgot an evaluation its owner is running (nobody else
+# can have begun it: `begin` writes the state), so it is the owner's again, and the owner
+# writes back its plan.
 _RENEW = _script("""
 local cur = redis.call('GET', KEYS[1])
+if ARGV[7] ~= '' then
+  local fence = redis.call('GET', KEYS[4])
+  if (fence and fence ~= ARGV[7]) or (cur and cur ~= ARGV[1]) then return 0 end
+  if not fence then redis.call('SET', KEYS[4], ARGV[7], 'EX', ARGV[6]) end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  local forgotten = redis.call('EXISTS', KEYS[3]) == 0
+  if forgotten then redis.call('SET', KEYS[3], 'running', 'EX', ARGV[6]) end
+  if not terminal(redis.call('GET', KEYS[3]), ARGV[5]) then
+    redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+    redis.call('EXPIRE', KEYS[2], ARGV[6])
+  end
+  if forgotten then return 2 end
+  return 1
+end
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   if not terminal(redis.call('GET', KEYS[3]), ARGV[5]) then
@@ -392,17 +467,20 @@ redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 return 1
 """)
 
-# KEYS: retries index, state. ARGV: member, threshold_ms, new_score, terminal list. 1 when
-# claimed; the member of a terminal evaluation leaves the index instead.
+# KEYS: retries index, state, status. ARGV: member, threshold_ms, new_score, terminal list.
+# The rule's status when claimed ('' when not, or when it has none): read in the same
+# step as the claim, so the retry published is the one after the attempt judged overdue
+# (an owner writing `failed_attempt_N+1` in between cannot make the sweeper skip a tier).
+# The member of a terminal evaluation leaves the index instead.
 _CLAIM_RETRY = _script("""
 local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if (not s) or tonumber(s) > tonumber(ARGV[2]) then return 0 end
+if (not s) or tonumber(s) > tonumber(ARGV[2]) then return '' end
 if terminal(redis.call('GET', KEYS[2]), ARGV[4]) then
   redis.call('ZREM', KEYS[1], ARGV[1])
-  return 0
+  return ''
 end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
-return 1
+return redis.call('GET', KEYS[3]) or ''
 """)
 
 
@@ -411,6 +489,7 @@ class Begun:
     """What `RedisStore.begin` found: exactly one of the outcomes is set."""
 
     holder: str | None = None  # another worker holds the lease
+    fence: str = ""  # the token of this acquisition, carried by every write of the owner
     terminal: str | None = None  # the evaluation is over (and `published` says if announced)
     published: bool = False
     no_plan: bool = False
@@ -439,7 +518,6 @@ class RedisStore:
         self.batch = AutoPipeline(r)
         self._write_result = self.batch.register(_WRITE_RESULT)
         self._write_status = self.batch.register(_WRITE_STATUS)
-        self._steal = self.batch.register(_STEAL)
         self._renew = self.batch.register(_RENEW)
         self._release = self.batch.register(_RELEASE)
         self._set_state = self.batch.register(_SET_STATE)
@@ -455,6 +533,21 @@ class RedisStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+    def _fence(self, attempt_id: str, fence: str | None) -> tuple[list[str], list[object]]:
+        """The KEYS and ARGV a fenced script ends with (None: an unfenced write)."""
+        keys = [eval_key(attempt_id, "fence"), eval_key(attempt_id, "owner")]
+        return keys, [fence or "", self.config.stale_ms, self.ttl]
+
+    async def _owner_call(
+        self, attempt_id: str, fence: str | None, script: object, keys: list, args: list
+    ) -> list:
+        """Run a fenced script; raise `LeaseLost` when the fence refused the write."""
+        fkeys, fargs = self._fence(attempt_id, fence)
+        reply = await self.batch.call(script, keys=[*keys, *fkeys], args=[*args, *fargs])
+        if isinstance(reply, list) and reply and reply[0] == FENCED:
+            raise LeaseLost(f"{attempt_id}: the lease is {reply[1]}'s now")
+        return reply
 
     async def probe(self) -> None:
         """Fail fast, in one line, when Redis is unreachable or refuses the credentials."""
@@ -497,7 +590,11 @@ class RedisStore:
     # --- rules --------------------------------------------------------------------------
 
     async def write_result(
-        self, attempt_id: str, result: RuleResult, starts: Sequence[tuple[str, int]] = ()
+        self,
+        attempt_id: str,
+        result: RuleResult,
+        starts: Sequence[tuple[str, int]] = (),
+        fence: str | None = None,
     ) -> tuple[RuleResult | None, list[int], str | None]:
         """Store a result unless one is there already, and count the given starts.
 
@@ -506,7 +603,9 @@ class RedisStore:
         the evaluation's state if it is terminal (a cancel): then nothing was counted, and
         those rules must not start.
         """
-        reply = await self.batch.call(
+        reply = await self._owner_call(
+            attempt_id,
+            fence,
             self._write_result,
             keys=[
                 result_key(attempt_id, result.rule_id),
@@ -526,12 +625,19 @@ class RedisStore:
         return existing, [int(c) for c in reply[2:]], reply[1] or None
 
     async def write_status(
-        self, attempt_id: str, rule_id: str, status: str, due_ms: int | None = None
+        self,
+        attempt_id: str,
+        rule_id: str,
+        status: str,
+        due_ms: int | None = None,
+        fence: str | None = None,
     ) -> tuple[str | None, str | None]:
         """Write a status unless it would move the attempt count back. Returns the status
         kept instead (None when written) and the evaluation's state if it is terminal (its
         retry is then not indexed, and must not be scheduled)."""
-        kept, over = await self.batch.call(
+        kept, over = await self._owner_call(
+            attempt_id,
+            fence,
             self._write_status,
             keys=[
                 status_key(attempt_id, rule_id),
@@ -550,15 +656,26 @@ class RedisStore:
         return kept or None, over or None
 
     async def mark_started(
-        self, attempt_id: str, starts: Sequence[tuple[str, int]]
+        self, attempt_id: str, starts: Sequence[tuple[str, int]], fence: str | None = None
     ) -> tuple[list[int], str | None]:
         """Count the starts of rule attempts (more than one means a crash lost a run), unless
         the evaluation is terminal: then its state comes back and nothing is counted. With
         no starts it is only that look at the state (before a level-1 retry)."""
-        reply = await self.batch.call(
+        reply = await self._owner_call(
+            attempt_id,
+            fence,
             self._mark_started,
-            keys=[eval_key(attempt_id, "state"), *(runs_key(attempt_id, r) for r, _ in starts)],
-            args=[self.ttl, _TERMINAL, *(n for _, n in starts)],
+            keys=[
+                eval_key(attempt_id, "state"),
+                self.retries_index,
+                *(runs_key(attempt_id, r) for r, _ in starts),
+            ],
+            args=[
+                self.ttl,
+                _TERMINAL,
+                *(n for _, n in starts),
+                *(retry_member(attempt_id, r) if n > 1 else "" for r, n in starts),
+            ],
         )
         return [int(c) for c in reply[1:]], reply[0] or None
 
@@ -572,6 +689,7 @@ class RedisStore:
         """
         keys = [eval_key(attempt_id, w) for w in ("owner", "state", "plan", "final_published")]
         keys += [self.running_index, eval_key(attempt_id, "passes"), self.retries_index]
+        keys += [eval_key(attempt_id, "fence")]
         keys += [result_key(attempt_id, r) for r in rule_ids]
         keys += [status_key(attempt_id, r) for r in rule_ids]
         reply = await self.batch.call(
@@ -600,7 +718,7 @@ class RedisStore:
         results = {r: RuleResult.from_json(v) for r, v in found if v}
         statuses = {r: v for r, v in zip(rule_ids, values[n:], strict=True) if v}
         snap = Snapshot(results=results, statuses=statuses, published_passes=frozenset(passes))
-        return Begun(plan_json=reply[1], snapshot=snap)
+        return Begun(plan_json=reply[1], snapshot=snap, fence=reply[4])
 
     async def stored_plan(self, attempt_id: str) -> str | None:
         return await self.redis.get(eval_key(attempt_id, "plan"))
@@ -629,6 +747,7 @@ class RedisStore:
         status: str,
         results: Mapping[str, RuleResult],
         failed: Sequence[str],
+        fence: str | None = None,
     ) -> tuple[str | None, list[str]]:
         """Write the final state, once every result in `results` and every permanent failure
         in `failed` is in Redis again (restored from memory when a lossy restart dropped it).
@@ -637,7 +756,9 @@ class RedisStore:
         whose result or status had vanished and were written again.
         """
         names = [*results, *failed]
-        reply = await self.batch.call(
+        reply = await self._owner_call(
+            attempt_id,
+            fence,
             self._finish,
             keys=[
                 eval_key(attempt_id, "state"),
@@ -655,8 +776,10 @@ class RedisStore:
         )
         return reply[0] or None, [names[int(i) - 1] for i in reply[1:]]
 
-    async def park(self, attempt_id: str, me: str) -> None:
-        await self.batch.call(
+    async def park(self, attempt_id: str, me: str, fence: str | None = None) -> None:
+        await self._owner_call(
+            attempt_id,
+            fence,
             self._park,
             keys=[eval_key(attempt_id, "state"), self.running_index, eval_key(attempt_id, "owner")],
             args=[self.ttl, attempt_id, me, _TERMINAL],
@@ -696,8 +819,12 @@ class RedisStore:
             args=[state, self.ttl, _TERMINAL, attempt_id],
         )
 
-    async def mark_pass_published(self, attempt_id: str, pass_id: str, outcome: str) -> None:
-        await self.batch.call(
+    async def mark_pass_published(
+        self, attempt_id: str, pass_id: str, outcome: str, fence: str | None = None
+    ) -> None:
+        await self._owner_call(
+            attempt_id,
+            fence,
             self._mark_pass,
             keys=[eval_key(attempt_id, "passes")],
             args=[pass_id, outcome, self.ttl],
@@ -705,20 +832,14 @@ class RedisStore:
 
     # --- ownership, heartbeats, indexes ---------------------------------------------------
 
-    async def steal(self, attempt_id: str, holder: str, me: str) -> bool:
-        """Take over from a holder known to be dead (its private queue is gone)."""
-        return bool(
-            await self.batch.call(
-                self._steal,
-                keys=[eval_key(attempt_id, "owner")],
-                args=[holder, me, self.config.stale_ms],
-            )
-        )
-
-    async def renew(self, attempt_ids: Iterable[str], me: str) -> dict[str, int]:
+    async def renew(
+        self, attempt_ids: Iterable[str] | Mapping[str, str], me: str
+    ) -> dict[str, int]:
         """The heartbeat: extend each lease still ours and stamp the running index. Per
-        evaluation: 1 still ours, 0 lost, 2 forgotten by Redis and ours again (`_RENEW`)."""
-        ids = list(attempt_ids)
+        evaluation: 1 still ours, 0 lost, 2 forgotten by Redis and ours again (`_RENEW`).
+        Given a mapping of evaluation to fence token, the fence decides what is ours."""
+        fences = attempt_ids if isinstance(attempt_ids, Mapping) else dict.fromkeys(attempt_ids, "")
+        ids = list(fences)
         if not ids:
             return {}
         now = now_ms()
@@ -726,8 +847,13 @@ class RedisStore:
             *[
                 self.batch.call(
                     self._renew,
-                    keys=[eval_key(a, "owner"), self.running_index, eval_key(a, "state")],
-                    args=[me, self.config.stale_ms, now, a, _TERMINAL, self.ttl],
+                    keys=[
+                        eval_key(a, "owner"),
+                        self.running_index,
+                        eval_key(a, "state"),
+                        eval_key(a, "fence"),
+                    ],
+                    args=[me, self.config.stale_ms, now, a, _TERMINAL, self.ttl, fences[a] or ""],
                 )
                 for a in ids
             ]
@@ -739,6 +865,10 @@ class RedisStore:
         resume needs it); True when it had vanished."""
         key = eval_key(attempt_id, "plan")
         return bool(await self.redis.set(key, plan_json, nx=True, ex=self.ttl))
+
+    async def holder(self, attempt_id: str) -> str | None:
+        """Who holds the lease now (a look, to route a message; it decides nothing)."""
+        return await self.redis.get(eval_key(attempt_id, "owner"))
 
     async def release(self, attempt_id: str, me: str) -> None:
         await self.batch.call(self._release, keys=[eval_key(attempt_id, "owner")], args=[me])
@@ -777,16 +907,18 @@ class RedisStore:
             self.retries_index, "-inf", now_ms() - grace_ms, start=0, num=limit
         )
 
-    async def claim_retry(self, member: str, grace_ms: int) -> bool:
+    async def claim_retry(self, member: str, grace_ms: int) -> str | None:
+        """Claim an overdue retry; the rule's status read with the claim (None: not claimed,
+        or no status to retry from)."""
         now = now_ms()
-        attempt_id, _ = split_member(member)
-        return bool(
-            await self.batch.call(
-                self._claim_retry,
-                keys=[self.retries_index, eval_key(attempt_id, "state")],
-                args=[member, now - grace_ms, now + grace_ms, _TERMINAL],
-            )
+        attempt_id, rule_id = split_member(member)
+        status = await self.batch.call(
+            self._claim_retry,
+            keys=[
+                self.retries_index,
+                eval_key(attempt_id, "state"),
+                status_key(attempt_id, rule_id),
+            ],
+            args=[member, now - grace_ms, now + grace_ms, _TERMINAL],
         )
-
-    async def status_of(self, attempt_id: str, rule_id: str) -> str | None:
-        return await self.redis.get(status_key(attempt_id, rule_id))
+        return status or None

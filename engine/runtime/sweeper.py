@@ -12,7 +12,7 @@ confirmed: a retry can be lost, or never published if the worker died after writ
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from engine.core import parse_status
 from engine.runtime.context import Runtime, log
@@ -23,7 +23,7 @@ class Heartbeat:
     def __init__(
         self,
         rt: Runtime,
-        held: Callable[[], list[str]],
+        held: Callable[[], Mapping[str, str]],
         on_lost: Callable[..., Awaitable[None]],
     ) -> None:
         self.rt = rt
@@ -48,7 +48,7 @@ class Heartbeat:
 
 
 class Sweeper:
-    def __init__(self, rt: Runtime, held: Callable[[], list[str]]) -> None:
+    def __init__(self, rt: Runtime, held: Callable[[], Mapping[str, str]]) -> None:
         self.rt = rt
         self.held = held
 
@@ -81,10 +81,8 @@ class Sweeper:
         grace = rt.config.grace_ms
         for member in await rt.store.overdue_retries(grace):
             claimed_from_ms = now_ms()
-            if not await rt.store.claim_retry(member, grace):
-                continue
+            status = await rt.store.claim_retry(member, grace)
             attempt_id, rule_id = split_member(member)
-            status = await rt.store.status_of(attempt_id, rule_id)
             n = parse_status(status) if status else None
             if n is None:
                 continue

@@ -91,7 +91,7 @@ def test_the_store_scripts_treat_a_terminal_evaluation_as_the_simulator_does(
             assert await store.claim_stale(a, 0) is False
             assert indexed(live, a)["running"] is None
             live.redis.zadd(live.config().name("engine:retries"), {retry_member(a, "x"): 1})
-            assert await store.claim_retry(retry_member(a, "x"), 0) is False
+            assert await store.claim_retry(retry_member(a, "x"), 0) is None
             assert indexed(live, a)["retries"] == []
 
             # (b): the final write restores what vanished, in the same round trip

@@ -175,10 +175,11 @@ def test_permanent_failure_skips_exactly_the_dependents(live: Live, code_review:
 
 
 def test_sigkill_before_ack_is_redelivered(live: Live, code_review: Plan) -> None:
-    # A long stale threshold: the dead owner's lease is still valid when the message comes
-    # back, so the new worker must learn from the broker (its private queue is gone) that
-    # the owner is dead, and take over at once.
-    live.base_args["stale-ms"] = "20000"
+    # A 2 s lease: the dead owner's lease is still valid when the message comes back. Its
+    # private queue is gone, which proves nothing (a live owner's is gone for a while after
+    # a broker restart): the message goes round until the lease expires, and only then
+    # does the new worker begin the evaluation.
+    live.base_args["stale-ms"] = "2000"
     w1 = live.worker(failpoints=["before_ack=crash"])
     [a] = live.ids(1)
     live.submit(code_review, [a])
@@ -189,7 +190,10 @@ def test_sigkill_before_ack_is_redelivered(live: Live, code_review: Plan) -> Non
     assert live.calls(a) == Counter(dict.fromkeys(code_review.order, 1))
     hist = live.history(a)
     assert any(e["ev"] == "delivered" and e["redelivered"] for e in hist)
-    assert any(e["ev"] == "lease_taken_over" for e in hist)
+    assert any(e["ev"] == "forward_failed" for e in hist)
+    assert not any(e["ev"] == "lease_taken_over" for e in hist)
+    began = [e["t"] for e in hist if e["ev"] == "evaluation_started"]
+    assert len(began) == 2 and began[1] - began[0] >= 2.0 - 0.05  # not before the lease ran out
 
 
 def test_crash_during_a_retry_redelivers_the_retry(live: Live, tiny: Plan) -> None:
@@ -299,7 +303,12 @@ def test_duplicate_retry_after_publish_before_ack_is_dropped(live: Live, tiny: P
     assert live.wait([a]) == {a: "completed"}
     assert live.result(a, "unit_tests").attempt == 3
     hist = live.history(a)
-    assert any(e["ev"] == "stale_retry_dropped" and e["attempt"] == 2 for e in hist)
+    # Recognised as stale whichever comes first once the dead owner's lease has run out:
+    # retry 2 begins the evaluation and is dropped there, or retry 3 does and retry 2 then
+    # reaches the evaluation in memory, whose core acks it without running anything.
+    assert any(
+        e["ev"] in ("stale_retry_dropped", "retry_acked") and e["attempt"] == 2 for e in hist
+    )
     assert live.starts(a)["unit_tests"] == 3
 
 
