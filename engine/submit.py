@@ -40,6 +40,7 @@ from engine.config import (
     env_config,
     redacted,
 )
+from engine.core.routing import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.plan import Plan, PlanError, load_plan
 from engine.runtime.broker import Broker, QueueInUse, amqp_unavailable
@@ -81,7 +82,7 @@ class EngineClient:
             "type": "execute",
             "attempt_id": attempt_id,
             "plan": plan.to_dict(),
-            "reason": "submit",
+            "reason": SUBMIT_REASON,
             "published_ms": now_ms(),
         }
         await self.broker.publish_work(body, attempt_id)

@@ -15,6 +15,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from engine.core import Evaluation, Snapshot, failed_attempt
+from engine.core.routing import may_be_held_elsewhere
 from engine.plan import Plan
 from sim.broker import Delivery, Unroutable
 from sim.orchestrator import TASK_ERRORS, Orchestrator, publish_completed
@@ -113,7 +114,8 @@ class Controller:
         plan_in_message = plan is not None
         if plan is None:
             plan = yield from w.store.call(w.redis.stored_plan, attempt_id)
-        if self._slots.locked():  # every slot taken: pass another owner's message on at once
+        # every slot taken: another owner's message is passed on at once (the live `_dispatch`)
+        if self._slots.locked() and may_be_held_elsewhere(kind, body, d.redelivered):
             holder = yield from w.store.call(w.redis.holder, attempt_id)
             if holder is not None and holder != w.worker_id:
                 yield from self._forward(attempt_id, holder, body, d)

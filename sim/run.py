@@ -37,6 +37,7 @@ from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, c
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, Scenario, fault_schedule
 from engine.agent import AgentProfile, FakeAgent
 from engine.config import EngineConfig
+from engine.core.routing import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.plan import Plan
 from engine.runtime.store import eval_key
@@ -425,7 +426,7 @@ class SimRun:
                 "type": "execute",
                 "attempt_id": attempt_id,
                 "plan": plan,  # the live message carries plan.to_dict(); the sim, the plan
-                "reason": "submit",
+                "reason": SUBMIT_REASON,
                 "published_ms": int(env.now * 1000),
             }
             yield from client.publish_work(body, attempt_id)

@@ -626,6 +626,14 @@ def test_a_second_final_result_after_the_publisher_paused_is_allowed() -> None:
         run.ev("final_published", "w2", 12, attempt_id=A, status="completed")
         mine["t"] = run.events[-1]["t"] + 0.1  # recorded once flagged, after the pause
         passes(run.check())
+    # Paused with its state write in flight: even `evaluation_terminal` is recorded late.
+    late = Run().golden()
+    moved = [e for e in late.events if e["ev"] in ("evaluation_terminal", "final_published")]
+    late.ev("worker_paused", "runner", 11, worker=0)
+    late.ev("final_published", "w2", 12, attempt_id=A, status="completed")
+    for i, e in enumerate(moved):
+        e["t"] = late.events[-1]["t"] + 0.1 * (i + 1)
+    passes(late.check())
     unpaused = Run().golden()
     unpaused.ev("failpoint_fired", "w1", 11, action="stall", stall_ms=900)  # one task only
     unpaused.ev("final_published", "w2", 12, attempt_id=A, status="completed")

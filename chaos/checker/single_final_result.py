@@ -45,12 +45,26 @@ def _stopped(cx: Context, publisher: dict, t0: float, t1: float) -> bool:
     return False
 
 
+def _deciding(evs: list[dict], publisher: dict) -> float:
+    """Since when the publisher's process may have been deciding its final state: its last
+    event of the evaluation before its `evaluation_terminal` (that event is recorded once
+    the state write's reply is read, which a pause can delay by seconds); its
+    `final_published` when it won no terminal state (a resume that found it)."""
+    proc = (publisher.get("src"), publisher.get("pid"))
+    mine = [e for e in evs if (e.get("src"), e.get("pid")) == proc]
+    term = next((e for e in mine if e.get("ev") == "evaluation_terminal"), None)
+    if term is None:
+        return event_time(publisher)
+    before = [event_time(e) for e in mine if event_time(e) < event_time(term)]
+    return max(before, default=event_time(term))
+
+
 def check_single_final_result(cx: Context) -> Outcome:
     """Per evaluation: at most one `evaluation_terminal` with `won: true`, with the final
     state's status; every `final_published` carries the final state; and each
     `final_published` after the first follows a stop (crash, kill, pause) of either
-    process of the pair since the first terminal state was won (a cancelled evaluation
-    may have none: the canceller publishes)."""
+    process of the pair while it was deciding or announcing (a cancelled evaluation may
+    have none: the canceller publishes)."""
     out: list[Violation] = []
     judged = 0
     published = 0
@@ -98,11 +112,11 @@ def check_single_final_result(cx: Context) -> Outcome:
                     timeline(pubs + won),
                 )
             )
-        since = min((event_time(e) for e in won), default=None)
         for prev, nxt in itertools.pairwise(pubs):
-            t0 = event_time(prev) if since is None else min(since, event_time(prev))
             t1 = event_time(nxt)
-            if not any(_stopped(cx, p, t0, t1) for p in (prev, nxt)):
+            if not any(
+                _stopped(cx, p, min(_deciding(evs, p), event_time(prev)), t1) for p in (prev, nxt)
+            ):
                 out.append(
                     Violation(
                         "single_final_result",

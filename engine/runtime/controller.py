@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 from aio_pika.abc import AbstractIncomingMessage
 
+from engine.core.routing import may_be_held_elsewhere
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, failed_attempt
 from engine.plan import Plan, PlanError, plan_from_dict
 from engine.runtime.broker import Unroutable
@@ -146,7 +147,7 @@ class EvaluationController:
         # `_done` gives it back. A delivery that puts nothing in memory gives it back here.
         # With every slot taken, a message for an evaluation another worker holds is passed
         # on at once rather than held until a slot frees (its retry would start late).
-        if self._slots.locked():
+        if self._slots.locked() and may_be_held_elsewhere(kind, body, message.redelivered):
             holder = await rt.store.holder(attempt_id)
             if holder is not None and holder != rt.worker_id:
                 await self._forward(attempt_id, holder, message)
