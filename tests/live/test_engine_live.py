@@ -192,8 +192,11 @@ def test_sigkill_before_ack_is_redelivered(live: Live, code_review: Plan) -> Non
     assert any(e["ev"] == "delivered" and e["redelivered"] for e in hist)
     assert any(e["ev"] == "forward_failed" for e in hist)
     assert not any(e["ev"] == "lease_taken_over" for e in hist)
+    # Not before the lease ran out: it was set after the first delivery was recorded, so
+    # however late events are recorded on a busy machine, this bound only gets looser.
+    first = next(e for e in hist if e["ev"] == "delivered")
     began = [e["t"] for e in hist if e["ev"] == "evaluation_started"]
-    assert len(began) == 2 and began[1] - began[0] >= 2.0 - 0.05  # not before the lease ran out
+    assert len(began) == 2 and began[1] - first["t"] >= 2.0 - 0.005
 
 
 def test_crash_during_a_retry_redelivers_the_retry(live: Live, tiny: Plan) -> None:
