@@ -220,6 +220,17 @@ def _check_window(value: Any) -> Any:
     """`random_at_s`: [lo, hi] with 0 <= lo <= hi, both finite."""
     if value is None:
         return value
+    return _check_range(value, "[lo, hi], two numbers of seconds")
+
+
+def _check_pause(value: Any) -> Any:
+    """`pause_s`: seconds, or [lo, hi] drawn from the seed at each firing (event-loop lag)."""
+    if value is None or _is_finite_number(value):
+        return value
+    return _check_range(value, "a number of seconds, or [lo, hi] to draw it from the seed")
+
+
+def _check_range(value: Any, expected: str) -> Any:
     if not (
         isinstance(value, list | tuple)
         and len(value) == 2
@@ -228,7 +239,7 @@ def _check_window(value: Any) -> Any:
         raise PydanticCustomError(
             "scenario_value",
             "{detail}",
-            {"detail": f"expected [lo, hi], two numbers of seconds; got {_got(value)}"},
+            {"detail": f"expected {expected}; got {_got(value)}"},
         )
     lo, hi = value
     if not 0 <= lo <= hi:
@@ -455,8 +466,17 @@ class RunnerFault(_Model):
     restart_after_s: float | None = Field(
         default=0.5, ge=0, le=MAX_RUN_S, description="null: never restart"
     )
-    pause_s: float | None = Field(
-        default=None, gt=0, le=MAX_RUN_S, description="pause_worker: how long it stays stopped"
+    pause_s: Annotated[
+        Annotated[float, Field(gt=0, le=MAX_RUN_S)]
+        | tuple[
+            Annotated[float, Field(gt=0, le=MAX_RUN_S)], Annotated[float, Field(gt=0, le=MAX_RUN_S)]
+        ]
+        | None,
+        BeforeValidator(_check_pause),
+    ] = Field(
+        default=None,
+        description="pause_worker: how long it stays stopped; [lo, hi]: drawn from the seed "
+        "at each firing, so many short pauses make a lagging event loop",
     )
     count: int = Field(default=1, ge=1, le=100)
     every_s: float | None = Field(default=None, gt=0, le=MAX_RUN_S)
@@ -882,6 +902,9 @@ def fault_schedule(
             target = fault.target
             if target == "random":  # only worker actions and cancel take a target
                 target = rng.randrange(spec.workers if fault.action in WORKER_ACTIONS else total)
+            pause = fault.pause_s
+            if isinstance(pause, tuple):
+                pause = rng.uniform(*pause)
             out.append(
                 PlannedFault(
                     fault=i,
@@ -893,7 +916,7 @@ def fault_schedule(
                     after=fault.after,
                     delay_s=delay,
                     restart_after_s=None if fault.action == "cancel" else fault.restart_after_s,
-                    pause_s=fault.pause_s,
+                    pause_s=pause,
                 )
             )
     out.sort(key=lambda p: (p.at_s is None, p.at_s or 0.0, p.fault, p.repetition))

@@ -20,11 +20,11 @@ def persist_status(
     w: SimWorker, a: str, action: PersistStatus, fence: str | None = None
 ) -> Generator[Any, Any, str | None]:
     """The status write; returns the evaluation's state if the store says it is over."""
-    due = None
+    delay = None
     if action.retry_due_in_ms is not None:
-        due = w.store.now_ms() + round(action.retry_due_in_ms * w.config.time_scale)
-    kept, over = yield from w.store.call(
-        w.redis.write_status, a, action.rule_id, action.status, due, fence
+        delay = round(action.retry_due_in_ms * w.config.time_scale)
+    kept, over, due = yield from w.store.call(
+        w.redis.write_status, a, action.rule_id, action.status, delay, fence
     )
     w.record(
         "status_written",

@@ -32,6 +32,7 @@ from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.runtime.store import (
     Begun,
     LeaseLost,
+    StatusWritten,
     eval_key,
     result_key,
     retry_member,
@@ -41,6 +42,26 @@ from engine.runtime.store import (
 )
 
 TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
+
+#: The store's operations: each Lua script of `engine.runtime.store` and the `SimRedis`
+#: method that is its Python reference. One table, proven equal reply for reply and key for
+#: key on a real Redis by `tests/live/test_store_reference_live.py`.
+REFERENCES: dict[str, str] = {
+    "_BEGIN": "begin",
+    "_RENEW": "renew",
+    "_WRITE_RESULT": "write_result",
+    "_WRITE_STATUS": "write_status",
+    "_MARK_STARTED": "mark_started",
+    "_MARK_PASS": "mark_pass_published",
+    "_PARK": "park",
+    "_FINISH": "finish",
+    "_DONE": "done",
+    "_SET_STATE": "set_state",
+    "_RELEASE": "release",
+    "_UNINDEX": "unindex",
+    "_CLAIM_STALE": "claim_stale",
+    "_CLAIM_RETRY": "claim_retry",
+}
 _MISSING = object()
 
 
@@ -299,8 +320,9 @@ class SimRedis:
         return self._count_starts(a, starts, unindex=True), None
 
     def write_status(
-        self, a: str, rule_id: str, status: str, due_ms: int | None, fence: str | None = None
-    ) -> tuple[str | None, str | None] | Fenced:
+        self, a: str, rule_id: str, status: str, delay_ms: int | None, fence: str | None = None
+    ) -> StatusWritten | Fenced:
+        """`_WRITE_STATUS`: the retry is due `delay_ms` after the write lands (store clock)."""
         refused = self._fenced(a, fence)
         if refused is not None:
             return refused
@@ -308,14 +330,15 @@ class SimRedis:
         key = status_key(a, rule_id)
         cur = self.get(key)
         if cur is not None and _rank(cur) >= status_rank(status):
-            return cur, over
+            return StatusWritten(cur, over, None)
         self._set(key, status, self.ttl)
         member = retry_member(a, rule_id)
-        if due_ms is not None and over is None:
-            self._zadd(self.retries_index, member, due_ms)
-        else:
-            self._zrem(self.retries_index, member)
-        return None, over
+        if delay_ms is not None and over is None:
+            due = int(self.env.now * 1000) + delay_ms
+            self._zadd(self.retries_index, member, due)
+            return StatusWritten(None, over, due)
+        self._zrem(self.retries_index, member)
+        return StatusWritten(None, over, None)
 
     def begin(self, a: str, me: str, rule_ids: Sequence[str], plan: Any, now_ms: int) -> Begun:
         owner = eval_key(a, "owner")

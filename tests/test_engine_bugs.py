@@ -132,8 +132,11 @@ def test_the_owner_does_not_restamp_nor_index_a_cancelled_evaluation() -> None:
     assert redis.set_state("a1", "cancelled") is None
     assert redis.renew(["a1"], "w1", 500) == {"a1": True}
     assert redis.get("r") == {"a1": 0}  # the stamp goes stale; the lease is still renewed
-    kept, over = redis.write_status("a1", "compiles", "failed_attempt_1", 900)
-    assert (kept, over) == (None, "cancelled")
+    assert redis.write_status("a1", "compiles", "failed_attempt_1", 900) == (
+        None,
+        "cancelled",
+        None,
+    )
     assert redis.get(status_key("a1", "compiles")) == "failed_attempt_1"
     assert not redis.get("q")
     assert redis.done("a1", "") is True

@@ -624,6 +624,17 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         "faults[2].random_at_s: expected [lo, hi], two numbers of seconds; got [1]",
     ),
     (
+        "pause_reversed",
+        _fault(1, action="pause_worker", pause_s=[0.5, 0.1]),
+        "faults[1].pause_s: expected 0 <= lo <= hi; got [0.5, 0.1]",
+    ),
+    (
+        "pause_word",
+        _fault(1, action="pause_worker", pause_s="long"),
+        "faults[1].pause_s: expected a number of seconds, or [lo, hi] to draw it from the seed; "
+        "got 'long'",
+    ),
+    (
         "window_after_deadline",
         _fault(2, random_at_s=[1, 31]),
         "faults[2].random_at_s: expected the fault to fire before deadline_s (30 s); "
@@ -1018,6 +1029,20 @@ def test_fault_schedule_is_deterministic_per_seed() -> None:
     # the default rng is the scenario seed, and a LoadedScenario works as well
     loaded = load(minimal(seed=5, faults=[{"random_at_s": [0, 9], "action": "kill_worker"}]))
     assert loaded.schedule() == fault_schedule(loaded.spec, random.Random(5))
+
+
+def test_a_pause_range_is_drawn_from_the_seed_at_each_firing() -> None:
+    """Event-loop lag: many short stops, each as long as the seed says, the same each run."""
+    fault = {"random_at_s": [0, 9], "action": "pause_worker", "pause_s": [0.1, 0.4], "count": 20}
+
+    def pauses(seed: int) -> list[float]:
+        return [p.pause_s for p in load(minimal(seed=seed, faults=[fault])).schedule()]
+
+    one = pauses(1)
+    assert one == pauses(1) and one != pauses(2)
+    assert all(0.1 <= p <= 0.4 for p in one) and len(set(one)) == 20
+    fixed = load(minimal(faults=[{**fault, "pause_s": 0.3}])).schedule()
+    assert {p.pause_s for p in fixed} == {0.3}
 
 
 # --- nothing accepted that cannot run: every number within what the engine holds ----------------

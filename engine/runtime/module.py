@@ -1,9 +1,10 @@
 """EvaluationModule: levels 2 and 3 of the seed, carried out on Redis and RabbitMQ.
 
 Level 2 writes `failed_attempt_N` (with the retry's due time in the sweeper's index, in the
-same script) and only then publishes the retry to its delay queue: a crash between the
-two leaves a status without a message, which the sweeper finds overdue and re-publishes.
-The other order would leave a message for a rule whose failure nobody recorded.
+same script, counted from when the write lands) and only then publishes the retry to its
+delay queue: a crash between the two leaves a status without a message, which the
+sweeper finds overdue and re-publishes. The other order would leave a message for a rule
+whose failure nobody recorded.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ class EvaluationModule:
         """Write the status; return the evaluation's state if the store says it is over (a
         cancel): the caller then schedules no retry and starts nothing more."""
         rt = self.rt
-        due = None
+        delay = None
         if action.retry_due_in_ms is not None:
-            due = now_ms() + round(action.retry_due_in_ms * rt.config.time_scale)
-        kept, over = await rt.store.write_status(
-            attempt_id, action.rule_id, action.status, due, fence
+            delay = round(action.retry_due_in_ms * rt.config.time_scale)
+        kept, over, due = await rt.store.write_status(
+            attempt_id, action.rule_id, action.status, delay, fence
         )
         rt.history.record(
             "status_written",

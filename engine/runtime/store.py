@@ -23,6 +23,7 @@ import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -240,11 +241,14 @@ end
 return out
 """)
 
-# KEYS: status, retries index, state, fence, owner. ARGV: status, rank, ttl, member, due_ms
-# ('' = not retrying), terminal list, token, lease_ms, ttl. Returns {'' when written, else
-# the kept status (the write would have moved the attempt count back); '' or the
-# evaluation's terminal state}, or {FENCED, holder}. The retry of a terminal evaluation
-# never enters the retries index.
+# KEYS: status, retries index, state, fence, owner. ARGV: status, rank, ttl, member,
+# delay_ms ('' = not retrying), terminal list, token, lease_ms, ttl. Returns {'' when
+# written, else the kept status (the write would have moved the attempt count back); '' or
+# the evaluation's terminal state; the due time indexed, or ''}, or {FENCED, holder}. The
+# due time is the store's clock when the write lands plus the delay, not the worker's clock
+# when it sent the write: a write held up by a Redis outage would otherwise index a retry
+# already overdue, and the sweeper would publish it at once, skipping its tier. The retry
+# of a terminal evaluation never enters the retries index.
 _WRITE_STATUS = _fenced_script("""
 local state = redis.call('GET', KEYS[3])
 local over = terminal(state, ARGV[6])
@@ -255,14 +259,18 @@ if cur then
   local rank = 0
   if cur == 'permanently_failed' then rank = 1000000
   else rank = tonumber(string.match(cur, '^failed_attempt_(%d+)$')) or 0 end
-  if rank >= tonumber(ARGV[2]) then return {cur, seen} end
+  if rank >= tonumber(ARGV[2]) then return {cur, seen, ''} end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 if ARGV[5] ~= '' and not over then
-  redis.call('ZADD', KEYS[2], ARGV[5], ARGV[4])
+  local t = redis.call('TIME')
+  local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[5])
+  redis.call('ZADD', KEYS[2], due, ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
-else redis.call('ZREM', KEYS[2], ARGV[4]) end
-return {'', seen}
+  return {'', seen, due}
+end
+redis.call('ZREM', KEYS[2], ARGV[4])
+return {'', seen, ''}
 """)
 
 # Start (or resume) an evaluation in one round trip: the lease, the terminal check, the
@@ -484,6 +492,14 @@ return redis.call('GET', KEYS[3]) or ''
 """)
 
 
+class StatusWritten(NamedTuple):
+    """What `RedisStore.write_status` did."""
+
+    kept: str | None  # the status kept instead (the write would have moved the count back)
+    over: str | None  # the evaluation's terminal state: its retry is not indexed
+    due_ms: int | None  # when the retry is due, by the store's clock (None: not indexed)
+
+
 @dataclass(frozen=True)
 class Begun:
     """What `RedisStore.begin` found: exactly one of the outcomes is set."""
@@ -629,13 +645,12 @@ class RedisStore:
         attempt_id: str,
         rule_id: str,
         status: str,
-        due_ms: int | None = None,
+        delay_ms: int | None = None,
         fence: str | None = None,
-    ) -> tuple[str | None, str | None]:
-        """Write a status unless it would move the attempt count back. Returns the status
-        kept instead (None when written) and the evaluation's state if it is terminal (its
-        retry is then not indexed, and must not be scheduled)."""
-        kept, over = await self._owner_call(
+    ) -> StatusWritten:
+        """Write a status unless it would move the attempt count back; with a delay, index
+        the retry as due that long after the write lands (by the store's clock)."""
+        kept, over, due = await self._owner_call(
             attempt_id,
             fence,
             self._write_status,
@@ -649,11 +664,11 @@ class RedisStore:
                 status_rank(status),
                 self.ttl,
                 retry_member(attempt_id, rule_id),
-                "" if due_ms is None else due_ms,
+                "" if delay_ms is None else delay_ms,
                 _TERMINAL,
             ],
         )
-        return kept or None, over or None
+        return StatusWritten(kept or None, over or None, int(due) if due != "" else None)
 
     async def mark_started(
         self, attempt_id: str, starts: Sequence[tuple[str, int]], fence: str | None = None

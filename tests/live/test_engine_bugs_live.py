@@ -61,10 +61,13 @@ def test_the_store_scripts_treat_a_terminal_evaluation_as_the_simulator_does(
                 [1],
                 None,
             )
-            assert await store.write_status(a, "tests_present", "failed_attempt_1", 10**13) == (
-                None,
-                None,
+            before_ms = int(live.redis.time()[0]) * 1000
+            kept, over, due = await store.write_status(
+                a, "tests_present", "failed_attempt_1", 10**9
             )
+            assert (kept, over) == (None, None)
+            # due a delay after the write landed, by Redis's clock
+            assert due is not None and 0 <= due - 10**9 - before_ms < 60_000
             assert indexed(live, a)["retries"] == [retry_member(a, "tests_present")]
             # a cancel: the retries index loses the evaluation at once
             assert await store.set_state(a, "cancelled") is None
@@ -80,6 +83,7 @@ def test_the_store_scripts_treat_a_terminal_evaluation_as_the_simulator_does(
             assert await store.write_status(a, "license_header", "failed_attempt_1", 1) == (
                 None,
                 "cancelled",
+                None,
             )
             assert indexed(live, a)["retries"] == []
             assert await store.renew([a], "w1") == {a: True}
