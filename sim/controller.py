@@ -80,6 +80,8 @@ class Controller:
             published_ms=body.get("published_ms"),
             delay_ms=body.get("delay_ms"),
         )
+        if (yield from self._passed_on(kind, attempt_id, body, d)):
+            return
         entry = self._guards.get(attempt_id)
         if entry is None:
             entry = self._guards[attempt_id] = [Lock(self.w.env), 0]
@@ -94,6 +96,21 @@ class Controller:
             entry[1] -= 1
             if not entry[1]:
                 del self._guards[attempt_id]
+
+    def _passed_on(
+        self, kind: str, attempt_id: str, body: dict[str, Any], d: Delivery
+    ) -> Generator[Any, Any, bool]:
+        """The live `_passed_on`: every slot taken, another owner's message goes on at once."""
+        w = self.w
+        if attempt_id in self.evaluations or not (
+            self._slots.locked() and may_be_held_elsewhere(kind, body, d.redelivered)
+        ):
+            return False
+        holder = yield from w.store.call(w.redis.holder, attempt_id)
+        if holder is None or holder == w.worker_id:
+            return False
+        yield from self._forward(attempt_id, holder, body, d)
+        return True
 
     def _dispatch(
         self, kind: str, attempt_id: str, body: dict[str, Any], d: Delivery
@@ -114,12 +131,8 @@ class Controller:
         plan_in_message = plan is not None
         if plan is None:
             plan = yield from w.store.call(w.redis.stored_plan, attempt_id)
-        # every slot taken: another owner's message is passed on at once (the live `_dispatch`)
-        if self._slots.locked() and may_be_held_elsewhere(kind, body, d.redelivered):
-            holder = yield from w.store.call(w.redis.holder, attempt_id)
-            if holder is not None and holder != w.worker_id:
-                yield from self._forward(attempt_id, holder, body, d)
-                return
+        if (yield from self._passed_on(kind, attempt_id, body, d)):
+            return
         yield from self._slots.acquire()
         try:
             yield from self._begin(kind, attempt_id, body, d, plan, plan_in_message)

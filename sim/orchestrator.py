@@ -177,6 +177,17 @@ class Orchestrator:
         """The live `_lease_short`: a start after a pause asks the store again first."""
         return self.w.env.now > self._lease_until - self.w.config.heartbeat_ms / 1000
 
+    def _still_ours(self) -> Generator[Any, Any, bool]:
+        """The live `_still_ours`: right before a call, a paused worker asks again."""
+        while self._over is None and self._lease_short():  # a pause may strike again
+            sent = self.w.env.now
+            _, over = yield from self.w.store.call(
+                self.w.redis.mark_started, self.attempt_id, [], self.fence
+            )
+            self._leased(sent)
+            self._look(over)
+        return self._over is None
+
     def _mark_starts(self, counts: list[int]) -> None:
         for (rule_id, _), count in zip(self._starts, counts, strict=True):
             self._counted[rule_id] = count
@@ -276,7 +287,7 @@ class Orchestrator:
                     fresh=list(action.fresh),
                 )
             case Park(waiting=waiting):
-                yield from w.store.call(w.redis.park, a, w.worker_id, self.fence)
+                yield from w.store.call(w.redis.park, a, w.worker_id, self.fence, list(waiting))
                 w.record("parked", attempt_id=a, waiting=dict(waiting))
                 yield from self._close(release=False, requeue_held=True)
             case Finish():
@@ -287,6 +298,8 @@ class Orchestrator:
         rerun = action.try_no == 1 and execution > 1
         if w.fp:
             yield from w.fp.hit("rule_before_call", rule_id, a)
+        if not (yield from self._still_ours()):
+            return
         w.record(
             "rule_started",
             attempt_id=a,

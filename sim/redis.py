@@ -426,12 +426,20 @@ class SimRedis:
         self._set(eval_key(a, "state"), status, self.ttl)
         return None, restored
 
-    def park(self, a: str, me: str, fence: str | None = None) -> Fenced | None:
+    def park(
+        self, a: str, me: str, fence: str | None = None, waiting: Sequence[str] = ()
+    ) -> Fenced | None:
+        """`_PARK`: a retry waited for and no longer indexed is indexed as due now."""
         refused = self._fenced(a, fence)
         if refused is not None:
             return refused
         if self.get(eval_key(a, "state")) not in TERMINAL:
             self._set(eval_key(a, "state"), "parked", self.ttl)
+            if waiting:
+                index = self._container(self.retries_index)
+                for rule_id in waiting:
+                    index.setdefault(retry_member(a, rule_id), int(self.env.now * 1000))
+                self._expire(self.retries_index, self.ttl)
         self._zrem(self.running_index, a)
         self.release(a, me)
         return None

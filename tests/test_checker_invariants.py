@@ -193,6 +193,10 @@ def test_fault_windows_open_and_heal_by_the_runner_records() -> None:
         {"t": 4.0, "src": "w2", "pid": 22, "seq": 1, "ev": "crash", "failpoint": "x"},
         ev(4.1, "worker_exited", 5, worker=1, pid=22, fault_id=3),
         ev(5.0, "fault_healed", 6, fault_id=3),
+        {"t": 6.0, "src": "w1", "seq": 1, "ev": "failpoint_fired", "failpoint": "x"}
+        | {"action": "freeze", "stall_ms": 350},
+        {"t": 7.0, "src": "w1", "seq": 2, "ev": "failpoint_fired", "failpoint": "x"}
+        | {"action": "raise"},
         ev(9.0, "run_finished", 7),
     ]
     windows = [(w.start, w.end, w.label) for w in fault_windows(events)]
@@ -201,6 +205,7 @@ def test_fault_windows_open_and_heal_by_the_runner_records() -> None:
         (1.5, 9.0, "f1"),  # never healed: open until the run ended, not forever
         (3.0, 3.0, "f2"),
         (4.0, 5.0, "worker 1 exited"),  # from the crash itself
+        (6.0, 6.35, "freeze@x"),  # the whole worker stopped for its stall_ms
     ]
 
 

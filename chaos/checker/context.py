@@ -13,6 +13,7 @@ from typing import Any
 from chaos.checker.oracle import max_attempts_of
 from chaos.checker.records import CheckSpec, EvaluationFinal, FinalState, Violation
 from engine.core.results import RuleResult
+from engine.failpoints import TIMED_ACTIONS
 from engine.plan import Plan, PlanError, plan_from_dict
 
 TERMINAL_STATES = frozenset({"completed", "partial", "failed", "cancelled"})
@@ -38,7 +39,8 @@ FAULT_EVENTS = frozenset(
 class FaultWindow:
     """When something was broken, from the runner's own records: a `fault_fired` (or the
     runner's `worker_exited` after a crash, from the `crash` itself) opens it, the
-    `fault_healed` with the same `fault_id` closes it. Never healed: open until the last
+    `fault_healed` with the same `fault_id` closes it; a `freeze` or `stall` failpoint is
+    broken for its `stall_ms`. Never healed: open until the last
     event of the run. A record without a `fault_id` (a history from before the ids) is an
     instant."""
 
@@ -182,6 +184,10 @@ def fault_windows(events: list[dict]) -> list[FaultWindow]:
             label = str(e.get("fault") or e.get("action") or "fault")
             end = t if fid is None else healed.get(fid, end_of_run)
             out.append(FaultWindow(t, max(end, t), label))
+        elif ev == "failpoint_fired" and e.get("action") in TIMED_ACTIONS:
+            # a freeze stops the whole worker, a stall one task: either delays its steps
+            end = t + float(e.get("stall_ms") or 0) / 1000
+            out.append(FaultWindow(t, end, f"{e['action']}@{e.get('failpoint')}"))
         elif ev == "worker_exited":
             crash = crashes.pop(e.get("pid"), None)
             start = event_time(crash) if crash is not None else t

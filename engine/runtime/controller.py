@@ -96,10 +96,28 @@ class EvaluationController:
             published_ms=body.get("published_ms"),
             delay_ms=body.get("delay_ms"),
         )
+        if await self._passed_on(kind, attempt_id, body, message):
+            return
         # One delivery of an evaluation is set up at a time in this worker: a second one
         # (two retries due together) waits, then finds the evaluation in memory.
         async with self._guard(attempt_id):
             await self._dispatch(kind, attempt_id, body, message)
+
+    async def _passed_on(
+        self, kind: str, attempt_id: str, body: dict[str, Any], message: AbstractIncomingMessage
+    ) -> bool:
+        """With every slot taken, a message for an evaluation another worker holds is passed
+        on at once, not held until a slot frees (its retry would start late); looked at
+        before the evaluation's guard too, where another delivery may wait for a slot."""
+        if attempt_id in self.evaluations or not (
+            self._slots.locked() and may_be_held_elsewhere(kind, body, message.redelivered)
+        ):
+            return False
+        holder = await self.rt.store.holder(attempt_id)
+        if holder is None or holder == self.rt.worker_id:
+            return False
+        await self._forward(attempt_id, holder, message)
+        return True
 
     @contextlib.asynccontextmanager
     async def _guard(self, attempt_id: str) -> AsyncIterator[None]:
@@ -145,13 +163,8 @@ class EvaluationController:
 
         # A slot is taken before the lease and held while the evaluation is in memory;
         # `_done` gives it back. A delivery that puts nothing in memory gives it back here.
-        # With every slot taken, a message for an evaluation another worker holds is passed
-        # on at once rather than held until a slot frees (its retry would start late).
-        if self._slots.locked() and may_be_held_elsewhere(kind, body, message.redelivered):
-            holder = await rt.store.holder(attempt_id)
-            if holder is not None and holder != rt.worker_id:
-                await self._forward(attempt_id, holder, message)
-                return
+        if await self._passed_on(kind, attempt_id, body, message):
+            return
         await self._slots.acquire()
         try:
             await self._begin(kind, attempt_id, body, message, plan, bool(raw))

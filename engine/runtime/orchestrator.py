@@ -176,6 +176,16 @@ class PassExecutionOrchestrator:
         may be seconds old), so the store is asked again, fenced, before any start."""
         return time.monotonic() > self._lease_until - self.rt.config.heartbeat_ms / 1000
 
+    async def _still_ours(self) -> bool:
+        """Right before a call: a worker paused since the store last ran its lease on (the
+        start was allowed seconds ago) asks again, fenced; a refusal raises `LeaseLost`."""
+        while self._over is None and self._lease_short():  # a pause may strike again
+            sent = time.monotonic()
+            _, over = await self.rt.store.mark_started(self.attempt_id, [], self.fence)
+            self._leased(sent)
+            self._look(over)
+        return self._over is None
+
     def _mark_starts(self, counts: list[int]) -> None:
         for (rule_id, _), count in zip(self._starts, counts, strict=True):
             self._counted[rule_id] = count
@@ -272,7 +282,7 @@ class PassExecutionOrchestrator:
                     fresh=list(action.fresh),
                 )
             case Park(waiting=waiting):
-                await rt.store.park(a, rt.worker_id, self.fence)
+                await rt.store.park(a, rt.worker_id, self.fence, list(waiting))
                 rt.history.record("parked", attempt_id=a, waiting=dict(waiting))
                 # A retry that arrived while parking is handed back, not dropped: its
                 # redelivery resumes the evaluation from Redis.
@@ -285,6 +295,8 @@ class PassExecutionOrchestrator:
         rerun = action.try_no == 1 and execution > 1
         rule = self.core.plan.rules[action.rule_id]
         await rt.failpoints.hit("rule_before_call", rule.id, a)
+        if not await self._still_ours():
+            return
         if action.try_no > 1:
             rt.metrics.retries.labels(level="1").inc()
         if rerun:

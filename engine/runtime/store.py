@@ -380,12 +380,23 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return out
 """)
 
-# Only delayed retries are left: out of the running index, lease given back.
-# KEYS: state, running index, owner, fence, owner. ARGV: ttl, attempt_id, me, terminal
-# list, token, lease_ms, ttl.
+# Only delayed retries are left: out of the running index, lease given back. Each retry
+# waited for must have a way back: its entry in the retries index stays as it is (`NX`),
+# and one that is gone (its attempt had started, and its message died with the private
+# queue of a worker that crashed holding it) is indexed as due now, so the sweeper
+# re-publishes it after the grace should no message come: no evaluation stays parked with
+# nobody to wake it.
+# KEYS: state, running index, owner, retries index, fence, owner. ARGV: ttl, attempt_id,
+# me, terminal list, retry members..., token, lease_ms, ttl.
 _PARK = _fenced_script("""
 if not terminal(redis.call('GET', KEYS[1]), ARGV[4]) then
   redis.call('SET', KEYS[1], 'parked', 'EX', ARGV[1])
+  if NA > 4 then
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    for i = 5, NA do redis.call('ZADD', KEYS[4], 'NX', now, ARGV[i]) end
+    redis.call('EXPIRE', KEYS[4], ARGV[1])
+  end
 end
 redis.call('ZREM', KEYS[2], ARGV[2])
 if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
@@ -791,13 +802,27 @@ class RedisStore:
         )
         return reply[0] or None, [names[int(i) - 1] for i in reply[1:]]
 
-    async def park(self, attempt_id: str, me: str, fence: str | None = None) -> None:
+    async def park(
+        self, attempt_id: str, me: str, fence: str | None = None, waiting: Sequence[str] = ()
+    ) -> None:
+        """Park the evaluation until one of the `waiting` rules' retries comes due."""
         await self._owner_call(
             attempt_id,
             fence,
             self._park,
-            keys=[eval_key(attempt_id, "state"), self.running_index, eval_key(attempt_id, "owner")],
-            args=[self.ttl, attempt_id, me, _TERMINAL],
+            keys=[
+                eval_key(attempt_id, "state"),
+                self.running_index,
+                eval_key(attempt_id, "owner"),
+                self.retries_index,
+            ],
+            args=[
+                self.ttl,
+                attempt_id,
+                me,
+                _TERMINAL,
+                *(retry_member(attempt_id, r) for r in waiting),
+            ],
         )
 
     async def snapshot(self, attempt_id: str, rule_ids: Sequence[str]) -> Snapshot:

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -238,7 +239,10 @@ class Both(RuleBasedStateMachine):
     def park(self, data: st.DataObject) -> None:
         a = data.draw(st.sampled_from(self.ids))
         w, token = self._token(data, a)
-        self._both("park", self.store.park(a, w, token), self.sim.park(a, w, token))
+        waiting = data.draw(st.lists(st.sampled_from(RULES), unique=True, max_size=2))
+        self._both(
+            "park", self.store.park(a, w, token, waiting), self.sim.park(a, w, token, waiting)
+        )
 
     @rule(data=st.data(), status=st.sampled_from(["completed", "partial", "failed"]))
     def finish(self, data: st.DataObject, status: str) -> None:
@@ -356,7 +360,9 @@ def test_the_scripts_and_their_references_agree(live: Live) -> None:
 class _ParkKeepsTheIndex(SimRedis):
     """A reference that drifted: its park forgets to take the evaluation off the index."""
 
-    def park(self, a: str, me: str, fence: str | None = None) -> Fenced | None:
+    def park(
+        self, a: str, me: str, fence: str | None = None, waiting: Sequence[str] = ()
+    ) -> Fenced | None:
         refused = self._fenced(a, fence)
         if refused is None and self.get(eval_key(a, "state")) not in ("cancelled",):
             self._set(eval_key(a, "state"), "parked", self.ttl)
