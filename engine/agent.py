@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.core.results import RuleResult
 from engine.plan import Rule
 from engine.policy import MAX_SEED
+from engine.validation import describe
 
 # --- error kinds ---------------------------------------------------------------------------
 
@@ -331,7 +332,7 @@ class AgentProfile:
         try:
             spec = _ProfileSpec.model_validate(dict(data))
         except ValidationError as exc:
-            raise AgentProfileError(_describe(exc)) from None
+            raise AgentProfileError(describe(exc, dict(data))) from None
         values = spec.model_dump(exclude_unset=True)
         try:
             if "latency_ms" in values:
@@ -407,23 +408,8 @@ def _latency_from(raw: Any) -> Latency:
     try:
         spec = _LatencySpec.model_validate(dict(raw))
     except ValidationError as exc:
-        raise AgentProfileError(_describe(exc, prefix="latency_ms")) from None
+        raise AgentProfileError(describe(exc, dict(raw), prefix="latency_ms")) from None
     return Latency(**spec.model_dump())
-
-
-def _describe(exc: ValidationError, prefix: str = "") -> str:
-    err = exc.errors()[0]
-    parts = [_short(str(p)) for p in err["loc"]]  # a key from the file may be long
-    loc = [prefix, *parts] if prefix else parts
-    path = ".".join(loc) or "(top)"
-    msg = err["msg"]
-    bounds = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">"}
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    elif err["type"] in bounds:
-        bound = next(iter((err.get("ctx") or {}).values()), "?")
-        msg = f"expected a value {bounds[err['type']]} {bound}; got {_short(err.get('input'))}"
-    return f"{path}: {msg}"
 
 
 # --- the fake agent ------------------------------------------------------------------------

@@ -19,9 +19,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.policy import MAX_ATTEMPTS
+from engine.validation import expected, render
 from engine.yamlfile import clip, read_yaml
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_PATTERNS = {
+    ID_PATTERN: "an id (letters, digits, '_', '.', '-'; up to 64, not starting with a symbol)"
+}
 
 
 class PlanError(ValueError):
@@ -198,29 +202,17 @@ def plan_from_dict(data: Any, source: str = "<plan>") -> Plan:
 
 
 def _describe(exc: ValidationError, data: Any) -> str:
-    err = exc.errors()[0]
+    """`engine.validation`'s line, with the rule it is about named (its id, if it has one)."""
+    err = exc.errors(include_url=False)[0]
     loc = err["loc"]
-    parts: list[str] = []
-    node: Any = data
-    for item in loc:
-        if isinstance(item, int):
-            parts[-1:] = [f"{parts[-1] if parts else ''}[{item}]"]
-        else:
-            parts.append(str(item))
-        node = node[item] if isinstance(node, dict | list) and _has(node, item) else None
-    path = ".".join(parts) or "(top)"
+    path = render(loc, data) or "(top)"
     rule_hint = ""
     if "rules" in loc:
         idx = loc.index("rules")
         rules = _walk(data, loc[: idx + 2])
         if isinstance(rules, dict) and isinstance(rules.get("id"), str):
             rule_hint = f" (rule {clip(repr(rules['id']))})"
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    elif err["type"] == "missing":
-        msg = "required field is missing"
-    return f"{path}{rule_hint}: {msg}"
+    return f"{path}{rule_hint}: {expected(err, _PATTERNS)}"
 
 
 def _has(node: Any, key: Any) -> bool:

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.validation import is_finite_number
+
 #: Level-2 delay tiers (ms): the retry after `failed_attempt_N` waits TIERS_MS[N-1]; an attempt
 #: past the table reuses the last tier.
 DEFAULT_TIERS_MS: tuple[int, ...] = (30_000, 120_000, 600_000)
@@ -14,7 +16,7 @@ DEFAULT_TIERS_MS: tuple[int, ...] = (30_000, 120_000, 600_000)
 # --- bounds -----------------------------------------------------------------------------------
 # Every number a scenario file or a worker flag sets must fit what the engine can hold: the
 # history's JSON (64-bit integers), RabbitMQ (32-bit TTLs, a 16-bit prefetch) and the 7-day
-# state keys. The scenario loader (chaos/scenario.py, scenarios/schema.json) and the worker
+# state keys. The scenario loader (chaos/scenario/, scenarios/schema.json) and the worker
 # (through RetryPolicy, AgentProfile and `check_engine_settings`) refuse the same values.
 
 #: Seeds are recorded in the history as signed 64-bit integers.
@@ -82,17 +84,8 @@ def check_engine_settings(config: Any) -> None:
             f"got {config.stale_ms}"
         )
     scale = config.time_scale
-    if not (_is_finite(scale) and 0 < scale <= MAX_TIME_SCALE):
+    if not (is_finite_number(scale) and 0 < scale <= MAX_TIME_SCALE):
         raise ValueError(f"time_scale: expected a number within (0, 1]; got {_show(scale)}")
-
-
-def _is_finite(value: Any) -> bool:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +117,7 @@ class RetryPolicy:
             raise ValueError(f"tiers_ms: expected 1 to {MAX_TIERS} delays; got {_show(tiers)}")
         for i, tier in enumerate(tiers):
             _check_int(f"tiers_ms[{i}]", tier, 1, MAX_TIER_MS)
-        if not (_is_finite(self.jitter) and 0.0 <= self.jitter <= 1.0):
+        if not (is_finite_number(self.jitter) and 0.0 <= self.jitter <= 1.0):
             raise ValueError(f"jitter: expected a number within [0, 1]; got {_show(self.jitter)}")
         _check_int("jitter_buckets", self.jitter_buckets, 1, MAX_JITTER_BUCKETS)
         _check_int("seed", self.seed, 0, MAX_SEED)

@@ -10,11 +10,13 @@ rebuilt from the snapshot exactly as `ReEvaluateUseCase.rebuild` does.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
-from engine.core import Evaluation, Snapshot, failed_attempt
+from engine.core import Evaluation, Snapshot
+from engine.core.recovery import retry_is_fresh
 from engine.core.routing import may_be_held_elsewhere
 from engine.plan import Plan
 from sim.broker import Delivery, Unroutable
@@ -30,7 +32,8 @@ class Controller:
         self.w = w
         self.evaluations: dict[str, Orchestrator] = {}
         self._slots = Semaphore(w.env, w.config.max_evaluations)
-        self._guards: dict[str, list[Any]] = {}  # attempt -> [Lock, users]
+        self._guards: dict[str, Lock] = {}  # the live `_guard`
+        self._guard_users: collections.Counter[str] = collections.Counter()
 
     # --- deliveries ---------------------------------------------------------------------
 
@@ -82,20 +85,18 @@ class Controller:
         )
         if (yield from self._passed_on(kind, attempt_id, body, d)):
             return
-        entry = self._guards.get(attempt_id)
-        if entry is None:
-            entry = self._guards[attempt_id] = [Lock(self.w.env), 0]
-        entry[1] += 1
+        lock = self._guards.setdefault(attempt_id, Lock(self.w.env))
+        self._guard_users[attempt_id] += 1
         try:
-            yield from entry[0].acquire()
+            yield from lock.acquire()
             try:
                 yield from self._dispatch(kind, attempt_id, body, d)
             finally:
-                entry[0].release()
+                lock.release()
         finally:
-            entry[1] -= 1
-            if not entry[1]:
-                del self._guards[attempt_id]
+            self._guard_users[attempt_id] -= 1
+            if not self._guard_users[attempt_id]:
+                del self._guard_users[attempt_id], self._guards[attempt_id]
 
     def _passed_on(
         self, kind: str, attempt_id: str, body: dict[str, Any], d: Delivery
@@ -173,9 +174,7 @@ class Controller:
         due: dict[str, int] = {}
         if kind == "retry":
             rule_id, attempt = str(body["rule_id"]), int(body["attempt"])
-            status = snapshot.statuses.get(rule_id)
-            fresh = attempt >= 2 and status == failed_attempt(attempt - 1)
-            if rule_id in plan.rules and fresh and rule_id not in snapshot.results:
+            if retry_is_fresh(plan, snapshot, rule_id, attempt):
                 due[rule_id] = attempt
             else:
                 w.record(

@@ -1005,3 +1005,21 @@ def test_the_history_check_catches_a_rerun() -> None:
     assert check_history(broken) == [
         f"no_completed_rerun: compiles runs at #{after_write} after its result was written"
     ]
+
+
+def test_a_retry_message_is_fresh_only_for_the_attempt_after_the_stored_failure() -> None:
+    from engine.core.recovery import retry_is_fresh
+
+    failed = Snapshot(statuses={"compiles": "failed_attempt_1"})
+    assert retry_is_fresh(TINY, failed, "compiles", 2)
+    assert not retry_is_fresh(TINY, failed, "compiles", 3)  # a later attempt's copy
+    assert not retry_is_fresh(TINY, failed, "compiles", 1)
+    assert not retry_is_fresh(TINY, failed, "nope", 2)  # not a rule of the plan
+    assert not retry_is_fresh(TINY, Snapshot(), "compiles", 2)  # no failure stored
+    again = Snapshot(statuses={"compiles": "failed_attempt_2"})
+    assert not retry_is_fresh(TINY, again, "compiles", 2)  # a duplicate: attempt 3 is next
+    done = Snapshot(
+        results={"compiles": RuleResult("compiles", "pass", 0.9, 10)},
+        statuses={"compiles": "failed_attempt_1"},
+    )
+    assert not retry_is_fresh(TINY, done, "compiles", 2)  # the retry already succeeded

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from engine.core.results import RuleResult
-from engine.core.states import parse_status
+from engine.core.states import failed_attempt, parse_status
 from engine.plan import Plan
 
 
@@ -53,3 +53,16 @@ def classify(plan: Plan, snapshot: Snapshot) -> dict[str, tuple[Recovery, int]]:
         n = parse_status(status)
         out[rid] = (Recovery.FAILED, 0) if n is None else (Recovery.RETRYING, n)
     return out
+
+
+def retry_is_fresh(plan: Plan, snapshot: Snapshot, rule_id: str, attempt: int) -> bool:
+    """A retry message that starts its attempt: the rule's stored status is the failure of
+    the attempt before, and no result is stored. Anything else is a duplicate or a stale
+    copy (publish-then-ack, a redelivery, a sweeper's re-publish): it is dropped, and the
+    evaluation resumed anyway (with nothing to run, it parks again at once)."""
+    return (
+        rule_id in plan.rules
+        and attempt >= 2
+        and snapshot.statuses.get(rule_id) == failed_attempt(attempt - 1)
+        and rule_id not in snapshot.results
+    )

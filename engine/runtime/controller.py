@@ -18,6 +18,7 @@ lease expires, and only an expired lease hands the evaluation over.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,8 +26,9 @@ from typing import Any
 import orjson
 from aio_pika.abc import AbstractIncomingMessage
 
+from engine.core.recovery import retry_is_fresh
 from engine.core.routing import may_be_held_elsewhere
-from engine.core.states import TERMINAL_EVALUATION_STATUSES, failed_attempt
+from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.plan import Plan, PlanError, plan_from_dict
 from engine.runtime.broker import Unroutable
 from engine.runtime.context import Runtime, log, settle
@@ -43,7 +45,8 @@ class EvaluationController:
         self.reevaluate = ReEvaluateUseCase(rt)
         self._slots = asyncio.Semaphore(rt.config.max_evaluations)
         self._plans: dict[str, Plan] = {}
-        self._guards: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        self._guards: dict[str, asyncio.Lock] = {}  # one delivery set up at a time
+        self._guard_users: collections.Counter[str] = collections.Counter()
         self.private_queue = ""
 
     # --- deliveries ---------------------------------------------------------------------
@@ -121,15 +124,15 @@ class EvaluationController:
 
     @contextlib.asynccontextmanager
     async def _guard(self, attempt_id: str) -> AsyncIterator[None]:
-        entry = self._guards.setdefault(attempt_id, (asyncio.Lock(), [0]))
-        entry[1][0] += 1
+        lock = self._guards.setdefault(attempt_id, asyncio.Lock())
+        self._guard_users[attempt_id] += 1
         try:
-            async with entry[0]:
+            async with lock:
                 yield
         finally:
-            entry[1][0] -= 1
-            if not entry[1][0]:
-                del self._guards[attempt_id]
+            self._guard_users[attempt_id] -= 1
+            if not self._guard_users[attempt_id]:  # the last one out drops the lock
+                del self._guard_users[attempt_id], self._guards[attempt_id]
 
     async def _dispatch(
         self, kind: str, attempt_id: str, body: dict[str, Any], message: AbstractIncomingMessage
@@ -206,13 +209,9 @@ class EvaluationController:
         due: dict[str, int] = {}
         if kind == "retry":
             rule_id, attempt = str(body["rule_id"]), int(body["attempt"])
-            status = snapshot.statuses.get(rule_id)
-            fresh = attempt >= 2 and status == failed_attempt(attempt - 1)
-            if rule_id in plan.rules and fresh and rule_id not in snapshot.results:
+            if retry_is_fresh(plan, snapshot, rule_id, attempt):
                 due[rule_id] = attempt
             else:
-                # A duplicate or stale retry (publish-then-ack, a redelivery): drop it, but
-                # resume the evaluation anyway; with nothing to run it parks again at once.
                 rt.history.record(
                     "stale_retry_dropped", attempt_id=attempt_id, rule_id=rule_id, attempt=attempt
                 )

@@ -1,0 +1,712 @@
+"""The scenario file's schema: its pydantic models, their bounds and their checks."""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Annotated, Any, Literal, NoReturn, TypeVar
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from chaos.checker import INVARIANTS
+from engine.agent import AgentProfile, AgentProfileError
+from engine.config import EngineConfig
+from engine.failpoints import FAILPOINTS, RULELESS_FAILPOINTS
+from engine.plan import ID_PATTERN
+from engine.policy import (
+    ENGINE_BOUNDS,
+    MAX_ATTEMPTS,
+    MAX_IMMEDIATE_RETRIES,
+    MAX_SEED,
+    MAX_TIER_MS,
+    MAX_TIERS,
+    MAX_TIME_SCALE,
+    STATE_TTL_MS,
+    RetryPolicy,
+)
+from engine.validation import got as _got
+from engine.validation import is_finite_number
+
+#: The invariants the checker knows; a scenario checks all of them unless it lists some.
+INVARIANT_NAMES: tuple[str, ...] = tuple(INVARIANTS)
+
+#: What a runner fault does.
+RUNNER_ACTIONS: tuple[str, ...] = (
+    "kill_worker",  # SIGKILL one worker process
+    "restart_worker",  # stop one worker gracefully (SIGTERM), start it again
+    "pause_worker",  # stop one worker for pause_s (SIGSTOP, then SIGCONT): a long GC pause
+    "kill_redis",  # SIGKILL the scenario's throwaway redis-server
+    "kill_broker",  # SIGKILL the scenario's throwaway RabbitMQ node
+    "cancel",  # cancel one submitted evaluation
+)
+WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pause_worker"})
+
+
+MAX_EVALUATIONS_PER_PLAN = 10_000
+MAX_WORKERS = 16
+#: Runner times (deadline_s and every time before it, restart delays): a day of wall clock.
+MAX_RUN_S = 86_400.0
+#: Failpoint hit counts and event counts.
+MAX_HITS = 1_000_000
+#: A failpoint stall: an hour.
+MAX_STALL_MS = 3_600_000
+#: Budgets are compared with counts the history records as signed 64-bit integers.
+MAX_BUDGET = 2**63 - 1
+#: Values (aliases expanded) a scenario document may hold: a YAML alias bomb is refused
+#: before anything walks it.
+MAX_DOCUMENT_VALUES = 100_000
+EVENT_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+
+InvariantName = Literal[INVARIANT_NAMES]  # type: ignore[valid-type]
+FailpointName = Literal[tuple(FAILPOINTS)]  # type: ignore[valid-type]
+RunnerAction = Literal[RUNNER_ACTIONS]  # type: ignore[valid-type]
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be run; the message is one line meant for a human."""
+
+    def __init__(self, message: str) -> None:
+        # paths, keys and values come from the file: escape line breaks and control
+        # characters so that the message stays one line
+        super().__init__(
+            "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in message)
+        )
+
+
+# --- validation helpers ----------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _fail(path: str, detail: str) -> NoReturn:
+    """A validation error at `path` below the model that raises it (empty: the model)."""
+    raise PydanticCustomError("scenario_rule", "{path}: {detail}", {"path": path, "detail": detail})
+
+
+def _as_tuple(value: Any) -> Any:
+    # lists arrive from YAML; the models keep tuples so that a scenario is immutable, and
+    # strict validation refuses sets and mappings that a lax tuple would take
+    return tuple(value) if isinstance(value, list) else value
+
+
+#: A YAML list, kept as a tuple.
+ListOf = Annotated[tuple[T, ...], BeforeValidator(_as_tuple)]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_index_or_random(value: Any) -> Any:
+    """`target`: an index >= 0 or 'random' (one message, not one per union member)."""
+    if value == "random" or (_is_int(value) and value >= 0):
+        return value
+    raise PydanticCustomError(
+        "scenario_value",
+        "{detail}",
+        {"detail": f"expected an index >= 0 or 'random'; got {_got(value)}"},
+    )
+
+
+def _check_worker_list(value: Any) -> Any:
+    """`workers` of a failpoint fault: 'all' or a non-empty list of distinct indices."""
+    if value == "all":
+        return value
+    if not isinstance(value, list | tuple) or not value:
+        raise PydanticCustomError(
+            "scenario_value",
+            "{detail}",
+            {"detail": f"expected 'all' or a non-empty list of worker indices; got {_got(value)}"},
+        )
+    seen: set[int] = set()
+    for i, item in enumerate(value):
+        if not (_is_int(item) and item >= 0):
+            _fail(f"[{i}]", f"expected a worker index >= 0; got {_got(item)}")
+        if item in seen:
+            _fail(f"[{i}]", f"worker {_got(item)} is listed twice")
+        seen.add(item)
+    return tuple(value)
+
+
+def _check_window(value: Any) -> Any:
+    """`random_at_s`: [lo, hi] with 0 <= lo <= hi, both finite."""
+    if value is None:
+        return value
+    return _check_range(value, "[lo, hi], two numbers of seconds")
+
+
+def _check_pause(value: Any) -> Any:
+    """`pause_s`: seconds, or [lo, hi] drawn from the seed at each firing (event-loop lag)."""
+    if value is None or is_finite_number(value):
+        return value
+    return _check_range(value, "a number of seconds, or [lo, hi] to draw it from the seed")
+
+
+def _check_range(value: Any, expected: str) -> Any:
+    if not (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and all(is_finite_number(v) for v in value)
+    ):
+        raise PydanticCustomError(
+            "scenario_value",
+            "{detail}",
+            {"detail": f"expected {expected}; got {_got(value)}"},
+        )
+    lo, hi = value
+    if not 0 <= lo <= hi:
+        raise PydanticCustomError(
+            "scenario_value",
+            "{detail}",
+            {"detail": f"expected 0 <= lo <= hi; got {_got(value)}"},
+        )
+    return (float(lo), float(hi))
+
+
+class _Model(BaseModel):
+    # strict: YAML `"3"` is not 3 and `yes` is not an integer; frozen: a loaded scenario is
+    # shared by the runner, the simulator and the reports, and nobody edits it
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+# --- the schema ------------------------------------------------------------------------------
+
+
+class PlanRef(_Model):
+    """One plan and how many evaluations of it the run submits."""
+
+    path: str = Field(min_length=1, description="relative to the scenario file, then the cwd")
+    evaluations: int = Field(default=1, ge=1, le=MAX_EVALUATIONS_PER_PLAN)
+
+
+class RetrySpec(_Model):
+    """The engine's retry policy (engine.policy.RetryPolicy), seeded by the scenario seed."""
+
+    immediate_retries: int = Field(default=2, ge=0, le=MAX_IMMEDIATE_RETRIES)
+    max_attempts: int = Field(default=3, ge=1, le=MAX_ATTEMPTS)
+    tiers_ms: ListOf[Annotated[int, Field(gt=0, le=MAX_TIER_MS)]] = Field(
+        default=(30_000, 120_000, 600_000), min_length=1, max_length=MAX_TIERS
+    )
+    jitter: float = Field(default=0.1, ge=0.0, le=1.0)
+
+    def policy(self, seed: int) -> RetryPolicy:
+        return RetryPolicy(
+            immediate_retries=self.immediate_retries,
+            max_attempts=self.max_attempts,
+            tiers_ms=tuple(self.tiers_ms),
+            jitter=self.jitter,
+            seed=seed,
+        )
+
+
+def _bounds(name: str) -> dict[str, int]:
+    least, most = ENGINE_BOUNDS[name]
+    return {"ge": least, "le": most}
+
+
+class EngineSpec(_Model):
+    """Worker settings (engine.config.EngineConfig), in engine milliseconds."""
+
+    # the bounds are the worker's own (engine.policy.ENGINE_BOUNDS): a lease may not outlive
+    # the 7-day state keys, the RabbitMQ prefetch is 4 x max_evaluations (16 bits)
+    max_evaluations: int = Field(default=8, **_bounds("max_evaluations"))
+    max_parallel: int = Field(default=4, **_bounds("max_parallel"))
+    heartbeat_ms: int = Field(default=100, **_bounds("heartbeat_ms"))
+    stale_ms: int = Field(default=600, **_bounds("stale_ms"))
+    sweep_ms: int = Field(default=100, **_bounds("sweep_ms"))
+    retry_grace_ms: int | None = Field(default=None, **_bounds("retry_grace_ms"))
+    sweeper: bool = True
+
+    @model_validator(mode="after")
+    def _stale_after_heartbeat(self) -> EngineSpec:
+        # a lease that goes stale before its next heartbeat would be taken over from a
+        # healthy worker
+        if self.stale_ms <= self.heartbeat_ms:
+            _fail(
+                "stale_ms",
+                f"expected more than heartbeat_ms ({self.heartbeat_ms}); got {self.stale_ms}",
+            )
+        return self
+
+
+class BudgetsSpec(_Model):
+    """Limits a run must stay within, on top of the invariants; None: not checked."""
+
+    max_duplicated_tokens: int | None = Field(default=None, ge=0, le=MAX_BUDGET)
+    max_reruns: int | None = Field(default=None, ge=0, le=MAX_BUDGET)
+    max_retry_latency_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=STATE_TTL_MS / 1000,
+        description="engine time, before time_scale",
+    )
+
+
+#: Writes a Redis restart may lose (`redis.lose_last_writes`).
+MAX_LOST_WRITES = 100_000
+
+
+class BrokerSpec(_Model):
+    """RabbitMQ behaviours that are settings of the broker, not events (both modes)."""
+
+    consumer_timeout_s: float | None = Field(
+        default=None,
+        ge=0.1,
+        le=MAX_RUN_S,
+        description="RabbitMQ's consumer_timeout (run seconds): a delivery held unacknowledged "
+        "this long closes its channel and is requeued; live, the run's own node is set to it",
+    )
+    dead_letter_loss: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="share of delayed retries lost on their way from the delay queue to the "
+        "work queue (dead-lettering is not confirmed); live, the runner takes them off "
+        "their delay queue",
+    )
+
+    def loses(self, seed: int, message_id: str | None) -> bool:
+        """Whether the retry message `message_id` (`{attemptId}:{ruleId}:{attempt}`, the
+        seed's ids) is lost: one draw of the seed and the id, so that the simulator and the
+        live runner lose the same retries."""
+        if not self.dead_letter_loss or message_id is None:
+            return False
+        return random.Random(f"{seed}:dead_letter:{message_id}").random() < self.dead_letter_loss
+
+
+class RedisSpec(_Model):
+    """How the scenario's Redis fails beyond a kill (both modes)."""
+
+    lose_last_writes: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_LOST_WRITES,
+        description="each kill_redis comes back without its last N acknowledged writes (a "
+        "failover to a replica that lacked them); live, the append-only file is cut back "
+        "by N writes before the restart",
+    )
+
+
+class FailpointFault(_Model):
+    """A failpoint armed inside worker processes (engine.failpoints)."""
+
+    failpoint: FailpointName
+    action: Literal["crash", "raise", "stall", "freeze"] = "crash"
+    stall_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_STALL_MS,
+        description="required iff action is stall or freeze (the whole worker stops)",
+    )
+    hit: int = Field(default=1, ge=1, le=MAX_HITS, description="fire on the Nth matching hit")
+    times: int = Field(
+        default=1,
+        ge=0,
+        le=MAX_HITS,
+        description="fire this many times; 0: every later hit",
+    )
+    rule: str | None = Field(default=None, pattern=ID_PATTERN)
+    evaluation: int | None = Field(
+        default=None, ge=0, description="index into the submitted evaluations"
+    )
+    workers: Annotated[
+        Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(min_length=1)] | Literal["all"],
+        BeforeValidator(_check_worker_list),
+    ] = Field(default=(0,), description="worker indices, or all")
+    name: str | None = Field(default=None, pattern=ID_PATTERN)
+
+    @model_validator(mode="after")
+    def _check(self) -> FailpointFault:
+        timed = self.action in ("stall", "freeze")
+        if timed and self.stall_ms is None:
+            _fail("stall_ms", f"required field is missing (action is {self.action})")
+        if not timed and self.stall_ms is not None:
+            _fail("stall_ms", f"only with action stall or freeze; action is {self.action}")
+        if self.rule is not None and self.failpoint in RULELESS_FAILPOINTS:
+            _fail(
+                "rule",
+                f"failpoint {self.failpoint} is not hit for a rule, so a rule filter never "
+                "matches; remove it",
+            )
+        return self
+
+    def to_spec(self, attempt_id: str | None = None) -> str:
+        """The engine's spec syntax (`ENGINE_FAILPOINTS`, `--failpoint`) for this fault.
+
+        `attempt_id` narrows it to one evaluation; a fault with `evaluation` needs it.
+        """
+        if self.evaluation is not None and attempt_id is None:
+            raise ValueError(
+                f"a failpoint fault on evaluation {self.evaluation} needs its attempt id"
+            )
+        action = f"{self.action}:{self.stall_ms}" if self.stall_ms is not None else self.action
+        spec = f"{self.failpoint}={action},hit={self.hit},times={self.times}"
+        if self.rule is not None:
+            spec += f",rule={self.rule}"
+        if attempt_id is not None:
+            if not attempt_id or re.search(r"[\s,;=]", attempt_id):
+                raise ValueError(f"attempt id {attempt_id!r} cannot be written in a failpoint spec")
+            spec += f",attempt_id={attempt_id}"
+        return spec
+
+    def arms(self, worker: int) -> bool:
+        """Whether worker `worker` starts with this failpoint armed."""
+        return self.workers == "all" or worker in self.workers
+
+
+class AfterEvent(_Model):
+    """A trigger on the recorded history: after the Nth event of a kind."""
+
+    event: str = Field(pattern=EVENT_PATTERN, description="a history event, e.g. rule_finished")
+    count: int = Field(default=1, ge=1, le=MAX_HITS)
+    rule: str | None = Field(default=None, pattern=ID_PATTERN)
+
+
+class RunnerFault(_Model):
+    """A fault the runner injects from outside: kill, restart or cancel."""
+
+    at_s: float | None = Field(default=None, ge=0, le=MAX_RUN_S)
+    random_at_s: Annotated[
+        tuple[
+            Annotated[float, Field(ge=0, le=MAX_RUN_S)],
+            Annotated[float, Field(ge=0, le=MAX_RUN_S)],
+        ]
+        | None,
+        BeforeValidator(_check_window),
+    ] = Field(default=None, description="[lo, hi]; the time is drawn from the seed")
+    after: AfterEvent | None = None
+    action: RunnerAction
+    target: Annotated[
+        Annotated[int, Field(ge=0)] | Literal["random"],
+        BeforeValidator(_check_index_or_random),
+    ] = Field(default=0, description="worker index, or evaluation index for cancel")
+    restart_after_s: float | None = Field(
+        default=0.5, ge=0, le=MAX_RUN_S, description="null: never restart"
+    )
+    pause_s: Annotated[
+        Annotated[float, Field(gt=0, le=MAX_RUN_S)]
+        | tuple[
+            Annotated[float, Field(gt=0, le=MAX_RUN_S)],
+            Annotated[float, Field(gt=0, le=MAX_RUN_S)],
+        ]
+        | None,
+        BeforeValidator(_check_pause),
+    ] = Field(
+        default=None,
+        description="pause_worker: how long it stays stopped; [lo, hi]: drawn from the seed "
+        "at each firing, so many short pauses make a lagging event loop",
+    )
+    count: int = Field(default=1, ge=1, le=100)
+    every_s: float | None = Field(default=None, gt=0, le=MAX_RUN_S)
+    name: str | None = Field(default=None, pattern=ID_PATTERN)
+
+    @model_validator(mode="after")
+    def _check(self) -> RunnerFault:
+        triggers = [t for t in ("at_s", "random_at_s", "after") if getattr(self, t) is not None]
+        if len(triggers) != 1:
+            got = " and ".join(triggers) if triggers else "none"
+            _fail(
+                "",
+                f"expected exactly one trigger (at_s, random_at_s or after); got {got}",
+            )
+        if self.random_at_s is not None and self.every_s is not None:
+            _fail("every_s", "not with random_at_s (each repetition draws its own time)")
+        if self.count > 1 and self.random_at_s is None and self.every_s is None:
+            _fail("every_s", f"required field is missing (count is {self.count})")
+        if "target" in self.model_fields_set and self.action not in (
+            *WORKER_ACTIONS,
+            "cancel",
+        ):
+            _fail(
+                "target",
+                "only for kill_worker, restart_worker, pause_worker and cancel; "
+                f"action is {self.action}",
+            )
+        if self.action == "pause_worker" and self.pause_s is None:
+            _fail("pause_s", "required field is missing (action is pause_worker)")
+        if self.action != "pause_worker" and self.pause_s is not None:
+            _fail("pause_s", f"only with action pause_worker; action is {self.action}")
+        return self
+
+    @property
+    def trigger(self) -> str:
+        return next(t for t in ("at_s", "random_at_s", "after") if getattr(self, t) is not None)
+
+
+def _fault_kind(value: Any) -> str:
+    if isinstance(value, FailpointFault):
+        return "failpoint_fault"
+    if isinstance(value, RunnerFault):
+        return "runner_fault"
+    return "failpoint_fault" if isinstance(value, dict) and "failpoint" in value else "runner_fault"
+
+
+_FAULT_TAGS = ("failpoint_fault", "runner_fault")
+
+#: A fault: a failpoint fault when it has `failpoint`, a runner fault otherwise.
+Fault = Annotated[
+    Annotated[FailpointFault, Tag("failpoint_fault")] | Annotated[RunnerFault, Tag("runner_fault")],
+    Discriminator(_fault_kind),
+]
+
+
+def _schema_extra(schema: dict[str, Any]) -> None:
+    """Publish the `plan` + `evaluations` shorthand, which the model folds into `plans`."""
+    props = schema["properties"]
+    props["plan"] = {
+        "type": "string",
+        "minLength": 1,
+        "description": "shorthand for plans: [{path: PLAN, evaluations: N}]",
+    }
+    props["evaluations"] = {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": MAX_EVALUATIONS_PER_PLAN,
+        "default": 1,
+        "description": "with plan: how many evaluations of it",
+    }
+    schema["required"] = [r for r in schema.get("required", []) if r != "plans"]
+    schema["oneOf"] = [{"required": ["plans"]}, {"required": ["plan"]}]
+    schema["dependentRequired"] = {"evaluations": ["plan"]}
+
+
+class Scenario(_Model):
+    """A whole scenario file, validated; `load_scenario` also loads its plans."""
+
+    model_config = ConfigDict(json_schema_extra=_schema_extra, title="Scenario")
+
+    name: str = Field(pattern=ID_PATTERN)
+    description: str = ""
+    seed: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SEED,
+        description="every random draw of a run comes from it",
+    )
+    plans: ListOf[PlanRef] = Field(min_length=1)
+    agent: dict[str, Any] = Field(
+        default_factory=dict,
+        description="engine.agent.AgentProfile.from_dict; seed defaults to seed",
+        # the loader checks the whole profile; the schema publishes the fields it bounds
+        json_schema_extra={
+            "properties": {
+                "drift": {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": 1,
+                    "default": 0,
+                    "description": "probability that a rerun draws its verdict afresh",
+                }
+            }
+        },
+    )
+    retry: RetrySpec = RetrySpec()
+    time_scale: float = Field(default=0.001, gt=0, le=MAX_TIME_SCALE)
+    engine: EngineSpec = EngineSpec()
+    broker: BrokerSpec = BrokerSpec()
+    redis: RedisSpec = RedisSpec()
+    workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
+    restart_crashed_workers: bool = True
+    restart_delay_s: float = Field(default=0.2, ge=0, le=MAX_RUN_S)
+    deadline_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=MAX_RUN_S,
+        description="every evaluation must be terminal by then",
+    )
+    faults: ListOf[Fault] = ()
+    invariants: ListOf[InvariantName] = INVARIANT_NAMES
+    not_checked: ListOf[InvariantName] = Field(
+        default=(),
+        description="invariants this scenario cannot exercise (a run without delayed retries "
+        "judges no retry delay): every other one is checked, those added later included",
+    )
+    budgets: BudgetsSpec = BudgetsSpec()
+    exercised: dict[InvariantName, Annotated[int, Field(ge=1, le=MAX_HITS)]] = Field(
+        default_factory=dict,
+        description="invariant -> the fewest cases it must judge: fewer, or an unknown "
+        "verdict, fails the run (a scenario proves only what it exercised)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        """`plan: PATH` + `evaluations: N` means `plans: [{path: PATH, evaluations: N}]`."""
+        if not isinstance(data, dict) or ("plan" not in data and "evaluations" not in data):
+            return data
+        if "plans" in data:
+            key = "plan" if "plan" in data else "evaluations"
+            _fail(key, "give either plan (with evaluations) or plans, not both")
+        if "plan" not in data:
+            _fail("evaluations", "only with the plan shorthand; use plans[].evaluations")
+        data = dict(data)
+        path = data.pop("plan")
+        ref: dict[str, Any] = {"path": path}
+        if "evaluations" in data:
+            ref["evaluations"] = data.pop("evaluations")
+        if not isinstance(path, str):
+            _fail("plan", f"expected a string; got {_got(path)}")
+        try:
+            PlanRef.model_validate(ref)
+        except ValidationError as exc:
+            from chaos.scenario.messages import (
+                _message,  # it names these models' fields
+            )
+
+            err = exc.errors()[0]
+            field = "plan" if err["loc"] == ("path",) else "evaluations"
+            _fail(field, _message(err))
+        data["plans"] = [ref]
+        return data
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_profile(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            AgentProfile.from_dict(value)
+        except AgentProfileError as exc:
+            raise PydanticCustomError("agent_profile", "{detail}", {"detail": str(exc)}) from None
+        except (
+            ValueError,
+            TypeError,
+            OverflowError,
+        ) as exc:  # its checks, on odd values
+            raise PydanticCustomError(
+                "agent_profile",
+                "{detail}",
+                {"detail": f"(top): invalid profile: {exc}"},
+            ) from None
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_not_checked(cls, data: Any) -> Any:
+        """`not_checked` names what `invariants` leaves out: the checked ones are the rest (a
+        name already left out stays out, so a loaded scenario dumped and read again is the
+        same)."""
+        if not isinstance(data, dict) or not isinstance(data.get("not_checked"), list | tuple):
+            return data
+        listed = data.get("invariants", INVARIANT_NAMES)
+        if not isinstance(listed, list | tuple):
+            return data
+        data = dict(data)
+        data["invariants"] = [n for n in listed if n not in data["not_checked"]]
+        return data
+
+    @field_validator("invariants", "not_checked")
+    @classmethod
+    def _distinct_invariants(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for i, name in enumerate(value):
+            if name in value[:i]:
+                _fail(f"[{i}]", f"{name} is listed twice")
+        return value
+
+    @model_validator(mode="after")
+    def _exercised_are_checked(self) -> Scenario:
+        for name in self.exercised:
+            if name not in self.invariants:
+                _fail(f"exercised.{name}", "not among the invariants this scenario checks")
+        return self
+
+    @model_validator(mode="after")
+    def _check_faults(self) -> Scenario:
+        total = self.total_evaluations
+        names: dict[str, int] = {}
+        for i, fault in enumerate(self.faults):
+            where = f"faults[{i}]"
+            if fault.name is not None:
+                if fault.name in names:
+                    _fail(
+                        f"{where}.name",
+                        f"duplicate fault name {fault.name!r} (faults[{names[fault.name]}])",
+                    )
+                names[fault.name] = i
+            if isinstance(fault, FailpointFault):
+                if fault.workers != "all":
+                    for j, w in enumerate(fault.workers):
+                        if w >= self.workers:
+                            _fail(
+                                f"{where}.workers[{j}]",
+                                _index_message("worker", w, self.workers),
+                            )
+                if fault.evaluation is not None and fault.evaluation >= total:
+                    _fail(
+                        f"{where}.evaluation",
+                        _index_message("evaluation", fault.evaluation, total),
+                    )
+                continue
+            if fault.target != "random":
+                if fault.action in WORKER_ACTIONS and fault.target >= self.workers:
+                    _fail(
+                        f"{where}.target",
+                        _index_message("worker", fault.target, self.workers),
+                    )
+                if fault.action == "cancel" and fault.target >= total:
+                    _fail(
+                        f"{where}.target",
+                        _index_message("evaluation", fault.target, total),
+                    )
+            repeat = (fault.count - 1) * (fault.every_s or 0.0)
+            last, field = {
+                "at_s": ((fault.at_s or 0.0) + repeat, "at_s"),
+                "random_at_s": (
+                    fault.random_at_s[1] if fault.random_at_s else 0.0,
+                    "random_at_s",
+                ),
+                "after": (repeat, "every_s"),
+            }[fault.trigger]
+            if not last < self.deadline_s:
+                _fail(
+                    f"{where}.{field}",
+                    f"expected the fault to fire before deadline_s ({self.deadline_s:g} s); "
+                    f"its last time is {last:g} s",
+                )
+        return self
+
+    # --- what the runner builds from it ---------------------------------------------------------
+
+    @property
+    def total_evaluations(self) -> int:
+        return sum(p.evaluations for p in self.plans)
+
+    def retry_policy(self) -> RetryPolicy:
+        return self.retry.policy(self.seed)
+
+    def agent_profile(self) -> AgentProfile:
+        """The fake agent's profile; its seed is the scenario seed unless `agent` sets one."""
+        return AgentProfile.from_dict({"seed": self.seed, **self.agent})
+
+    def engine_config(self, **overrides: Any) -> EngineConfig:
+        """Worker settings for this scenario; pass URLs and the namespace as overrides."""
+        values: dict[str, Any] = {
+            "time_scale": self.time_scale,
+            "policy": self.retry_policy(),
+            **self.engine.model_dump(),
+        }
+        values.update(overrides)
+        return EngineConfig(**values)
+
+    @property
+    def failpoint_faults(self) -> list[tuple[int, FailpointFault]]:
+        return [(i, f) for i, f in enumerate(self.faults) if isinstance(f, FailpointFault)]
+
+    @property
+    def runner_faults(self) -> list[tuple[int, RunnerFault]]:
+        return [(i, f) for i, f in enumerate(self.faults) if isinstance(f, RunnerFault)]
+
+
+def _index_message(what: str, index: int, size: int) -> str:
+    if size == 1:
+        return f"expected {what} index 0 (the scenario has 1 {what}); got {_got(index)}"
+    return f"expected an index below {size} (the scenario has {size} {what}s); got {_got(index)}"
