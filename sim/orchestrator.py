@@ -353,7 +353,7 @@ class Orchestrator:
         if not held.get(a):
             yield from self.abandon(f"{rule_id}: another write of its result came first")
             return False
-        self.core.results[rule_id] = kept
+        self.core.result_kept(rule_id, kept)
         self._kept[rule_id] = kept.verdict
         return True
 

@@ -1023,3 +1023,15 @@ def test_a_retry_message_is_fresh_only_for_the_attempt_after_the_stored_failure(
         statuses={"compiles": "failed_attempt_1"},
     )
     assert not retry_is_fresh(TINY, done, "compiles", 2)  # the retry already succeeded
+
+
+def test_a_result_kept_by_the_store_replaces_the_one_computed() -> None:
+    ev = Evaluation(TINY, ATTEMPT)
+    ev.start()
+    mine = RuleResult("compiles", "fail", 0.1, 10)
+    ev.rule_succeeded("compiles", mine)
+    kept = RuleResult("compiles", "pass", 0.9, 10)
+    ev.result_kept("compiles", kept)
+    assert ev.results["compiles"] == kept
+    with pytest.raises(ProtocolError):
+        ev.result_kept("nope", kept)

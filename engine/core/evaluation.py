@@ -162,6 +162,13 @@ class Evaluation:
         actions.extend(self._advance())
         return actions
 
+    def result_kept(self, rule_id: str, kept: RuleResult) -> None:
+        """Another write of `rule_id`'s result came first (a retried script met its own
+        write, a late writer won): the stored one is the rule's from now on."""
+        if rule_id not in self.state:
+            raise ProtocolError(f"unknown rule {rule_id!r}")
+        self.results[rule_id] = kept
+
     def rule_failed(self, rule_id: str, error: str, *, retryable: bool = True) -> list[Action]:
         """An agent call failed. Retry now, later, or give up: the three levels."""
         self._expect(rule_id, RuleState.RUNNING)

@@ -361,7 +361,7 @@ class PassExecutionOrchestrator:
         if not held.get(self.attempt_id):
             await self.abandon(f"{rule_id}: another write of its result came first")
             return False
-        self.core.results[rule_id] = kept
+        self.core.result_kept(rule_id, kept)
         self._kept[rule_id] = kept.verdict
         return True
 
