@@ -28,8 +28,10 @@ history events:
   and dead-letter loss (a scenario's `broker:` and `redis:` sections set these and the
   failover loss, `sim.run.scenario_options`).
 - `sim/worker.py`, `sim/controller.py`, `sim/orchestrator.py`, `sim/module.py`,
-  `sim/sweeper.py`: the live worker's parts, line by line; `sim/failpoints.py`; the
-  runner and its faults in `sim/run.py`; mutants in `sim/mutants.py`.
+  `sim/sweeper.py`: the live worker's parts, line by line, except what `engine.shell`
+  holds once (the sweep), which runs here itself through `sim/drive.py`;
+  `sim/failpoints.py`; the runner and its faults in `sim/run.py`; mutants in
+  `sim/mutants.py`.
 
 What is not, and why: message bodies are not serialised (the plan travels as the `Plan`,
 results as `RuleResult`s: the live code only round-trips them); Redis calls are not

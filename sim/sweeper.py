@@ -13,9 +13,9 @@ import contextlib
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
-from engine.core import parse_status
-from engine.runtime.store import split_member
+from engine.shell.sweeper import sweep as shell_sweep
 from sim.broker import Unroutable
+from sim.drive import drive
 
 if TYPE_CHECKING:
     from sim.worker import SimWorker
@@ -51,47 +51,5 @@ def sweeper(w: SimWorker) -> Generator[Any, Any, None]:
 
 
 def sweep(w: SimWorker) -> Generator[Any, Any, None]:
-    store, redis, config = w.store, w.redis, w.config
-    stale_ms = config.stale_ms
-    held = set(w.controller.evaluations)
-    stale = yield from store.call(redis.stale_evaluations, stale_ms, store.now_ms())
-    for attempt_id in stale:
-        if attempt_id in held:
-            continue
-        claimed_from_ms = store.now_ms()  # the claim is atomic, somewhere after this
-        if not (yield from store.call(redis.claim_stale, attempt_id, stale_ms, store.now_ms())):
-            continue
-        body = {
-            "type": "execute",
-            "attempt_id": attempt_id,
-            "reason": "stale_heartbeat",
-            "published_ms": store.now_ms(),
-        }
-        yield from w.broker.publish_work(body, f"{attempt_id}:resume:{body['published_ms']}")
-        w.record("sweeper_resumed", attempt_id=attempt_id, claimed_from_ms=claimed_from_ms)
-    grace = config.grace_ms
-    overdue = yield from store.call(redis.overdue_retries, grace, store.now_ms())
-    for member in overdue:
-        claimed_from_ms = store.now_ms()
-        status = yield from store.call(redis.claim_retry, member, grace, store.now_ms())
-        attempt_id, rule_id = split_member(member)
-        n = parse_status(status) if status else None
-        if n is None:
-            continue
-        body = {
-            "type": "retry",
-            "attempt_id": attempt_id,
-            "rule_id": rule_id,
-            "attempt": n + 1,
-            "reason": "lost_retry",
-            "published_ms": store.now_ms(),
-            "delay_ms": 0,
-        }
-        yield from w.broker.publish_work(body, f"{attempt_id}:{rule_id}:{n + 1}")
-        w.record(
-            "sweeper_retried",
-            attempt_id=attempt_id,
-            rule_id=rule_id,
-            attempt=n + 1,
-            claimed_from_ms=claimed_from_ms,
-        )
+    """The live sweep, `engine.shell.sweeper.sweep` itself, driven on the simulated stack."""
+    yield from drive(shell_sweep(w.config, set(w.controller.evaluations)), w)

@@ -41,33 +41,15 @@ from engine.config import (
 )
 from engine.core import PERMANENTLY_FAILED, RuleResult, Snapshot, status_rank
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
+from engine.keys import (
+    eval_key,
+    result_key,
+    retry_member,
+    runs_key,
+    split_member,
+    status_key,
+)
 from engine.runtime.autopipeline import AutoPipeline
-
-
-def result_key(attempt_id: str, rule_id: str) -> str:
-    return f"attempt:{attempt_id}:rule:{rule_id}:result"
-
-
-def status_key(attempt_id: str, rule_id: str) -> str:
-    return f"attempt:{attempt_id}:rule:{rule_id}:status"
-
-
-def runs_key(attempt_id: str, rule_id: str) -> str:
-    return f"attempt:{attempt_id}:rule:{rule_id}:runs"
-
-
-def eval_key(attempt_id: str, what: str) -> str:
-    """plan | state | passes | owner | final_published"""
-    return f"attempt:{attempt_id}:{what}"
-
-
-def retry_member(attempt_id: str, rule_id: str) -> str:
-    return f"{attempt_id}\x1f{rule_id}"
-
-
-def split_member(member: str) -> tuple[str, str]:
-    attempt_id, _, rule_id = member.partition("\x1f")
-    return attempt_id, rule_id
 
 
 def now_ms() -> int:

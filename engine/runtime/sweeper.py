@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 
-from engine.core import parse_status
 from engine.runtime.context import Runtime, log
-from engine.runtime.store import now_ms, split_member
+from engine.runtime.drive import drive
+from engine.shell.sweeper import sweep
 
 
 class Heartbeat:
@@ -61,45 +61,4 @@ class Sweeper:
                 log.warning("sweep failed: %s", exc)
 
     async def sweep(self) -> None:
-        rt = self.rt
-        stale_ms = rt.config.stale_ms
-        held = set(self.held())
-        for attempt_id in await rt.store.stale_evaluations(stale_ms):
-            claimed_from_ms = now_ms()  # the claim is atomic, somewhere after this
-            if attempt_id in held or not await rt.store.claim_stale(attempt_id, stale_ms):
-                continue
-            body = {
-                "type": "execute",
-                "attempt_id": attempt_id,
-                "reason": "stale_heartbeat",
-                "published_ms": now_ms(),
-            }
-            await rt.broker.publish_work(body, f"{attempt_id}:resume:{body['published_ms']}")
-            rt.history.record(
-                "sweeper_resumed", attempt_id=attempt_id, claimed_from_ms=claimed_from_ms
-            )
-        grace = rt.config.grace_ms
-        for member in await rt.store.overdue_retries(grace):
-            claimed_from_ms = now_ms()
-            status = await rt.store.claim_retry(member, grace)
-            attempt_id, rule_id = split_member(member)
-            n = parse_status(status) if status else None
-            if n is None:
-                continue
-            body = {
-                "type": "retry",
-                "attempt_id": attempt_id,
-                "rule_id": rule_id,
-                "attempt": n + 1,
-                "reason": "lost_retry",
-                "published_ms": now_ms(),
-                "delay_ms": 0,
-            }
-            await rt.broker.publish_work(body, f"{attempt_id}:{rule_id}:{n + 1}")
-            rt.history.record(
-                "sweeper_retried",
-                attempt_id=attempt_id,
-                rule_id=rule_id,
-                attempt=n + 1,
-                claimed_from_ms=claimed_from_ms,
-            )
+        await drive(sweep(self.rt.config, set(self.held())), self.rt)

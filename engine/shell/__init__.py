@@ -1,0 +1,11 @@
+"""The worker's protocol, written once: generators that yield plain effects.
+
+The pure core (`engine.core`) decides; this layer says in what order the worker talks to
+the store, the broker and the history to carry out a decision, with no asyncio, no simpy
+and no I/O in it. Each step is a generator of `effects`, carried out by two small drivers:
+`engine.runtime.drive` over Redis and RabbitMQ, and `sim.drive` over the simulated ones.
+So the simulator explores the code that ships (FoundationDB's and TigerBeetle's rule).
+
+Ported so far: the sweeper (`sweeper.py`). The heartbeat, the module, the orchestrator and
+the controller follow the same pattern (issue 9).
+"""

@@ -1,0 +1,92 @@
+"""The protocol written once (`engine.shell`), run without any I/O: a step is a generator
+of effects, so a test is a script of replies, and what the worker would do is the list of
+effects it yields. The live and simulated drivers run these same steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from typing import Any
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.keys import retry_member
+from engine.shell.effects import Clock, Effect, PublishWork, Record, Store
+from engine.shell.sweeper import sweep
+
+
+def play(
+    step: Generator[Effect, Any, Any], store: Mapping[str, Callable[..., Any]]
+) -> list[Effect]:
+    """Carry out a step with scripted store replies and a clock at 1000 ms."""
+    done: list[Effect] = []
+    reply: Any = None
+    while True:
+        try:
+            effect = step.send(reply)
+        except StopIteration:
+            return done
+        done.append(effect)
+        match effect:
+            case Store(op=op, args=args):
+                reply = store[op](*args)
+            case Clock():
+                reply = 1000
+            case _:
+                reply = None
+
+
+CONFIG = EngineConfig(stale_ms=600, retry_grace_ms=300)
+
+
+def test_a_sweep_resumes_stale_evaluations_not_held_here_and_claimed() -> None:
+    claims: list[str] = []
+
+    def claim_stale(a: str, older_than: int) -> bool:
+        claims.append(a)
+        return a != "lost-race"
+
+    store = {
+        "stale_evaluations": lambda older: ["held", "lost-race", "dead"],
+        "claim_stale": claim_stale,
+        "overdue_retries": lambda grace: [],
+    }
+    done = play(sweep(CONFIG, {"held"}), store)
+    assert claims == ["lost-race", "dead"]  # never the evaluation in this worker's memory
+    published = [e for e in done if isinstance(e, PublishWork)]
+    assert [(p.body["attempt_id"], p.body["reason"]) for p in published] == [
+        ("dead", "stale_heartbeat")
+    ]
+    assert published[0].message_id == "dead:resume:1000"
+    assert Record("sweeper_resumed", {"attempt_id": "dead", "claimed_from_ms": 1000}) in done
+
+
+@pytest.mark.parametrize(
+    ("status", "attempt"),
+    [("failed_attempt_2", 3), ("permanently_failed", None), ("", None)],
+)
+def test_a_lost_retry_is_published_after_the_attempt_its_claim_read(
+    status: str, attempt: int | None
+) -> None:
+    member = retry_member("a1", "compiles")
+    store = {
+        "stale_evaluations": lambda older: [],
+        "overdue_retries": lambda grace: [member],
+        "claim_retry": lambda m, grace: status or None,
+    }
+    published = [e for e in play(sweep(CONFIG, set()), store) if isinstance(e, PublishWork)]
+    if attempt is None:
+        assert published == []  # nothing to retry from
+    else:
+        (p,) = published
+        assert (p.body["rule_id"], p.body["attempt"], p.body["delay_ms"]) == ("compiles", 3, 0)
+        assert p.message_id == "a1:compiles:3"  # the stable id of that retry
+
+
+def test_a_store_error_surfaces_from_the_step() -> None:
+    """A driver throws the error of an effect into the step; the sweep lets it out (its
+    loop logs it and sweeps again later)."""
+    step = sweep(CONFIG, set())
+    assert step.send(None) == Store("stale_evaluations", (600,))
+    with pytest.raises(ConnectionError):
+        step.throw(ConnectionError("redis away"))
