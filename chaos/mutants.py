@@ -155,6 +155,34 @@ def no_sweeper() -> None:
     engine.worker.config_from_args = without_sweeper
 
 
+# --- the shared shell (engine.shell): one patch, live and in the simulator ---------------------
+
+
+def sweep_wrong_attempt() -> None:
+    """all_terminal: the sweeper re-publishes a lost retry for the attempt that failed, not
+    the next one. The patch is of `engine.shell.sweeper.sweep`, the step both shells run, so
+    it is applied the same way live and in the simulator."""
+    from engine.shell import sweeper
+    from engine.shell.effects import PublishWork
+
+    sweep = sweeper.sweep
+
+    def stale_attempt(config: Any, held: Any) -> Any:
+        step = sweep(config, held)
+        reply = None
+        while True:
+            try:
+                effect = step.send(reply)
+            except StopIteration as done:
+                return done.value
+            if isinstance(effect, PublishWork) and effect.body.get("type") == "retry":
+                body = {**effect.body, "attempt": effect.body["attempt"] - 1}
+                effect = PublishWork(body, effect.message_id)
+            reply = yield effect
+
+    sweeper.sweep = stale_attempt
+
+
 # --- the core's pruning --------------------------------------------------------------------
 
 
@@ -518,6 +546,11 @@ MUTANTS: dict[str, Mutant] = {
             no_sweeper,
             "all_terminal",
             "no sweeper, whatever the config: a crash after the ACK is never resumed",
+        ),
+        _mutant(
+            sweep_wrong_attempt,
+            "all_terminal",
+            "the sweeper re-publishes a lost retry for the failed attempt, not the next one",
         ),
         _mutant(
             prune_everything,

@@ -24,6 +24,7 @@ from engine.core import evaluation
 from engine.core.evaluation import Evaluation
 from engine.policy import RetryPolicy
 from engine.runtime.store import eval_key
+from engine.shell import sweeper as shell_sweeper
 from sim import controller, orchestrator
 from sim.redis import SimRedis
 
@@ -38,8 +39,10 @@ SHELL: dict[str, str] = {
     "overwrite_result": "rule results are written with a plain SET: the last write wins",
     "drop_history_events": "a worker's history source skips every 7th seq (chaos.mutants)",
 }
-#: Patches of the pure core, applied with `patched`.
+#: Patches of the pure core and of the shared shell (`engine.shell`), applied with
+#: `patched`: chaos.mutants' own patch, exactly as live.
 CORE: tuple[str, ...] = (
+    "sweep_wrong_attempt",
     "prune_everything",
     "prune_nothing",
     "reset_attempts_on_recovery",
@@ -50,7 +53,7 @@ CORE: tuple[str, ...] = (
     "all_passes_complete",
 )
 #: Every object a core patch may change: saved and restored whole.
-_OWNERS: tuple[Any, ...] = (Evaluation, evaluation, RetryPolicy)
+_OWNERS: tuple[Any, ...] = (Evaluation, evaluation, RetryPolicy, shell_sweeper)
 
 _active: list[str] = []
 

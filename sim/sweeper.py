@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
-from engine.shell.sweeper import sweep as shell_sweep
+from engine.shell import sweeper as shell
 from sim.broker import Unroutable
 from sim.drive import drive
 
@@ -52,4 +52,4 @@ def sweeper(w: SimWorker) -> Generator[Any, Any, None]:
 
 def sweep(w: SimWorker) -> Generator[Any, Any, None]:
     """The live sweep, `engine.shell.sweeper.sweep` itself, driven on the simulated stack."""
-    yield from drive(shell_sweep(w.config, set(w.controller.evaluations)), w)
+    yield from drive(shell.sweep(w.config, set(w.controller.evaluations)), w)

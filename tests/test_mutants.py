@@ -859,3 +859,29 @@ def test_no_completed_event(tmp_path: Path) -> None:
             assert s.redis.get(eval_key(a, "state")) == "completed"
         assert got[mut] == []  # the engine believes it announced: nobody heard
         assert [json.loads(m.body)["status"] for m in got[ref]] == ["completed"]
+
+
+def probe_lost_retry() -> dict[str, Any]:
+    """The sweeper finds a retry overdue, its rule in `failed_attempt_2`: which attempt does
+    it re-publish? The shared step itself (`engine.shell.sweeper`), with scripted replies."""
+    from engine.keys import retry_member
+    from engine.shell import sweeper
+    from engine.shell.effects import PublishWork
+    from tests.test_shell import CONFIG, play
+
+    member = retry_member("a1", "compiles")
+    store = {
+        "stale_evaluations": lambda older: [],
+        "overdue_retries": lambda grace: [member],
+        "claim_retry": lambda m, grace: "failed_attempt_2",
+    }
+    done = play(sweeper.sweep(CONFIG, set()), store)
+    return {"attempts": [e.body["attempt"] for e in done if isinstance(e, PublishWork)]}
+
+
+def test_sweep_wrong_attempt() -> None:
+    before, after = _probe("probe_lost_retry", "sweep_wrong_attempt")
+    assert before == {"attempts": [3]}
+    # the attempt that failed: a stale retry, dropped on arrival, and nothing wakes the
+    # evaluation (lost_dead_letter fails all_terminal, live and in sim, from this one patch)
+    assert after == {"attempts": [2]}

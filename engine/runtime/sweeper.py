@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from engine.runtime.context import Runtime, log
 from engine.runtime.drive import drive
-from engine.shell.sweeper import sweep
+from engine.shell import sweeper as shell
 
 
 class Heartbeat:
@@ -61,4 +61,4 @@ class Sweeper:
                 log.warning("sweep failed: %s", exc)
 
     async def sweep(self) -> None:
-        await drive(sweep(self.rt.config, set(self.held())), self.rt)
+        await drive(shell.sweep(self.rt.config, set(self.held())), self.rt)
