@@ -203,6 +203,10 @@ class SimRedis:
         hits = sorted((s, m) for m, s in z.items() if s <= top)
         return [m for _, m in hits[:limit]]
 
+    def _now_ms(self) -> int:
+        """The store's clock (`now_ms()` in the scripts): the simulated one."""
+        return int(self.env.now * 1000)
+
     def ttl_of(self, key: str) -> int:
         """`TTL key`: seconds left, rounded as Redis rounds; -1 no TTL; -2 no key."""
         if self.get(key) is None:
@@ -325,7 +329,7 @@ class SimRedis:
         self._set(key, status, self.ttl)
         member = retry_member(a, rule_id)
         if delay_ms is not None and over is None:
-            due = int(self.env.now * 1000) + delay_ms
+            due = self._now_ms() + delay_ms
             self._zadd(self.retries_index, member, due)
             return StatusWritten(None, over, due)
         self._zrem(self.retries_index, member)
@@ -429,7 +433,7 @@ class SimRedis:
             if waiting:
                 index = self._container(self.retries_index)
                 for rule_id in waiting:
-                    index.setdefault(retry_member(a, rule_id), int(self.env.now * 1000))
+                    index.setdefault(retry_member(a, rule_id), self._now_ms())
                 self._expire(self.retries_index, self.ttl)
         self._zrem(self.running_index, a)
         self.release(a, me)

@@ -178,9 +178,18 @@ class LeaseLost(Exception):
     """An owner's write was refused: another worker acquired the lease since (the fence)."""
 
 
+# The store's clock in ms: due times are stamped when a write lands, not when it was sent.
+_LUA_NOW = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+
 def _script(body: str) -> str:
     """A script with the shared functions above defined first."""
-    return _LUA_TERMINAL + _LUA_UNINDEX_RETRIES + _LUA_FENCE + body
+    return _LUA_TERMINAL + _LUA_UNINDEX_RETRIES + _LUA_FENCE + _LUA_NOW + body
 
 
 def _fenced_script(body: str) -> str:
@@ -245,8 +254,7 @@ if cur then
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 if ARGV[5] ~= '' and not over then
-  local t = redis.call('TIME')
-  local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[5])
+  local due = now_ms() + tonumber(ARGV[5])
   redis.call('ZADD', KEYS[2], due, ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
   return {'', seen, due}
@@ -374,8 +382,7 @@ _PARK = _fenced_script("""
 if not terminal(redis.call('GET', KEYS[1]), ARGV[4]) then
   redis.call('SET', KEYS[1], 'parked', 'EX', ARGV[1])
   if NA > 4 then
-    local t = redis.call('TIME')
-    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local now = now_ms()
     for i = 5, NA do redis.call('ZADD', KEYS[4], 'NX', now, ARGV[i]) end
     redis.call('EXPIRE', KEYS[4], ARGV[1])
   end
