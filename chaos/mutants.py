@@ -38,9 +38,11 @@ from engine.core import (
 from engine.history import FileHistory
 from engine.plan import Plan
 from engine.policy import RetryPolicy
-from engine.runtime import controller, orchestrator, store
+from engine.runtime import controller, store
 from engine.runtime.broker import Broker
 from engine.runtime.reevaluate import ReEvaluateUseCase
+from engine.shell import orchestrator
+from engine.shell.effects import PublishEvent, Step, Stepper
 
 #: The invariants of the checker a mutant can name.
 INVARIANT_NAMES = tuple(INVARIANTS)
@@ -273,15 +275,15 @@ def per_message_ttl() -> None:
 def double_final_publish() -> None:
     """single_final_result: evaluation.completed is published twice, the second time with
     the same body (and the same flag, unindex and release after it). Both places that
-    publish it, the orchestrator's finish and the controller's terminal redelivery, do."""
+    publish it, the orchestrator's finish and the controller's terminal redelivery, look it
+    up in `engine.shell.orchestrator`."""
     publish_completed = orchestrator.publish_completed
 
-    async def publish_twice(rt: Any, attempt_id: str, status: str, verdicts: dict) -> None:
-        await publish_completed(rt, attempt_id, status, verdicts)
-        await publish_completed(rt, attempt_id, status, verdicts)
+    def publish_twice(*args: Any) -> Step:
+        yield from publish_completed(*args)
+        return (yield from publish_completed(*args))
 
     orchestrator.publish_completed = publish_twice
-    controller.publish_completed = publish_twice
 
 
 # --- the core's graph and retry levels ----------------------------------------------------
@@ -368,9 +370,12 @@ def drop_history_events() -> None:
 # --- cancels, announcements, indexes and leases ---------------------------------------------
 
 
-def ignore_cancel(owner: Any) -> None:
-    """`start_after_cancel` on an orchestrator class: the live `PassExecutionOrchestrator`,
-    or the simulator's mirror of it (`sim.orchestrator.Orchestrator`, same seam)."""
+def start_after_cancel() -> None:
+    """cancel_respected: the owner ignores a cancel. The broadcast reaches its controller
+    (`cancel_received`) but the orchestrator's `cancel` does nothing, and the terminal state
+    its writes read back from Redis is not looked at (no `cancel_seen`): it goes on starting
+    rules and scheduling retries to the end, then loses the final state to the cancel's."""
+    owner = orchestrator.PassExecutionOrchestrator
     look = owner._look
 
     def blind_look(self: Any, over: str | None) -> None:
@@ -381,16 +386,8 @@ def ignore_cancel(owner: Any) -> None:
     def deaf_cancel(self: Any) -> None:
         return None
 
-    owner._look = blind_look
-    owner.cancel = deaf_cancel
-
-
-def start_after_cancel() -> None:
-    """cancel_respected: the owner ignores a cancel. The broadcast reaches its controller
-    (`cancel_received`) but the orchestrator's `cancel` does nothing, and the terminal state
-    its writes read back from Redis is not looked at (no `cancel_seen`): it goes on starting
-    rules and scheduling retries to the end, then loses the final state to the cancel's."""
-    ignore_cancel(orchestrator.PassExecutionOrchestrator)
+    owner._look = blind_look  # type: ignore[method-assign]
+    owner.cancel = deaf_cancel  # type: ignore[method-assign]
 
 
 def spurious_cancel() -> None:
@@ -425,18 +422,17 @@ def all_passes_complete() -> None:
     Evaluation._advance = optimistic_advance
 
 
-class _CompletedDropped:
-    """The worker's broker, dropping `evaluation.completed` on the way out."""
-
-    def __init__(self, broker: Broker) -> None:
-        self._broker = broker
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._broker, name)
-
-    async def publish_event(self, routing_key: str, *args: Any, **kwargs: Any) -> None:
-        if routing_key != "evaluation.completed":
-            await self._broker.publish_event(routing_key, *args, **kwargs)
+def _without_completed(step: Step) -> Step:
+    """`step`, its `evaluation.completed` publish dropped on the way out (as sent)."""
+    stepper = Stepper(step)
+    while (effect := stepper.next()) is not None:
+        if isinstance(effect, PublishEvent) and effect.routing_key == "evaluation.completed":
+            continue
+        try:
+            stepper.reply((yield effect))
+        except BaseException as exc:
+            stepper.fail(exc)
+    return stepper.value
 
 
 def no_completed_event() -> None:
@@ -445,12 +441,10 @@ def no_completed_event() -> None:
     history): the engine believes it announced the result, and no consumer ever hears."""
     publish_completed = orchestrator.publish_completed
 
-    async def publish_nothing(rt: Any, attempt_id: str, status: str, verdicts: dict) -> bool:
-        muted = dataclasses.replace(rt, broker=_CompletedDropped(rt.broker))
-        return await publish_completed(muted, attempt_id, status, verdicts)
+    def publish_nothing(*args: Any) -> Step:
+        return (yield from _without_completed(publish_completed(*args)))
 
     orchestrator.publish_completed = publish_nothing
-    controller.publish_completed = publish_nothing
 
 
 #: What takes an evaluation out of the running index, by script: `leak_running_index`
@@ -523,7 +517,7 @@ def no_fencing() -> None:
         return fence(self, attempt_id, None)
 
     store.RedisStore._fence = unfenced  # type: ignore[method-assign]
-    orchestrator.PassExecutionOrchestrator._lease_short = lambda self: False  # type: ignore[method-assign]
+    orchestrator.PassExecutionOrchestrator._lease_short = lambda self, now: False  # type: ignore[method-assign]
 
 
 # --- the table -----------------------------------------------------------------------------

@@ -46,8 +46,10 @@ from engine.plan import Rule
 from engine.runtime.broker import Broker, amqp_unavailable
 from engine.runtime.context import Runtime
 from engine.runtime.controller import EvaluationController
+from engine.runtime.drive import drive
 from engine.runtime.store import RedisStore, redis_unavailable
-from engine.runtime.sweeper import Heartbeat, Sweeper
+from engine.shell.heartbeat import heartbeat
+from engine.shell.sweeper import sweeper
 
 log = logging.getLogger("engine.worker")
 
@@ -115,20 +117,6 @@ class Worker:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
-    def held(self) -> dict[str, str]:
-        """The evaluations in memory, each with its lease's fence token."""
-        return {a: orch.fence for a, orch in self.controller.evaluations.items()}
-
-    async def _lost(self, attempt_id: str, forgotten: bool = False) -> None:
-        """The heartbeat found the lease gone: another worker has it (step aside), or a
-        Redis that lost writes forgot the evaluation (`forgotten`: it is ours again)."""
-        orch = self.controller.evaluations.get(attempt_id)
-        if orch is not None:
-            if forgotten:
-                await orch.reinstate()
-            else:
-                await orch.abandon("lease lost")
-
     async def start(self) -> None:
         """Connect, declare and consume. Raises `ServiceUnavailable` (one line) when Redis or
         RabbitMQ is unreachable, refuses the credentials or fails on the way: the first
@@ -149,9 +137,10 @@ class Worker:
             await rt.broker.consume_work(self.controller.on_message)
         except (AMQPError, OSError) as exc:
             raise amqp_unavailable(exc, cfg.amqp_url, cfg.connect_timeout_s) from None
-        self._tasks.append(asyncio.create_task(Heartbeat(rt, self.held, self._lost).run()))
+        held = self.controller.evaluations
+        self._tasks.append(asyncio.create_task(drive(heartbeat(cfg, self.worker_id, held), rt)))
         if cfg.sweeper:
-            self._tasks.append(asyncio.create_task(Sweeper(rt, self.held).run()))
+            self._tasks.append(asyncio.create_task(drive(sweeper(cfg, held), rt)))
         rt.history.record("worker_started", sweeper=cfg.sweeper)
 
     def ready_line(self) -> str:

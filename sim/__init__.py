@@ -27,9 +27,10 @@ history events:
   mandatory returns, broker kills with robust reconnection, optional `consumer_timeout`
   and dead-letter loss (a scenario's `broker:` and `redis:` sections set these and the
   failover loss, `sim.run.scenario_options`).
-- `sim/worker.py`, `sim/controller.py`, `sim/orchestrator.py`, `sim/module.py`,
-  `sim/sweeper.py`: the live worker's parts, line by line, except what `engine.shell`
-  holds once (the sweep), which runs here itself through `sim/drive.py`;
+- `engine.shell` (the orchestrator, the module, the heartbeat, the sweeper) is not
+  modelled: it runs here itself, its effects carried out by `sim/drive.py`;
+  `sim/worker.py` and `sim/controller.py` are the live worker's remaining parts, line by
+  line;
   `sim/failpoints.py`; the runner and its faults in `sim/run.py`; mutants in
   `sim/mutants.py`.
 

@@ -19,8 +19,10 @@ from engine.core import Evaluation, Snapshot
 from engine.core.recovery import retry_is_fresh
 from engine.core.routing import may_be_held_elsewhere
 from engine.plan import Plan
+from engine.shell import orchestrator as shell
+from engine.shell.orchestrator import PassExecutionOrchestrator
 from sim.broker import Delivery, Unroutable
-from sim.orchestrator import TASK_ERRORS, Orchestrator, publish_completed
+from sim.drive import TASK_ERRORS, SimHost, drive
 from sim.sync import Lock, Semaphore
 
 if TYPE_CHECKING:
@@ -30,7 +32,8 @@ if TYPE_CHECKING:
 class Controller:
     def __init__(self, w: SimWorker) -> None:
         self.w = w
-        self.evaluations: dict[str, Orchestrator] = {}
+        self.host = SimHost(w)
+        self.evaluations: dict[str, PassExecutionOrchestrator] = {}
         self._slots = Semaphore(w.env, w.config.max_evaluations)
         self._guards: dict[str, Lock] = {}  # the live `_guard`
         self._guard_users: collections.Counter[str] = collections.Counter()
@@ -63,7 +66,7 @@ class Controller:
             w.record("delivery_failed", attempt_id=attempt_id, error=f"{type(exc).__name__}: {exc}")
             orch = self.evaluations.get(attempt_id)
             if orch is not None:
-                yield from orch.abandon("delivery failed")
+                yield from drive(orch.abandon("delivery failed"), w)
             else:
                 yield from w.store.call(w.redis.release, attempt_id, w.worker_id)
             w.broker.settle(d, ack=False)
@@ -122,7 +125,7 @@ class Controller:
         orch = self.evaluations.get(attempt_id)
         if orch is not None:
             if kind == "retry" and rule_id is not None:
-                orch.retry_due(rule_id, attempt, d)
+                yield from drive(orch.retry_due(rule_id, attempt, d), w)
             else:
                 w.record("duplicate_dropped", attempt_id=attempt_id, kind=kind)
                 w.broker.settle(d)
@@ -160,7 +163,9 @@ class Controller:
             if not begun.published and plan is not None:
                 snapshot = yield from w.store.call(w.redis.snapshot, attempt_id, plan.order)
                 verdicts = {r: v.verdict for r, v in snapshot.results.items()}
-                yield from publish_completed(w, attempt_id, begun.terminal, verdicts)
+                terminal = begun.terminal
+                announce = shell.publish_completed(w.worker_id, attempt_id, terminal, verdicts)
+                yield from drive(announce, w)
             w.record("terminal_dropped", attempt_id=attempt_id, kind=kind)
             w.broker.settle(d)
             return
@@ -194,7 +199,9 @@ class Controller:
         w.record(
             "evaluation_started", attempt_id=attempt_id, plan=plan.id, resumed=resumed, kind=kind
         )
-        orch = Orchestrator(w, core, self._done, begun.fence)
+        orch = PassExecutionOrchestrator(
+            self.host, w.config, w.worker_id, core, self._done, begun.fence
+        )
         self.evaluations[attempt_id] = orch
         orch.holds_slot = True
         if w.fp:
@@ -252,7 +259,7 @@ class Controller:
         w.record("forwarded", attempt_id=attempt_id, to=holder)
         w.broker.settle(d)
 
-    def _done(self, orch: Orchestrator) -> None:
+    def _done(self, orch: PassExecutionOrchestrator) -> None:
         if self.evaluations.get(orch.attempt_id) is orch:
             del self.evaluations[orch.attempt_id]
             if orch.holds_slot:
@@ -267,4 +274,4 @@ class Controller:
 
     def shutdown(self) -> Generator[Any, Any, None]:
         for orch in list(self.evaluations.values()):
-            yield from orch.abandon("worker stopping")
+            yield from drive(orch.abandon("worker stopping"), self.w)

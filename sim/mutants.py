@@ -3,29 +3,31 @@
 A live mutant runs in its own worker process, so its monkeypatch dies with it. The
 simulator runs many engines in one process, one after the other, so:
 - mutants of the shell (a Redis script, the broker's delay queues, the worker's config, the
-  agent, the final publish, ReEvaluateUseCase's read, the history writer) are modelled by
-  the sim's own shell, switched on by name (`SHELL`);
-- mutants of the pure core are chaos.mutants' own patch functions, applied by `patched`
-  around one run: it saves the namespace of every object such a patch may touch and puts
-  it back afterwards, so a clean run that follows is the clean engine again;
+  agent, ReEvaluateUseCase's read, the history writer) are modelled by the sim's own
+  shell, switched on by name (`SHELL`);
+- mutants of the pure core and of the shared shell (`engine.shell`: the orchestrator, the
+  sweep) are chaos.mutants' own patch functions, applied by `patched` around one run: it
+  saves the namespace of every object such a patch may touch and puts it back afterwards,
+  so a clean run that follows is the clean engine again;
 - mutants of the shell whose live patch has a seam in the simulator's mirror of it (the
-  orchestrator, the controller, a method of `SimRedis` standing for a script) are patched
-  there the same way (`PATCHED`), the live patch's counterpart, saved and restored alike.
+  controller, a method of `SimRedis` standing for a script) are patched there the same
+  way (`PATCHED`), the live patch's counterpart, saved and restored alike.
 A mutant `chaos.mutants` gains later fails here loudly until the simulator models it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine.core import evaluation
 from engine.core.evaluation import Evaluation
 from engine.policy import RetryPolicy
 from engine.runtime.store import eval_key
+from engine.shell import orchestrator
 from engine.shell import sweeper as shell_sweeper
-from sim import controller, orchestrator
+from sim import controller
 from sim.redis import SimRedis
 
 #: Modelled by the simulator's shell (see sim/run.py for where each is switched).
@@ -35,7 +37,6 @@ SHELL: dict[str, str] = {
     "nondeterministic_agent": "FakeAgent(nondeterministic=True) with a seed-derived salt",
     "per_message_ttl": "one shared delay queue, per-message TTLs, expiring at its head",
     "result_without_ttl": "rule results are written without EX",
-    "double_final_publish": "evaluation.completed is published twice",
     "overwrite_result": "rule results are written with a plain SET: the last write wins",
     "drop_history_events": "a worker's history source skips every 7th seq (chaos.mutants)",
 }
@@ -43,6 +44,9 @@ SHELL: dict[str, str] = {
 #: `patched`: chaos.mutants' own patch, exactly as live.
 CORE: tuple[str, ...] = (
     "sweep_wrong_attempt",
+    "double_final_publish",
+    "no_completed_event",
+    "start_after_cancel",
     "prune_everything",
     "prune_nothing",
     "reset_attempts_on_recovery",
@@ -53,7 +57,14 @@ CORE: tuple[str, ...] = (
     "all_passes_complete",
 )
 #: Every object a core patch may change: saved and restored whole.
-_OWNERS: tuple[Any, ...] = (Evaluation, evaluation, RetryPolicy, shell_sweeper)
+_OWNERS: tuple[Any, ...] = (
+    Evaluation,
+    evaluation,
+    RetryPolicy,
+    shell_sweeper,
+    orchestrator,
+    orchestrator.PassExecutionOrchestrator,
+)
 
 _active: list[str] = []
 
@@ -119,12 +130,6 @@ def _restore(owner: Any, before: dict[str, Any]) -> None:
 # --- the shell's patches: each the live patch (chaos.mutants), on the simulator's seam ------
 
 
-def _start_after_cancel() -> None:
-    from chaos.mutants import ignore_cancel
-
-    ignore_cancel(orchestrator.Orchestrator)
-
-
 def _spurious_cancel() -> None:
     on_cancel = controller.Controller._on_cancel
 
@@ -135,40 +140,6 @@ def _spurious_cancel() -> None:
             orch.cancel()
 
     controller.Controller._on_cancel = cancel_all  # type: ignore[method-assign]
-
-
-class _Proxy:
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-class _CompletedDropped(_Proxy):
-    """A worker's broker client, dropping `evaluation.completed` on the way out."""
-
-    def publish_event(self, routing_key: str, *args: Any, **kwargs: Any) -> Generator:
-        if routing_key != "evaluation.completed":
-            yield from self._inner.publish_event(routing_key, *args, **kwargs)
-
-
-class _Muted(_Proxy):
-    """A worker whose broker client drops `evaluation.completed`."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.broker = _CompletedDropped(inner.broker)
-
-
-def _no_completed_event() -> None:
-    publish_completed = orchestrator.publish_completed
-
-    def publish_nothing(w: Any, a: str, status: str, verdicts: dict) -> Generator:
-        return (yield from publish_completed(_Muted(w), a, status, verdicts))
-
-    orchestrator.publish_completed = publish_nothing
-    controller.publish_completed = publish_nothing
 
 
 def _leaving_it_indexed(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -226,14 +197,12 @@ def _ignore_lease() -> None:
 
 def _no_fencing() -> None:
     SimRedis._fenced = lambda self, a, token: None  # type: ignore[method-assign]
-    orchestrator.Orchestrator._lease_short = lambda self: False  # type: ignore[method-assign]
+    orchestrator.PassExecutionOrchestrator._lease_short = lambda self, now: False  # type: ignore[method-assign]
 
 
 #: Shell mutants patched on the simulator's seam, with `patched`, like the core's.
 PATCHED: dict[str, Callable[[], None]] = {
-    "start_after_cancel": _start_after_cancel,
     "spurious_cancel": _spurious_cancel,
-    "no_completed_event": _no_completed_event,
     "leak_running_index": _leak_running_index,
     "needless_rerun": _needless_rerun,
     "ignore_lease": _ignore_lease,
@@ -241,8 +210,6 @@ PATCHED: dict[str, Callable[[], None]] = {
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
 _SHELL_OWNERS: tuple[Any, ...] = (
-    orchestrator.Orchestrator,
-    orchestrator,
     controller.Controller,
     controller,
     SimRedis,

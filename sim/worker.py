@@ -23,14 +23,16 @@ import simpy
 from engine.agent import FakeAgent
 from engine.config import EngineConfig
 from engine.failpoints import Failpoint
+from engine.shell.effects import Cancelled
+from engine.shell.heartbeat import heartbeat
+from engine.shell.sweeper import sweeper
 from sim import mutants
 from sim.broker import WORK_QUEUE, BrokerClient
 from sim.controller import Controller
+from sim.drive import TASK_ERRORS, drive
 from sim.failpoints import SimFailpoints
 from sim.history import Source
-from sim.orchestrator import TASK_ERRORS
 from sim.redis import RedisClient
-from sim.sweeper import heartbeat, sweeper
 
 if TYPE_CHECKING:
     from sim.run import SimRun
@@ -84,7 +86,6 @@ class SimWorker:
         # else no step is watched: a `freeze` failpoint or the runner's `pause_worker`
         self._freezable = (self.fp is not None and self.fp.freezes) or run.pauses
         self.no_redis_results = run.mutant == "no_redis_results"
-        self.double_final_publish = run.mutant == "double_final_publish"
         self.controller = Controller(self)
         self.alive = True
         self.exit_code: int | None = None
@@ -117,7 +118,7 @@ class SimWorker:
                 yield from self._thawed(gen)
             else:
                 yield from gen
-        except (simpy.Interrupt, WorkerDied):
+        except (simpy.Interrupt, Cancelled, WorkerDied):
             pass
         except TASK_ERRORS:
             pass  # what the live worker only logs (a failed task, a lost delivery)
@@ -168,9 +169,12 @@ class SimWorker:
             f"worker.{self.worker_id}", prefetch, self.controller.on_message
         )
         self.broker.consume(WORK_QUEUE, prefetch, self.controller.on_message)
-        self._loops.append(self.spawn(heartbeat(self)))  # type: ignore[arg-type]
+        held = self.controller.evaluations
+        beating = drive(heartbeat(self.config, self.worker_id, held), self)
+        self._loops.append(self.spawn(beating))  # type: ignore[arg-type]
         if self.config.sweeper:
-            self._loops.append(self.spawn(sweeper(self)))  # type: ignore[arg-type]
+            sweeping = drive(sweeper(self.config, held), self)
+            self._loops.append(self.spawn(sweeping))  # type: ignore[arg-type]
         self.record("worker_started", sweeper=self.config.sweeper)
         self.ready.succeed()
 

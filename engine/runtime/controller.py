@@ -32,8 +32,10 @@ from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.plan import Plan, PlanError, plan_from_dict
 from engine.runtime.broker import Unroutable
 from engine.runtime.context import Runtime, log, settle
-from engine.runtime.orchestrator import PassExecutionOrchestrator, publish_completed
+from engine.runtime.drive import LiveHost, drive
 from engine.runtime.reevaluate import ReEvaluateUseCase
+from engine.shell import orchestrator as shell
+from engine.shell.orchestrator import PassExecutionOrchestrator
 
 _TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
 
@@ -41,6 +43,7 @@ _TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
 class EvaluationController:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        self.host = LiveHost(rt)
         self.evaluations: dict[str, PassExecutionOrchestrator] = {}
         self.reevaluate = ReEvaluateUseCase(rt)
         self._slots = asyncio.Semaphore(rt.config.max_evaluations)
@@ -77,7 +80,7 @@ class EvaluationController:
             )
             orch = self.evaluations.get(attempt_id)
             if orch is not None:
-                await orch.abandon("delivery failed")
+                await drive(orch.abandon("delivery failed"), self.rt)
             else:
                 await self.rt.store.release(attempt_id, self.rt.worker_id)
             await settle(message, ack=False)
@@ -143,7 +146,7 @@ class EvaluationController:
         orch = self.evaluations.get(attempt_id)
         if orch is not None:
             if kind == "retry" and rule_id is not None:
-                orch.retry_due(rule_id, attempt, message)
+                await drive(orch.retry_due(rule_id, attempt, message), rt)
             else:
                 rt.history.record("duplicate_dropped", attempt_id=attempt_id, kind=kind)
                 await settle(message)
@@ -194,7 +197,9 @@ class EvaluationController:
             if not begun.published and plan is not None:
                 snapshot = await rt.store.snapshot(attempt_id, plan.order)
                 verdicts = {r: v.verdict for r, v in snapshot.results.items()}
-                await publish_completed(rt, attempt_id, begun.terminal, verdicts)
+                terminal = begun.terminal
+                announce = shell.publish_completed(rt.worker_id, attempt_id, terminal, verdicts)
+                await drive(announce, rt)
             rt.history.record("terminal_dropped", attempt_id=attempt_id, kind=kind)
             await settle(message)
             return
@@ -231,7 +236,9 @@ class EvaluationController:
         rt.history.record(
             "evaluation_started", attempt_id=attempt_id, plan=plan.id, resumed=resumed, kind=kind
         )
-        orch = PassExecutionOrchestrator(rt, core, self._done, begun.fence)
+        orch = PassExecutionOrchestrator(
+            self.host, rt.config, rt.worker_id, core, self._done, begun.fence
+        )
         self.evaluations[attempt_id] = orch
         orch.holds_slot = True
         rt.metrics.running.set(len(self.evaluations))
@@ -287,4 +294,4 @@ class EvaluationController:
 
     async def shutdown(self) -> None:
         for orch in list(self.evaluations.values()):
-            await orch.abandon("worker stopping")
+            await drive(orch.abandon("worker stopping"), self.rt)

@@ -49,6 +49,7 @@ from engine.keys import (
     split_member,
     status_key,
 )
+from engine.plan import Plan
 from engine.runtime.autopipeline import AutoPipeline
 
 
@@ -889,10 +890,11 @@ class RedisStore:
         )
         return {a: int(v) for a, v in zip(ids, out, strict=True)}
 
-    async def reinstate(self, attempt_id: str, plan_json: str) -> bool:
+    async def reinstate(self, attempt_id: str, plan: Plan | str) -> bool:
         """Write back the plan `begin` stored, unless it is there (a forgotten evaluation's
         resume needs it); True when it had vanished."""
         key = eval_key(attempt_id, "plan")
+        plan_json = plan if isinstance(plan, str) else plan.to_json()
         return bool(await self.redis.set(key, plan_json, nx=True, ex=self.ttl))
 
     async def holder(self, attempt_id: str) -> str | None:

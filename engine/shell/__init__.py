@@ -6,6 +6,8 @@ and no I/O in it. Each step is a generator of `effects`, carried out by two smal
 `engine.runtime.drive` over Redis and RabbitMQ, and `sim.drive` over the simulated ones.
 So the simulator explores the code that ships (FoundationDB's and TigerBeetle's rule).
 
-Ported so far: the sweeper (`sweeper.py`). The heartbeat, the module, the orchestrator and
-the controller follow the same pattern (issue 9).
+Ported so far: the orchestrator (`orchestrator.py`), the module (`module.py`), the
+heartbeat (`heartbeat.py`) and the sweeper (`sweeper.py`). Steps that run tasks of their
+own get a `Host` (asyncio tasks live, simpy processes in sim). The controller follows the
+same pattern next.
 """

@@ -6,9 +6,12 @@ error in: a store that is down, a publish that is refused, a cancellation).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from engine.plan import Rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,13 +40,154 @@ class Record:
 
 
 @dataclass(frozen=True, slots=True)
+class PublishEvent:
+    """An event for the `evaluation.*` exchange (`evaluation.completed`, a pass result)."""
+
+    routing_key: str
+    body: Mapping[str, Any]
+    message_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PublishRetry:
+    """A retry for delay queue `tier` (its TTL bucket), dead-lettered to the work queue."""
+
+    tier: int
+    bucket: int
+    body: Mapping[str, Any]
+    message_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """ACK a delivery, or NACK it back to its queue (`ack=False`)."""
+
+    delivery: Any
+    ack: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class CallAgent:
+    """One agent call: the rule's result is sent back, or its `AgentError` thrown in."""
+
+    attempt_id: str
+    rule: Rule
+    attempt: int
+    try_no: int
+    execution: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failpoint:
+    """A named point where `engine.failpoints` may crash, raise, stall or freeze."""
+
+    name: str
+    rule: str | None
+    attempt_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """A metric moves (`engine.metrics`; the simulator keeps none)."""
+
+    metric: str
+    amount: float = 1
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire:
+    """Wait for `lock` (the host's); the step releases it itself, synchronously."""
+
+    lock: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Wait for a task the host spawned; its error is thrown in. Cancelling the waiter
+    does not cancel the task (asyncio's `shield`)."""
+
+    task: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """A log line; with `error`, a task failed with it. Live it is logged; the simulator
+    re-raises an error no live failure explains (its own bug, not a fault)."""
+
+    level: str
+    message: str
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait `seconds` (of the worker's clock: wall live, simulated in sim)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Clock:
     """The time in ms: the wall clock live, the simulated one in sim."""
 
 
-NOW = Clock()
+@dataclass(frozen=True, slots=True)
+class Monotonic:
+    """A monotonic time in seconds (leases are timed on it)."""
 
-Effect = Store | PublishWork | Record | Clock
+
+NOW = Clock()
+MONO = Monotonic()
+
+Effect = (
+    Store
+    | PublishWork
+    | PublishEvent
+    | PublishRetry
+    | Settle
+    | CallAgent
+    | Failpoint
+    | Count
+    | Acquire
+    | Join
+    | Log
+    | Sleep
+    | Record
+    | Clock
+    | Monotonic
+)
+Step = Generator[Effect, Any, Any]
+
+
+class Lock(Protocol):
+    def release(self) -> None: ...
+
+
+class Host(Protocol):
+    """What a driver gives a step that runs tasks of its own: asyncio tasks live, simpy
+    processes in sim. Each call returns at once; waiting is an effect (`Acquire`, `Join`)."""
+
+    def spawn(self, step: Step, on_done: Callable[[Any], None] | None = None) -> Any | None:
+        """Run `step` as a task of its own (None: the process is dead, it never runs)."""
+        ...
+
+    def cancel(self, task: Any) -> None:
+        """Throw a cancellation into `task` where it waits (nothing if it has ended)."""
+        ...
+
+    def current(self) -> Any:
+        """The task running now."""
+        ...
+
+    def lock(self) -> Lock:
+        """A new FIFO lock."""
+        ...
+
+
+class Cancelled(BaseException):
+    """Thrown into a step whose task is cancelled where the host's own cancellation is an
+    `Exception` (simpy's `Interrupt`), so that `except Exception` never catches it."""
 
 
 class Stepper:
@@ -51,7 +195,7 @@ class Stepper:
     has ended (`value` is then what it returned); the effect's outcome goes back in with
     `reply` or `fail`. The one loop both drivers turn."""
 
-    def __init__(self, step: Generator[Effect, Any, Any]) -> None:
+    def __init__(self, step: Step) -> None:
         self._step = step
         self._reply: Any = None
         self._error: BaseException | None = None

@@ -18,7 +18,18 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core import parse_status
 from engine.keys import split_member
-from engine.shell.effects import NOW, Effect, PublishWork, Record, Store
+from engine.shell.effects import NOW, Effect, Log, PublishWork, Record, Sleep, Step, Store
+
+
+def sweeper(config: EngineConfig, held: Collection[str]) -> Step:
+    """The loop, for as long as the worker runs; `held` is the live set of evaluations in
+    memory (the controller's)."""
+    while True:
+        yield Sleep(config.sweep_ms / 1000)
+        try:
+            yield from sweep(config, set(held))
+        except Exception as exc:  # Redis or the broker away: the next pass tries again
+            yield Log("warning", f"sweep failed: {exc}", exc)
 
 
 def sweep(config: EngineConfig, held: Collection[str]) -> Generator[Effect, Any, None]:

@@ -1,0 +1,501 @@
+"""PassExecutionOrchestrator: one evaluation in memory, carrying out what the core decides.
+
+It feeds the core one input at a time (under a lock) and executes the returned actions in
+order, awaiting every durable write before the next action: the write window is exactly
+the time between the agent's answer and the `SET NX` of its result. Rules run as tasks of
+their own, `max_parallel` at once (the core counts them); level-1 retries are the core's
+`RunRule` with `try_no` > 1, run here in memory with no state persisted, as the seed has it.
+
+If anything below the protocol fails unexpectedly (an injected `raise`, Redis gone for
+good), the evaluation is dropped from memory as if its worker had crashed: leases and
+unacknowledged retries are handed back, and the sweeper or a redelivery resumes it.
+
+Written once, as steps of effects (`engine.shell.effects`) run by the host's tasks: the
+live worker and the simulator carry out this very code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from typing import Any
+
+from engine.agent import AgentError
+from engine.config import EngineConfig
+from engine.core import (
+    AckRetry,
+    Action,
+    Evaluation,
+    Finish,
+    Park,
+    PersistResult,
+    PersistStatus,
+    PublishPassResult,
+    Recovered,
+    RunRule,
+    ScheduleRetry,
+    SkipRules,
+)
+from engine.core.results import RuleResult
+from engine.core.states import EvaluationStatus, RuleState
+from engine.shell import module
+from engine.shell.effects import (
+    MONO,
+    Acquire,
+    CallAgent,
+    Count,
+    Effect,
+    Failpoint,
+    Host,
+    Join,
+    Log,
+    PublishEvent,
+    Record,
+    Settle,
+    Step,
+    Store,
+)
+
+
+class PassExecutionOrchestrator:
+    def __init__(
+        self,
+        host: Host,
+        config: EngineConfig,
+        worker_id: str,
+        core: Evaluation,
+        on_done: Callable[[PassExecutionOrchestrator], None],
+        fence: str = "",
+    ) -> None:
+        self.host = host
+        self.config = config
+        self.worker_id = worker_id
+        self.core = core
+        self.fence = fence  # the lease's token: every write of this copy carries it
+        self.attempt_id = core.attempt_id
+        self.retry_messages: dict[tuple[str, int], Any] = {}  # held deliveries
+        self._lock = host.lock()
+        self._tasks: set[Any] = set()
+        self._on_done = on_done
+        self._closed = False
+        self.holds_slot = False
+        self._starts: list[tuple[str, int]] = []  # first tries of the actions being executed
+        # Starts of each rule's attempt as the start marker counted them (the `runs` key),
+        # then which execution of its attempt each running rule is: the agent is told, so
+        # that a rerun is known as one (a drifting agent may answer it differently).
+        self._counted: dict[str, int] = {}
+        self._execution: dict[str, int] = {}
+        self._kept: dict[str, str] = {}  # rule -> verdict of another write that came first
+        self._looked = False  # the state was read for the actions being executed
+        self._over: str | None = None  # the terminal state the store showed (a cancel)
+        self._lease_until = 0.0  # monotonic time the lease runs to, by the last fenced write
+
+    # --- inputs -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._spawn(self._feed(self.core.start))
+
+    def retry_due(self, rule_id: str, attempt: int, delivery: Any) -> Step:
+        """A retry delivery for this evaluation: held until the outcome of its attempt is
+        durable (`AckRetry`)."""
+        if self._closed:  # leaving memory: the redelivery will resume it from Redis
+            yield Settle(delivery, ack=False)
+            return
+        if (rule_id, attempt) in self.retry_messages:  # a copy of a retry already under way
+            yield Record(
+                "stale_retry_dropped",
+                {"attempt_id": self.attempt_id, "rule_id": rule_id, "attempt": attempt},
+            )
+            yield Settle(delivery)
+            return
+        self.retry_messages[(rule_id, attempt)] = delivery
+        self._spawn(self._feed(self.core.retry_due, rule_id, attempt))
+
+    def cancel(self) -> None:
+        self._spawn(self._feed(self.core.cancel))
+
+    def reinstate(self) -> Generator[Effect, Any, None]:
+        """Redis lost what `begin` wrote (a failover): the heartbeat took the lease back,
+        and the plan is written back, so that a resume can still find it."""
+        restored = yield Store("reinstate", (self.attempt_id, self.core.plan))
+        yield Record(
+            "evaluation_reinstated", {"attempt_id": self.attempt_id, "plan_restored": restored}
+        )
+
+    def abandon(self, reason: str) -> Generator[Effect, Any, None]:
+        """Drop the evaluation without touching its durable state; hand deliveries back."""
+        if self._closed:
+            return
+        self._closed = True
+        yield Record("evaluation_abandoned", {"attempt_id": self.attempt_id, "reason": reason})
+        yield Log("warning", f"evaluation {self.attempt_id} abandoned: {reason}")
+        held, self.retry_messages = list(self.retry_messages.values()), {}
+        for delivery in held:
+            yield Settle(delivery, ack=False)
+        current = self.host.current()
+        for task in list(self._tasks):
+            if task is not current:
+                self.host.cancel(task)
+        yield Store("release", (self.attempt_id, self.worker_id))
+        self._on_done(self)
+
+    # --- machinery ----------------------------------------------------------------------
+
+    def _spawn(self, step: Step) -> None:
+        task = self.host.spawn(self._task(step), self._tasks.discard)
+        if task is not None:
+            self._tasks.add(task)
+
+    def _task(self, step: Step) -> Step:
+        """A task of this evaluation: one that fails leaves the evaluation (`abandon`)."""
+        try:
+            yield from step
+        except Exception as exc:
+            yield Log("error", f"evaluation {self.attempt_id}: {exc}", exc)
+            if not self._closed:
+                self._spawn(self.abandon(f"{type(exc).__name__}: {exc}"))
+
+    def _feed(self, fn: Callable[..., list[Action]], *args: object, **kw: object) -> Step:
+        yield Acquire(self._lock)
+        try:
+            if self._closed:
+                return
+            actions = fn(*args, **kw)
+            # Rules about to start for the first time in their attempt get a start marker
+            # (to count reruns), written with the result that made them ready when there
+            # is one, so a rule's durable bookkeeping stays within two round trips.
+            self._starts = [(x.rule_id, x.attempt) for x in actions if _first_try(x)]
+            self._looked = False  # the evaluation state not read yet for these actions
+            for action in actions:
+                if self._closed:
+                    return
+                yield from self._execute(action)
+            if self._over is not None and not self.core.finished:
+                # The store says the evaluation is over (a cancel, seen before its
+                # broadcast arrived): what the core does on a cancel, at once.
+                yield Record("cancel_seen", {"attempt_id": self.attempt_id, "state": self._over})
+                for action in self.core.cancel():
+                    if self._closed:
+                        return
+                    yield from self._execute(action)
+        finally:
+            self._lock.release()
+
+    def _look(self, over: str | None) -> None:
+        """The state check that rode on a write: a terminal state stops every start."""
+        self._looked = True
+        if over is not None:
+            self._over = over
+            self._starts = []
+
+    def _leased(self, sent: float) -> None:
+        """A fenced write sent at `sent` landed, so the lease ran on from then at least."""
+        self._lease_until = sent + self.config.stale_ms / 1000
+
+    def _lease_short(self, now: float) -> bool:
+        """Too little of the lease is known to be left to start a rule on it: the worker
+        was paused or lagged since its last fenced write (the reply that allowed the starts
+        may be seconds old), so the store is asked again, fenced, before any start."""
+        return now > self._lease_until - self.config.heartbeat_ms / 1000
+
+    def _still_ours(self) -> Generator[Effect, Any, bool]:
+        """Right before a call: a worker paused since the store last ran its lease on (the
+        start was allowed seconds ago) asks again, fenced; a refusal raises `LeaseLost`."""
+        while self._over is None and self._lease_short(sent := (yield MONO)):
+            _, over = yield Store("mark_started", (self.attempt_id, [], self.fence))
+            self._leased(sent)
+            self._look(over)
+        return self._over is None
+
+    def _mark_starts(self, counts: list[int]) -> None:
+        for (rule_id, _), count in zip(self._starts, counts, strict=True):
+            self._counted[rule_id] = count
+        self._starts = []
+
+    def _execute(self, action: Action) -> Step:
+        a = self.attempt_id
+        match action:
+            case RunRule():
+                # Before any start, the store's word on a cancel: on the start markers'
+                # round trip, or (a level-1 retry has none) a look at the state alone.
+                sent = yield MONO
+                if self._over is None and (
+                    self._starts or not self._looked or self._lease_short(sent)
+                ):
+                    counts, over = yield Store("mark_started", (a, self._starts, self.fence))
+                    self._leased(sent)
+                    self._look(over)
+                    self._mark_starts(counts)
+                if self._over is not None:
+                    return  # the evaluation is over: this rule does not start
+                if action.try_no == 1:
+                    self._execution[action.rule_id] = self._counted.pop(action.rule_id, 1)
+                self._spawn(self._run_rule(action, self._execution.get(action.rule_id, 1)))
+            case PersistResult(rule_id=rule_id, result=result):
+                sent = yield MONO
+                existing, counts, over = yield Store(
+                    "write_result", (a, result, self._starts, self.fence)
+                )
+                self._leased(sent)
+                self._look(over)
+                self._mark_starts(counts)
+                yield Record(
+                    "result_persisted",
+                    {
+                        "attempt_id": a,
+                        "rule_id": rule_id,
+                        "attempt": result.attempt,
+                        "verdict": result.verdict,
+                        "score": result.score,
+                        "won": existing is None,
+                        "kept_verdict": None if existing is None else existing.verdict,
+                    },
+                )
+                if existing is not None and not (yield from self._adopt(rule_id, existing)):
+                    return
+                yield Failpoint("rule_after_write", rule_id, a)
+            case PersistStatus():
+                self._look((yield from module.persist_status(self.config, a, action, self.fence)))
+            case ScheduleRetry():
+                if self._over is not None:  # over: a retry would only be dropped
+                    yield Record(
+                        "retry_not_scheduled",
+                        {
+                            "attempt_id": a,
+                            "rule_id": action.rule_id,
+                            "attempt": action.attempt,
+                            "state": self._over,
+                        },
+                    )
+                else:
+                    yield from module.schedule_retry(self.config, a, action)
+            case AckRetry(rule_id=rule_id, attempt=attempt):
+                delivery = self.retry_messages.pop((rule_id, attempt), None)
+                if delivery is not None:
+                    yield Settle(delivery)
+                    yield Record(
+                        "retry_acked", {"attempt_id": a, "rule_id": rule_id, "attempt": attempt}
+                    )
+            case SkipRules(rule_ids=rule_ids, because_of=because_of):
+                yield Record(
+                    "rules_skipped",
+                    {"attempt_id": a, "rule_ids": list(rule_ids), "because_of": because_of},
+                )
+            case PublishPassResult():
+                yield Failpoint("before_pass_publish", None, a)
+                rules = self._durable(action.rules)
+                body = {
+                    "attempt_id": a,
+                    "pass_id": action.pass_id,
+                    "outcome": action.outcome,
+                    "rules": rules,
+                }
+                yield PublishEvent("evaluation.pass_result", body, f"{a}:pass:{action.pass_id}")
+                yield Store("mark_pass_published", (a, action.pass_id, action.outcome, self.fence))
+                yield Record(
+                    "pass_published",
+                    {
+                        "attempt_id": a,
+                        "pass_id": action.pass_id,
+                        "outcome": action.outcome,
+                        "rules": rules,
+                    },
+                )
+            case Recovered():
+                yield Count("loaded", len(action.loaded))
+                yield Record(
+                    "recovered",
+                    {
+                        "attempt_id": a,
+                        "loaded": list(action.loaded),
+                        "retrying": dict(action.retrying),
+                        "failed": list(action.failed),
+                        "fresh": list(action.fresh),
+                    },
+                )
+            case Park(waiting=waiting):
+                yield Store("park", (a, self.worker_id, self.fence, list(waiting)))
+                yield Record("parked", {"attempt_id": a, "waiting": dict(waiting)})
+                # A retry that arrived while parking is handed back, not dropped: its
+                # redelivery resumes the evaluation from Redis.
+                yield from self._close(release=False, requeue_held=True)
+            case Finish():
+                yield from self._finish(action)
+
+    def _run_rule(self, action: RunRule, execution: int) -> Step:
+        a = self.attempt_id
+        rerun = action.try_no == 1 and execution > 1
+        rule = self.core.plan.rules[action.rule_id]
+        yield Failpoint("rule_before_call", rule.id, a)
+        if not (yield from self._still_ours()):
+            return
+        if action.try_no > 1:
+            yield Count("retries", labels=(("level", "1"),))
+        if rerun:
+            yield Count("reruns")
+        yield Record(
+            "rule_started",
+            {
+                "attempt_id": a,
+                "rule_id": rule.id,
+                "attempt": action.attempt,
+                "try_no": action.try_no,
+                "rerun": rerun,
+                "execution": execution,
+            },
+        )
+        try:
+            result = yield CallAgent(a, rule, action.attempt, action.try_no, execution)
+        except AgentError as err:
+            tokens = int(getattr(err, "tokens", 0) or 0)
+            yield from _spend(tokens, rerun)
+            yield Count("calls", labels=(("outcome", err.kind),))
+            yield Record(
+                "rule_failed",
+                {
+                    "attempt_id": a,
+                    "rule_id": rule.id,
+                    "attempt": action.attempt,
+                    "try_no": action.try_no,
+                    "kind": err.kind,
+                    "retryable": err.retryable,
+                    "tokens": tokens,
+                },
+            )
+            yield from self._feed(self.core.rule_failed, rule.id, err.kind, retryable=err.retryable)
+            return
+        yield from _spend(result.tokens, rerun)
+        yield Count("calls", labels=(("outcome", "ok"),))
+        yield Record(
+            "rule_finished",
+            {
+                "attempt_id": a,
+                "rule_id": rule.id,
+                "attempt": action.attempt,
+                "try_no": action.try_no,
+                "verdict": result.verdict,
+                "score": result.score,
+                "tokens": result.tokens,
+            },
+        )
+        yield Failpoint("rule_after_call_before_write", rule.id, a)
+        yield from self._feed(self.core.rule_succeeded, rule.id, result)
+
+    def _adopt(self, rule_id: str, kept: RuleResult) -> Generator[Effect, Any, bool]:
+        """Another write of `rule_id`'s result came first. Without the lease (this worker
+        ran the rule after its lease lapsed: a frozen process) its view is stale: it steps
+        aside before starting or announcing anything, and the owner carries on. With the
+        lease (a retried script met its own write, or a late writer beat this one) the
+        kept result is the rule's from now on, in the core and in what is announced.
+        False when the evaluation was abandoned."""
+        held = yield Store("renew", ({self.attempt_id: self.fence}, self.worker_id))
+        if not held.get(self.attempt_id):
+            yield from self.abandon(f"{rule_id}: another write of its result came first")
+            return False
+        self.core.result_kept(rule_id, kept)
+        self._kept[rule_id] = kept.verdict
+        return True
+
+    def _durable(self, verdicts: Mapping[str, str]) -> dict[str, str]:
+        """Verdicts to announce: those computed before a write lost, replaced by the kept."""
+        return {r: self._kept.get(r, v) for r, v in verdicts.items()}
+
+    def _finish(self, action: Finish) -> Step:
+        a = self.attempt_id
+        kept = yield from self._confirm_final(action)
+        status = kept or action.status.value
+        verdicts = self._durable(action.verdicts)
+        yield Record(
+            "evaluation_terminal",
+            {
+                "attempt_id": a,
+                "status": status,
+                "won": kept is None,
+                "decided": action.status.value,  # the core's own decision (a cancel heard)
+                "verdicts": verdicts,
+            },
+        )
+        if kept is None:
+            yield Count("evaluations", labels=(("status", status),))
+            # The terminal state is this copy's and durable: its announcement goes out even
+            # if the lease is lost meanwhile (`abandon` cancels this task, not that one).
+            announcing = self.host.spawn(self._announce(action, status, verdicts))
+            if announcing is not None:
+                yield Join(announcing)
+            yield from self._close(release=False)
+            return
+        if action.status is not EvaluationStatus.CANCELLED:
+            yield Log("info", f"evaluation {a} was already {kept}")
+        yield Store("unindex", (a,))
+        yield from self._close()
+
+    def _announce(self, action: Finish, status: str, verdicts: dict[str, str]) -> Step:
+        a = self.attempt_id
+        yield Failpoint("before_final_publish", None, a)
+        held = yield from publish_completed(self.worker_id, a, status, verdicts)
+        for _ in range(3):
+            if held is not False:
+                break
+            # A lossy Redis restart swallowed the final state after it was written: what
+            # was announced is made durable again before the evaluation leaves.
+            yield from self._confirm_final(action, again=True)
+            held = yield Store("done", (a, self.worker_id))
+        yield Failpoint("after_final_publish", None, a)
+
+    def _confirm_final(self, action: Finish, again: bool = False) -> Step:
+        """Write the final state once Redis holds every result and permanent failure the
+        verdicts name (a Redis that lost acknowledged writes gets them back from memory,
+        in the same round trip); return the terminal state kept instead, if any."""
+        core, a = self.core, self.attempt_id
+        results = {r: core.results[r] for r in action.verdicts if r in core.results}
+        failed = [r for r in core.rules_in(RuleState.PERMANENTLY_FAILED) if r in action.verdicts]
+        kept, restored = yield Store(
+            "finish", (a, action.status.value, results, failed, self.fence)
+        )
+        if restored or again:
+            yield Record(
+                "final_state_restored" if again else "results_restored",
+                {"attempt_id": a, "rule_ids": restored, "status": kept or action.status.value},
+            )
+        return kept
+
+    def _close(self, release: bool = True, requeue_held: bool = False) -> Step:
+        if self._closed:
+            return
+        self._closed = True
+        held, self.retry_messages = list(self.retry_messages.items()), {}
+        for (rule_id, attempt), delivery in held:
+            # Finished or cancelled: whatever retry is still held is stale.
+            yield Settle(delivery, ack=not requeue_held)
+            yield Record(
+                "retry_requeued" if requeue_held else "stale_retry_dropped",
+                {"attempt_id": self.attempt_id, "rule_id": rule_id, "attempt": attempt},
+            )
+        if release:
+            yield Store("release", (self.attempt_id, self.worker_id))
+        self._on_done(self)
+
+
+def _first_try(action: Action) -> bool:
+    return isinstance(action, RunRule) and action.try_no == 1
+
+
+def _spend(tokens: int, rerun: bool) -> Step:
+    yield Count("tokens", tokens)
+    if rerun:
+        yield Count("rerun_tokens", tokens)
+
+
+def publish_completed(
+    worker_id: str, attempt_id: str, status: str, verdicts: Mapping[str, str]
+) -> Generator[Effect, Any, bool]:
+    """Publish evaluation.completed for the final state, then flag it, unindex, release.
+
+    A crash between the publish and the flag publishes it again on recovery: consumers
+    dedupe on the message id (`{attemptId}:completed`). False when the final state was no
+    longer in Redis to be flagged (a restart lost it): the caller restores it.
+    """
+    body = {"attempt_id": attempt_id, "status": status, "verdicts": dict(verdicts)}
+    yield PublishEvent("evaluation.completed", body, f"{attempt_id}:completed")
+    held = yield Store("done", (attempt_id, worker_id))
+    yield Record("final_published", {"attempt_id": attempt_id, "status": status})
+    return bool(held)
