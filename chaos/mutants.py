@@ -38,11 +38,12 @@ from engine.core import (
 from engine.history import FileHistory
 from engine.plan import Plan
 from engine.policy import RetryPolicy
-from engine.runtime import controller, store
+from engine.runtime import store
 from engine.runtime.broker import Broker
-from engine.runtime.reevaluate import ReEvaluateUseCase
 from engine.shell import orchestrator
+from engine.shell.controller import EvaluationController
 from engine.shell.effects import PublishEvent, Step, Stepper
+from engine.shell.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
 INVARIANT_NAMES = tuple(INVARIANTS)
@@ -394,17 +395,15 @@ def spurious_cancel() -> None:
     """cancel_respected: a cancel broadcast cancels every evaluation the worker holds, not
     only the one it names: the others end `cancelled` (their owner writes and announces it)
     although nobody cancelled them."""
-    on_cancel = controller.EvaluationController._on_cancel
+    on_cancel = EvaluationController._on_cancel
 
-    async def cancel_all(
-        self: controller.EvaluationController, attempt_id: str, message: Any
-    ) -> None:
+    def cancel_all(self: EvaluationController, attempt_id: str, delivery: Any) -> Step:
         others = [o for a, o in self.evaluations.items() if a != attempt_id]
-        await on_cancel(self, attempt_id, message)
+        yield from on_cancel(self, attempt_id, delivery)
         for orch in others:
             orch.cancel()
 
-    controller.EvaluationController._on_cancel = cancel_all
+    EvaluationController._on_cancel = cancel_all  # type: ignore[method-assign]
 
 
 def all_passes_complete() -> None:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.policy import MAX_ATTEMPTS
 from engine.validation import expected, render
-from engine.yamlfile import clip, read_yaml
+from engine.yamlfile import clip, parse_yaml, read_bytes
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _PATTERNS = {
@@ -184,10 +184,22 @@ def _toposort(rule_ids: Iterable[str], rules: Mapping[str, Rule]) -> list[str]:
 # --- loading ------------------------------------------------------------------------------
 
 
+#: Plans already validated, by path and content: the explorer loads the same file for
+#: every seed, and parsing YAML costs more than a simulated run. A `Plan` is frozen.
+_LOADED: dict[tuple[str, bytes], Plan] = {}
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file (YAML or JSON)."""
-    data = read_yaml(path, "plan", PlanError)
-    return plan_from_dict(data, source=str(path))
+    data = read_bytes(Path(path), "plan", PlanError)
+    key = (str(path), data)
+    plan = _LOADED.get(key)
+    if plan is None:
+        plan = plan_from_dict(parse_yaml(data, path, PlanError), source=str(path))
+        if len(_LOADED) >= 64:
+            _LOADED.clear()
+        _LOADED[key] = plan
+    return plan
 
 
 def plan_from_dict(data: Any, source: str = "<plan>") -> Plan:

@@ -26,6 +26,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import orjson
+from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import AMQPError
 from redis.exceptions import RedisError
 
@@ -45,9 +47,9 @@ from engine.metrics import Metrics
 from engine.plan import Rule
 from engine.runtime.broker import Broker, amqp_unavailable
 from engine.runtime.context import Runtime
-from engine.runtime.controller import EvaluationController
-from engine.runtime.drive import drive
+from engine.runtime.drive import LiveHost, drive
 from engine.runtime.store import RedisStore, redis_unavailable
+from engine.shell.controller import EvaluationController
 from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
 
@@ -113,9 +115,18 @@ class Worker:
             metrics=Metrics(),
         )
         self.metrics_port = metrics_port
-        self.controller = EvaluationController(self.rt)
+        self.controller = EvaluationController(LiveHost(self.rt), config, self.worker_id)
+        self.private_queue = ""
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+
+    async def on_message(self, message: AbstractIncomingMessage) -> None:
+        """A delivery (aio-pika runs each as a task of its own), decoded for the controller."""
+        try:
+            body = orjson.loads(message.body)
+        except orjson.JSONDecodeError:
+            body = None  # the controller drops it, with one line
+        await drive(self.controller.on_message(message, body, message.redelivered), self.rt)
 
     async def start(self) -> None:
         """Connect, declare and consume. Raises `ServiceUnavailable` (one line) when Redis or
@@ -131,10 +142,8 @@ class Worker:
         except (RedisError, OSError) as exc:
             raise redis_unavailable(exc, cfg.redis_url, cfg.connect_timeout_s) from None
         try:
-            self.controller.private_queue = await rt.broker.consume_private(
-                self.worker_id, self.controller.on_message
-            )
-            await rt.broker.consume_work(self.controller.on_message)
+            self.private_queue = await rt.broker.consume_private(self.worker_id, self.on_message)
+            await rt.broker.consume_work(self.on_message)
         except (AMQPError, OSError) as exc:
             raise amqp_unavailable(exc, cfg.amqp_url, cfg.connect_timeout_s) from None
         held = self.controller.evaluations
@@ -150,7 +159,7 @@ class Worker:
         return (
             f"engine.worker {self.worker_id} ready: redis {redacted(cfg.redis_url)}, "
             f"amqp {redacted(cfg.amqp_url)}, namespace {cfg.namespace!r}, queues "
-            f"{broker.work_queue_name}, {self.controller.private_queue} and {delay} delay "
+            f"{broker.work_queue_name}, {self.private_queue} and {delay} delay "
             f"queues {cfg.name('evaluation.retry.*')}"
         )
 
@@ -167,7 +176,7 @@ class Worker:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.controller.shutdown()
+        await drive(self.controller.shutdown(), self.rt)
         await self.rt.broker.close()
         await self.rt.store.close()
         self.rt.history.record("worker_stopped")

@@ -132,7 +132,11 @@ def read_bytes(path: Path, what: str, error: type[ValueError], limit: int = MAX_
 def read_yaml(path: str | Path, what: str, error: type[ValueError]) -> Any:
     """The decoded YAML document of `path`, or one `error` line naming the file."""
     path = Path(path)
-    data = read_bytes(path, what, error)
+    return parse_yaml(read_bytes(path, what, error), path, error)
+
+
+def parse_yaml(data: bytes, path: str | Path, error: type[ValueError]) -> Any:
+    """The decoded YAML document `data` (the bytes of `path`), or one `error` line."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -10,8 +10,10 @@ A scenario file runs here as in `chaos.runner`, on simpy's simulated clock: a 10
 retry tier costs nothing, and one seed gives one history, byte for byte.
 
 What decides is not modelled but run: `engine.core.Evaluation` (every decision: what runs,
-retry levels, pruning, passes, park, finish) and `engine.core.recovery`, fed the inputs the
-live shell feeds them; `engine.agent.FakeAgent.draw` (the live agent's own draw); the
+retry levels, pruning, passes, park, finish) and `engine.core.recovery`; the worker's
+protocol, `engine.shell` (the controller, the orchestrator, the module, the heartbeat, the
+sweeper), its effects carried out by `sim/drive.py` on the simulated services;
+`engine.agent.FakeAgent.draw` (the live agent's own draw); the
 failpoint specs and firing rule of `engine.failpoints`; the runner's fault schedule
 (`chaos.scenario.fault_schedule`), and the checker (`chaos.checker.check`).
 
@@ -27,10 +29,7 @@ history events:
   mandatory returns, broker kills with robust reconnection, optional `consumer_timeout`
   and dead-letter loss (a scenario's `broker:` and `redis:` sections set these and the
   failover loss, `sim.run.scenario_options`).
-- `engine.shell` (the orchestrator, the module, the heartbeat, the sweeper) is not
-  modelled: it runs here itself, its effects carried out by `sim/drive.py`;
-  `sim/worker.py` and `sim/controller.py` are the live worker's remaining parts, line by
-  line;
+- `sim/worker.py`: the worker process (boot, death, freeze), its tasks simpy processes;
   `sim/failpoints.py`; the runner and its faults in `sim/run.py`; mutants in
   `sim/mutants.py`.
 

@@ -31,14 +31,12 @@ from typing import Any
 
 import simpy
 
+from engine.shell.effects import Unroutable
+
 WORK_QUEUE = "evaluation.execute"
 SHARED_DELAY_QUEUE = "evaluation.retry.shared"
 EVENTS = "evaluation.events"
 CONTROL = "evaluation.control"
-
-
-class Unroutable(RuntimeError):
-    """A mandatory message came back: no queue was bound to its route."""
 
 
 class Message:

@@ -22,18 +22,17 @@ from engine.core import ProtocolError
 from engine.failpoints import InjectedFault
 from engine.runtime.store import LeaseLost
 from engine.shell import effects as fx
-from sim.broker import Unroutable
-from sim.sync import Lock
+from sim.sync import Lock, Semaphore
 
 if TYPE_CHECKING:
     from sim.worker import SimWorker
 
 #: What a live task may fail with short of a bug in the simulator: logged, then abandoned.
-TASK_ERRORS = (InjectedFault, ConnectionError, Unroutable, ProtocolError, LeaseLost)
+TASK_ERRORS = (InjectedFault, ConnectionError, fx.Unroutable, ProtocolError, LeaseLost)
 
 #: Store operations whose live version reads the worker's clock (`now_ms()`).
 _CLOCKED = frozenset(
-    {"stale_evaluations", "claim_stale", "overdue_retries", "claim_retry", "renew"}
+    {"begin", "renew", "stale_evaluations", "claim_stale", "overdue_retries", "claim_retry"}
 )
 
 
@@ -78,14 +77,16 @@ def _carry_out(effect: fx.Effect, w: SimWorker) -> Generator[Any, Any, Any]:
             if w.fp:
                 yield from w.fp.hit(name, rule_id, a)
             return None
-        case fx.Count():
-            return None
         case fx.PublishWork(body=body, message_id=message_id):
             return (yield from w.broker.publish_work(dict(body), message_id))
         case fx.PublishEvent(routing_key=key, body=body, message_id=message_id):
             return (yield from w.broker.publish_event(key, dict(body), message_id))
         case fx.PublishRetry(tier=tier, bucket=bucket, body=body, message_id=message_id):
             return (yield from w.broker.publish_retry(tier, bucket, dict(body), message_id))
+        case fx.Forward(holder=holder, delivery=d):
+            return (yield from w.broker.forward(f"worker.{holder}", d.body, d.message_id))
+        case fx.Count() | fx.Gauge():
+            return None
         case fx.Sleep(seconds=seconds):
             yield w.env.timeout(seconds)
             return None
@@ -147,3 +148,6 @@ class SimHost:
 
     def lock(self) -> Lock:
         return Lock(self.w.env)
+
+    def semaphore(self, value: int) -> Semaphore:
+        return Semaphore(self.w.env, value)

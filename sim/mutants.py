@@ -1,17 +1,16 @@
-"""`chaos.mutants` in the simulator: the shell's mutants as switches, the core's as patches.
+"""`chaos.mutants` in the simulator: the services' mutants as switches, the others as patches.
 
 A live mutant runs in its own worker process, so its monkeypatch dies with it. The
 simulator runs many engines in one process, one after the other, so:
-- mutants of the shell (a Redis script, the broker's delay queues, the worker's config, the
-  agent, ReEvaluateUseCase's read, the history writer) are modelled by the sim's own
-  shell, switched on by name (`SHELL`);
-- mutants of the pure core and of the shared shell (`engine.shell`: the orchestrator, the
-  sweep) are chaos.mutants' own patch functions, applied by `patched` around one run: it
-  saves the namespace of every object such a patch may touch and puts it back afterwards,
-  so a clean run that follows is the clean engine again;
-- mutants of the shell whose live patch has a seam in the simulator's mirror of it (the
-  controller, a method of `SimRedis` standing for a script) are patched there the same
-  way (`PATCHED`), the live patch's counterpart, saved and restored alike.
+- mutants of the modelled services and of the run (a Redis script's options, the broker's
+  delay queues, the worker's config, the agent, the history writer) are switched on by
+  name where the simulator models them (`SHELL`, see sim/run.py);
+- mutants of the pure core and of the worker's protocol (`engine.shell`: the controller,
+  the orchestrator, the sweep) are chaos.mutants' own patch functions, applied by
+  `patched` around one run: it saves the namespace of every object such a patch may
+  touch and puts it back afterwards, so a clean run that follows is the clean engine;
+- mutants of a Lua script whose reference is a method of `SimRedis` are patched there the
+  same way (`PATCHED`), the live patch's counterpart, saved and restored alike.
 A mutant `chaos.mutants` gains later fails here loudly until the simulator models it.
 """
 
@@ -25,14 +24,12 @@ from engine.core import evaluation
 from engine.core.evaluation import Evaluation
 from engine.policy import RetryPolicy
 from engine.runtime.store import eval_key
-from engine.shell import orchestrator
+from engine.shell import controller, orchestrator, reevaluate
 from engine.shell import sweeper as shell_sweeper
-from sim import controller
 from sim.redis import SimRedis
 
-#: Modelled by the simulator's shell (see sim/run.py for where each is switched).
+#: Switched on where the simulator models them (see sim/run.py).
 SHELL: dict[str, str] = {
-    "no_redis_results": "the controller rebuilds the core from a snapshot without results",
     "no_sweeper": "workers run without the sweeper",
     "nondeterministic_agent": "FakeAgent(nondeterministic=True) with a seed-derived salt",
     "per_message_ttl": "one shared delay queue, per-message TTLs, expiring at its head",
@@ -44,6 +41,8 @@ SHELL: dict[str, str] = {
 #: `patched`: chaos.mutants' own patch, exactly as live.
 CORE: tuple[str, ...] = (
     "sweep_wrong_attempt",
+    "no_redis_results",
+    "spurious_cancel",
     "double_final_publish",
     "no_completed_event",
     "start_after_cancel",
@@ -64,6 +63,8 @@ _OWNERS: tuple[Any, ...] = (
     shell_sweeper,
     orchestrator,
     orchestrator.PassExecutionOrchestrator,
+    controller.EvaluationController,
+    reevaluate.ReEvaluateUseCase,
 )
 
 _active: list[str] = []
@@ -130,18 +131,6 @@ def _restore(owner: Any, before: dict[str, Any]) -> None:
 # --- the shell's patches: each the live patch (chaos.mutants), on the simulator's seam ------
 
 
-def _spurious_cancel() -> None:
-    on_cancel = controller.Controller._on_cancel
-
-    def cancel_all(self: controller.Controller, attempt_id: str, d: Any) -> None:
-        others = [o for a, o in self.evaluations.items() if a != attempt_id]
-        on_cancel(self, attempt_id, d)
-        for orch in others:
-            orch.cancel()
-
-    controller.Controller._on_cancel = cancel_all  # type: ignore[method-assign]
-
-
 def _leaving_it_indexed(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn`, minus its removal of the evaluation from the running index."""
 
@@ -200,17 +189,12 @@ def _no_fencing() -> None:
     orchestrator.PassExecutionOrchestrator._lease_short = lambda self, now: False  # type: ignore[method-assign]
 
 
-#: Shell mutants patched on the simulator's seam, with `patched`, like the core's.
+#: Script mutants patched on their reference in `SimRedis`, with `patched`, like the core's.
 PATCHED: dict[str, Callable[[], None]] = {
-    "spurious_cancel": _spurious_cancel,
     "leak_running_index": _leak_running_index,
     "needless_rerun": _needless_rerun,
     "ignore_lease": _ignore_lease,
     "no_fencing": _no_fencing,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
-_SHELL_OWNERS: tuple[Any, ...] = (
-    controller.Controller,
-    controller,
-    SimRedis,
-)
+_SHELL_OWNERS: tuple[Any, ...] = (SimRedis,)

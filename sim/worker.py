@@ -23,13 +23,13 @@ import simpy
 from engine.agent import FakeAgent
 from engine.config import EngineConfig
 from engine.failpoints import Failpoint
+from engine.shell.controller import EvaluationController
 from engine.shell.effects import Cancelled
 from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
 from sim import mutants
-from sim.broker import WORK_QUEUE, BrokerClient
-from sim.controller import Controller
-from sim.drive import TASK_ERRORS, drive
+from sim.broker import WORK_QUEUE, BrokerClient, Delivery
+from sim.drive import TASK_ERRORS, SimHost, drive
 from sim.failpoints import SimFailpoints
 from sim.history import Source
 from sim.redis import RedisClient
@@ -85,8 +85,7 @@ class SimWorker:
         self.frozen_until = 0.0  # simulated time the current freeze ends
         # else no step is watched: a `freeze` failpoint or the runner's `pause_worker`
         self._freezable = (self.fp is not None and self.fp.freezes) or run.pauses
-        self.no_redis_results = run.mutant == "no_redis_results"
-        self.controller = Controller(self)
+        self.controller = EvaluationController(SimHost(self), config, self.worker_id)
         self.alive = True
         self.exit_code: int | None = None
         self.ready = env.event()
@@ -151,6 +150,10 @@ class SimWorker:
             except BaseException as exc:  # an interrupt: thrown into `gen` at the thaw
                 error = exc
 
+    def on_message(self, d: Delivery) -> None:
+        """A delivery, run as a process of its own (aio-pika runs each as a task)."""
+        self.spawn(drive(self.controller.on_message(d, d.body, d.redelivered), self))
+
     def _boot(self) -> Generator[Any, Any, None]:
         run, env = self.run, self.env
         lo, hi = run.options.worker_boot_s
@@ -165,10 +168,8 @@ class SimWorker:
             return
         prefetch = self.config.max_evaluations * 4
         yield env.timeout(2 * run.broker.latency())  # declare, bind, consume
-        self.broker.consume_private(
-            f"worker.{self.worker_id}", prefetch, self.controller.on_message
-        )
-        self.broker.consume(WORK_QUEUE, prefetch, self.controller.on_message)
+        self.broker.consume_private(f"worker.{self.worker_id}", prefetch, self.on_message)
+        self.broker.consume(WORK_QUEUE, prefetch, self.on_message)
         held = self.controller.evaluations
         beating = drive(heartbeat(self.config, self.worker_id, held), self)
         self._loops.append(self.spawn(beating))  # type: ignore[arg-type]
@@ -226,7 +227,7 @@ class SimWorker:
         for loop in self._loops:
             if loop.is_alive:
                 loop.interrupt()
-        yield from self.controller.shutdown()
+        yield from drive(self.controller.shutdown(), self)
         yield from self.broker.close()
         self.record("worker_stopped")
         self.die(EXIT_STOPPED)

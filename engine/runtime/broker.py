@@ -50,6 +50,7 @@ from aio_pika.exceptions import (
 )
 
 from engine.config import EngineConfig, ServiceUnavailable, network_reason, scrubbed
+from engine.shell.effects import Unroutable
 
 log = logging.getLogger("engine.broker")
 
@@ -63,10 +64,6 @@ _TRANSIENT = (
     aio_pika.exceptions.ChannelClosed,
     aio_pika.exceptions.ChannelInvalidStateError,
 )
-
-
-class Unroutable(RuntimeError):
-    """The broker returned a mandatory message: no queue was bound to its route."""
 
 
 class QueueInUse(RuntimeError):

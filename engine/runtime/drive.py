@@ -58,6 +58,12 @@ async def _carry_out(effect: fx.Effect, rt: Runtime) -> Any:
             return await rt.broker.publish_event(key, dict(body), message_id)
         case fx.PublishRetry(tier=tier, bucket=bucket, body=body, message_id=message_id):
             return await rt.broker.publish_retry(tier, bucket, dict(body), message_id)
+        case fx.Forward(holder=holder, delivery=message):
+            queue = rt.config.name(f"worker.{holder}")
+            return await rt.broker.forward(queue, message.body, message.message_id)
+        case fx.Gauge(metric=metric, value=value):
+            getattr(rt.metrics, metric).set(value)
+            return None
         case fx.Sleep(seconds=seconds):
             return await asyncio.sleep(seconds)
         case fx.Join(task=task):
@@ -91,3 +97,6 @@ class LiveHost:
 
     def lock(self) -> asyncio.Lock:
         return asyncio.Lock()
+
+    def semaphore(self, value: int) -> asyncio.Semaphore:
+        return asyncio.Semaphore(value)

@@ -696,13 +696,14 @@ class RedisStore:
         return [int(c) for c in reply[1:]], reply[0] or None
 
     async def begin(
-        self, attempt_id: str, me: str, rule_ids: Sequence[str], plan_json: str | None
+        self, attempt_id: str, me: str, rule_ids: Sequence[str], plan: Plan | str | None
     ) -> Begun:
         """Take the lease and load everything the evaluation needs, in one round trip.
 
-        `rule_ids` are those of `plan_json` when given; with None, the stored plan is used
-        and its rules must be the ones passed (the caller read it first).
+        `rule_ids` are those of `plan` (stored when given); with None, the stored plan is
+        used and its rules must be the ones passed (the caller read it first).
         """
+        plan_json = plan.to_json() if isinstance(plan, Plan) else plan
         keys = [eval_key(attempt_id, w) for w in ("owner", "state", "plan", "final_published")]
         keys += [self.running_index, eval_key(attempt_id, "passes"), self.retries_index]
         keys += [eval_key(attempt_id, "fence")]

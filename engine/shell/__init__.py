@@ -6,8 +6,9 @@ and no I/O in it. Each step is a generator of `effects`, carried out by two smal
 `engine.runtime.drive` over Redis and RabbitMQ, and `sim.drive` over the simulated ones.
 So the simulator explores the code that ships (FoundationDB's and TigerBeetle's rule).
 
-Ported so far: the orchestrator (`orchestrator.py`), the module (`module.py`), the
-heartbeat (`heartbeat.py`) and the sweeper (`sweeper.py`). Steps that run tasks of their
-own get a `Host` (asyncio tasks live, simpy processes in sim). The controller follows the
-same pattern next.
+The controller (`controller.py`, with `reevaluate.py`), the orchestrator
+(`orchestrator.py`), the module (`module.py`), the heartbeat (`heartbeat.py`) and the
+sweeper (`sweeper.py`) are here; steps that run tasks of their own get a `Host` (asyncio
+tasks live, simpy processes in sim). What stays in the drivers is I/O only: decoding a
+delivery, naming a queue, the clock, the agent's latency.
 """

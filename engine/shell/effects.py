@@ -59,6 +59,15 @@ class PublishRetry:
 
 
 @dataclass(frozen=True, slots=True)
+class Forward:
+    """Hand a delivery to the private queue of the worker `holder` (mandatory: `Unroutable`
+    when that queue is gone)."""
+
+    holder: str
+    delivery: Any
+
+
+@dataclass(frozen=True, slots=True)
 class Settle:
     """ACK a delivery, or NACK it back to its queue (`ack=False`)."""
 
@@ -96,8 +105,17 @@ class Count:
 
 
 @dataclass(frozen=True, slots=True)
+class Gauge:
+    """A metric is set (`engine.metrics`; the simulator keeps none)."""
+
+    metric: str
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
 class Acquire:
-    """Wait for `lock` (the host's); the step releases it itself, synchronously."""
+    """Wait for `lock` or a unit of a semaphore (the host's); the step releases it itself,
+    synchronously."""
 
     lock: Any
 
@@ -145,10 +163,12 @@ Effect = (
     | PublishWork
     | PublishEvent
     | PublishRetry
+    | Forward
     | Settle
     | CallAgent
     | Failpoint
     | Count
+    | Gauge
     | Acquire
     | Join
     | Log
@@ -162,6 +182,12 @@ Step = Generator[Effect, Any, Any]
 
 class Lock(Protocol):
     def release(self) -> None: ...
+
+
+class Semaphore(Lock, Protocol):
+    def locked(self) -> bool:
+        """An `Acquire` now would wait."""
+        ...
 
 
 class Host(Protocol):
@@ -183,6 +209,14 @@ class Host(Protocol):
     def lock(self) -> Lock:
         """A new FIFO lock."""
         ...
+
+    def semaphore(self, value: int) -> Semaphore:
+        """A new FIFO semaphore of `value` units."""
+        ...
+
+
+class Unroutable(RuntimeError):
+    """The broker returned a mandatory message: no queue was bound to its route."""
 
 
 class Cancelled(BaseException):

@@ -63,7 +63,7 @@ class PassExecutionOrchestrator:
         config: EngineConfig,
         worker_id: str,
         core: Evaluation,
-        on_done: Callable[[PassExecutionOrchestrator], None],
+        on_done: Callable[[PassExecutionOrchestrator], Step],
         fence: str = "",
     ) -> None:
         self.host = host
@@ -136,7 +136,7 @@ class PassExecutionOrchestrator:
             if task is not current:
                 self.host.cancel(task)
         yield Store("release", (self.attempt_id, self.worker_id))
-        self._on_done(self)
+        yield from self._on_done(self)
 
     # --- machinery ----------------------------------------------------------------------
 
@@ -472,7 +472,7 @@ class PassExecutionOrchestrator:
             )
         if release:
             yield Store("release", (self.attempt_id, self.worker_id))
-        self._on_done(self)
+        yield from self._on_done(self)
 
 
 def _first_try(action: Action) -> bool:
