@@ -37,71 +37,96 @@ _CLOCKED = frozenset(
 
 
 def drive(step: fx.Step, w: SimWorker) -> Generator[Any, Any, Any]:
-    """The live `drive`: run `step` to its end; its return value is returned."""
-    stepper = fx.Stepper(step)
-    while (effect := stepper.next()) is not None:
+    """The live `drive`: run `step` to its end; its return value is returned. An effect
+    that takes no simulated time is carried out in place, as live."""
+    send, throw = step.send, step.throw
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
         try:
-            stepper.reply((yield from _carry_out(effect, w)))
+            effect = send(reply) if error is None else throw(error)
+        except StopIteration as done:
+            return done.value
+        reply = error = None
+        kind = type(effect)
+        now = _NOW.get(kind)
+        try:
+            if now is not None:
+                reply = now(effect, w)
+            elif kind is fx.Failpoint:
+                if w.fp:
+                    yield from w.fp.hit(effect.name, effect.rule, effect.attempt_id)
+            else:
+                reply = yield from _LATER[kind](effect, w)
         except simpy.Interrupt:  # a cancellation: no `except Exception` may take it
-            stepper.fail(fx.Cancelled())
+            error = fx.Cancelled()
         except BaseException as exc:  # into the step, which decides
-            stepper.fail(exc)
-    return stepper.value
+            error = exc
 
 
-def _carry_out(effect: fx.Effect, w: SimWorker) -> Generator[Any, Any, Any]:
-    match effect:
-        case fx.Store(op=op, args=args):
-            clock = (w.store.now_ms(),) if op in _CLOCKED else ()
-            return (yield from w.store.call(getattr(w.redis, op), *args, *clock))
-        case fx.Record(event=event, fields=fields):
-            w.record(event, **fields)
-            return None
-        case fx.Clock():
-            return w.store.now_ms()
-        case fx.Monotonic():
-            return w.env.now
-        case fx.Acquire(lock=lock):
-            return (yield from lock.acquire())
-        case fx.Settle(delivery=delivery, ack=ack):
-            return w.broker.settle(delivery, ack=ack)
-        case fx.CallAgent(attempt_id=a, rule=rule, attempt=attempt, try_no=try_no, execution=n):
-            d = w.agent.draw(a, rule.id, attempt, try_no, n)  # FakeAgent.evaluate
-            delay = d.latency_ms * w.config.time_scale / 1000.0
-            if delay > 0:
-                yield w.env.timeout(delay)
-            if d.error is not None:
-                raise agent_error(d.error, tokens=d.tokens)
-            return d.result
-        case fx.Failpoint(name=name, rule=rule_id, attempt_id=a):
-            if w.fp:
-                yield from w.fp.hit(name, rule_id, a)
-            return None
-        case fx.PublishWork(body=body, message_id=message_id):
-            return (yield from w.broker.publish_work(dict(body), message_id))
-        case fx.PublishEvent(routing_key=key, body=body, message_id=message_id):
-            return (yield from w.broker.publish_event(key, dict(body), message_id))
-        case fx.PublishRetry(tier=tier, bucket=bucket, body=body, message_id=message_id):
-            return (yield from w.broker.publish_retry(tier, bucket, dict(body), message_id))
-        case fx.Forward(holder=holder, delivery=d):
-            return (yield from w.broker.forward(f"worker.{holder}", d.body, d.message_id))
-        case fx.Count() | fx.Gauge():
-            return None
-        case fx.Sleep(seconds=seconds):
-            yield w.env.timeout(seconds)
-            return None
-        case fx.Join(task=task):
-            outcome = yield task
-            if isinstance(outcome, _Failed):
-                raise outcome.error
-            return outcome
-        case fx.Log(error=error):
-            if isinstance(error, ProtocolError):
-                w.run.shell_errors.append(f"{w.worker_id}: {error}")
-            if error is not None and not isinstance(error, TASK_ERRORS):
-                raise error  # no live fault explains it: the simulator's own bug
-            return None
-    raise TypeError(f"not an effect: {effect!r}")
+def _record(e: fx.Record, w: SimWorker) -> None:
+    w.record(e.event, **e.fields)
+
+
+def _log(e: fx.Log, w: SimWorker) -> None:
+    if isinstance(e.error, ProtocolError):
+        w.run.shell_errors.append(f"{w.worker_id}: {e.error}")
+    if e.error is not None and not isinstance(e.error, TASK_ERRORS):
+        raise e.error  # no live fault explains it: the simulator's own bug
+
+
+def _store(e: fx.Store, w: SimWorker) -> Generator[Any, Any, Any]:
+    clock = (w.store.now_ms(),) if e.op in _CLOCKED else ()
+    return w.store.call(getattr(w.redis, e.op), *e.args, *clock)
+
+
+def _call_agent(e: fx.CallAgent, w: SimWorker) -> Generator[Any, Any, Any]:
+    d = w.agent.draw(e.attempt_id, e.rule.id, e.attempt, e.try_no, e.execution)
+    delay = d.latency_ms * w.config.time_scale / 1000.0  # FakeAgent.evaluate's sleep
+    if delay > 0:
+        yield w.env.timeout(delay)
+    if d.error is not None:
+        raise agent_error(d.error, tokens=d.tokens)
+    return d.result
+
+
+def _sleep(e: fx.Sleep, w: SimWorker) -> Generator[Any, Any, None]:
+    yield w.env.timeout(e.seconds)
+
+
+def _join(e: fx.Join, w: SimWorker) -> Generator[Any, Any, Any]:
+    outcome = yield e.task
+    if isinstance(outcome, _Failed):
+        raise outcome.error
+    return outcome
+
+
+#: Effects that take no simulated time.
+_NOW: dict[type, Callable[[Any, SimWorker], Any]] = {
+    fx.Record: _record,
+    fx.Count: lambda e, w: None,
+    fx.Gauge: lambda e, w: None,
+    fx.Log: _log,
+    fx.Clock: lambda e, w: w.store.now_ms(),
+    fx.Monotonic: lambda e, w: w.env.now,
+    fx.Settle: lambda e, w: w.broker.settle(e.delivery, ack=e.ack),
+}
+#: Effects that may: each handler returns the generator that carries it out.
+_LATER: dict[type, Callable[[Any, SimWorker], Generator[Any, Any, Any]]] = {
+    fx.Store: _store,
+    fx.Acquire: lambda e, w: e.lock.acquire(),
+    fx.CallAgent: _call_agent,
+    fx.PublishWork: lambda e, w: w.broker.publish_work(dict(e.body), e.message_id),
+    fx.PublishEvent: lambda e, w: w.broker.publish_event(e.routing_key, dict(e.body), e.message_id),
+    fx.PublishRetry: lambda e, w: w.broker.publish_retry(
+        e.tier, e.bucket, dict(e.body), e.message_id
+    ),
+    fx.Forward: lambda e, w: w.broker.forward(
+        f"worker.{e.holder}", e.delivery.body, e.delivery.message_id
+    ),
+    fx.Sleep: _sleep,
+    fx.Join: _join,
+}
 
 
 class _Failed:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine.runtime.context import Runtime, log, settle
@@ -19,62 +19,86 @@ from engine.shell import effects as fx
 
 
 async def drive(step: fx.Step, rt: Runtime) -> Any:
-    """Run `step` to its end; its return value is returned."""
-    stepper = fx.Stepper(step)
-    while (effect := stepper.next()) is not None:
+    """Run `step` to its end; its return value is returned.
+
+    The hot loop of a live worker: an effect that needs no waiting (a history event, a
+    metric, the clock) is carried out in place, the others are awaited directly, with no
+    coroutine of ours around them."""
+    send, throw = step.send, step.throw
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
         try:
-            stepper.reply(await _carry_out(effect, rt))
+            effect = send(reply) if error is None else throw(error)
+        except StopIteration as done:
+            return done.value
+        reply = error = None
+        kind = type(effect)
+        now = _NOW.get(kind)
+        try:
+            if now is not None:
+                reply = now(effect, rt)
+            elif kind is fx.Failpoint:  # decided in place; only a stall waits
+                if seconds := rt.failpoints.pause(effect.name, effect.rule, effect.attempt_id):
+                    await asyncio.sleep(seconds)
+            else:
+                reply = await _LATER[kind](effect, rt)
         except BaseException as exc:  # into the step, which decides
-            stepper.fail(exc)
-    return stepper.value
+            error = exc
 
 
-async def _carry_out(effect: fx.Effect, rt: Runtime) -> Any:
-    match effect:
-        case fx.Store(op=op, args=args):
-            return await getattr(rt.store, op)(*args)
-        case fx.Record(event=event, fields=fields):
-            rt.history.record(event, **fields)
-            return None
-        case fx.Clock():
-            return now_ms()
-        case fx.Monotonic():
-            return time.monotonic()
-        case fx.Acquire(lock=lock):
-            return await lock.acquire()
-        case fx.Settle(delivery=delivery, ack=ack):
-            return await settle(delivery, ack=ack)
-        case fx.CallAgent(attempt_id=a, rule=rule, attempt=attempt, try_no=try_no, execution=n):
-            return await rt.agent.evaluate(a, rule, attempt, try_no, execution=n)
-        case fx.Failpoint(name=name, rule=rule_id, attempt_id=a):
-            return await rt.failpoints.hit(name, rule_id, a)
-        case fx.Count(metric=metric, amount=amount, labels=labels):
-            counter = getattr(rt.metrics, metric)
-            (counter.labels(**dict(labels)) if labels else counter).inc(amount)
-            return None
-        case fx.PublishWork(body=body, message_id=message_id):
-            return await rt.broker.publish_work(dict(body), message_id)
-        case fx.PublishEvent(routing_key=key, body=body, message_id=message_id):
-            return await rt.broker.publish_event(key, dict(body), message_id)
-        case fx.PublishRetry(tier=tier, bucket=bucket, body=body, message_id=message_id):
-            return await rt.broker.publish_retry(tier, bucket, dict(body), message_id)
-        case fx.Forward(holder=holder, delivery=message):
-            queue = rt.config.name(f"worker.{holder}")
-            return await rt.broker.forward(queue, message.body, message.message_id)
-        case fx.Gauge(metric=metric, value=value):
-            getattr(rt.metrics, metric).set(value)
-            return None
-        case fx.Sleep(seconds=seconds):
-            return await asyncio.sleep(seconds)
-        case fx.Join(task=task):
-            return await asyncio.shield(task)
-        case fx.Log(level=level, message=message, error=error):
-            if isinstance(error, LeaseLost):  # fenced off: another worker owns it now
-                level = "warning"
-            trace = error if level == "error" else None
-            log.log(logging.getLevelName(level.upper()), "%s", message, exc_info=trace)
-            return None
-    raise TypeError(f"not an effect: {effect!r}")
+def _record(e: fx.Record, rt: Runtime) -> None:
+    rt.history.record(e.event, **e.fields)
+
+
+def _count(e: fx.Count, rt: Runtime) -> None:
+    counter = getattr(rt.metrics, e.metric)
+    (counter.labels(**dict(e.labels)) if e.labels else counter).inc(e.amount)
+
+
+def _gauge(e: fx.Gauge, rt: Runtime) -> None:
+    getattr(rt.metrics, e.metric).set(e.value)
+
+
+def _log(e: fx.Log, rt: Runtime) -> None:
+    level = "warning" if isinstance(e.error, LeaseLost) else e.level  # fenced off: expected
+    trace = e.error if level == "error" else None
+    log.log(logging.getLevelName(level.upper()), "%s", e.message, exc_info=trace)
+
+
+def _forward(e: fx.Forward, rt: Runtime) -> Awaitable[None]:
+    queue = rt.config.name(f"worker.{e.holder}")
+    return rt.broker.forward(queue, e.delivery.body, e.delivery.message_id)
+
+
+#: Effects carried out at once.
+_NOW: dict[type, Callable[[Any, Runtime], Any]] = {
+    fx.Record: _record,
+    fx.Count: _count,
+    fx.Gauge: _gauge,
+    fx.Log: _log,
+    fx.Clock: lambda e, rt: now_ms(),
+    fx.Monotonic: lambda e, rt: time.monotonic(),
+}
+#: Effects awaited: each handler returns the awaitable of the service call itself.
+_LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
+    fx.Store: lambda e, rt: getattr(rt.store, e.op)(*e.args),
+    fx.Acquire: lambda e, rt: e.lock.acquire(),
+    fx.Settle: lambda e, rt: settle(e.delivery, ack=e.ack),
+    fx.CallAgent: lambda e, rt: rt.agent.evaluate(
+        e.attempt_id, e.rule, e.attempt, e.try_no, execution=e.execution
+    ),
+    fx.PublishWork: lambda e, rt: rt.broker.publish_work(dict(e.body), e.message_id),
+    fx.PublishEvent: lambda e, rt: rt.broker.publish_event(
+        e.routing_key, dict(e.body), e.message_id
+    ),
+    fx.PublishRetry: lambda e, rt: rt.broker.publish_retry(
+        e.tier, e.bucket, dict(e.body), e.message_id
+    ),
+    fx.Forward: _forward,
+    fx.Sleep: lambda e, rt: asyncio.sleep(e.seconds),
+    fx.Join: lambda e, rt: asyncio.shield(e.task),
+}
 
 
 class LiveHost:
