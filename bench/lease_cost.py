@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from chaos.explore import load_document  # noqa: E402
-from sim import run_scenario  # noqa: E402
+from chaos.insim import run_scenario  # noqa: E402
 
 SCENARIO = ROOT / "scenarios" / "worker_kill_storm.yaml"
 STATS = ("reruns", "rerun_tokens", "duplicated_tokens", "completed_reruns")

@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 import simpy  # noqa: E402
 
 from chaos.explore import document, explore, load_document, swarm  # noqa: E402
+from chaos.insim import run_scenario  # noqa: E402
 from chaos.scenario import load_scenario  # noqa: E402
-from sim import run_scenario  # noqa: E402
 
 
 def simpy_rate(n: int = 300_000) -> float:

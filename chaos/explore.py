@@ -164,7 +164,7 @@ Simulate = Callable[[dict[str, Any], str | None], SeedResult]
 
 def simulate(data: dict[str, Any], mutant: str | None = None) -> SeedResult:
     """One simulated run of a scenario document."""
-    from sim import run_scenario
+    from chaos.insim import run_scenario
 
     seed = int(data.get("seed", 0))
     try:

@@ -3,7 +3,7 @@
 Faults may cost a run time and tokens, never a different outcome: the engine owes, for
 every evaluation not cancelled on purpose, the final status, the completed, permanently
 failed and skipped rules and each rule's verdict of a run without faults. `reference_for`
-computes that run with the simulator (`sim.run.SimRun.simulate`: the engine's own core and
+computes that run with the simulator (`chaos.insim.run.SimRun.simulate`: the engine's own core and
 the fake agent's own draws) on the same seed, plans, agent profile, retry policy and time
 scale with every fault stripped: no failpoints, no kills, no cancels. It costs
 milliseconds, so every run, live or simulated, gets one (`CheckSpec.reference`, filled by
@@ -157,7 +157,7 @@ def reference_for(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) 
     cached = _cache.get(key)
     if cached is not None:
         return cached
-    from sim.run import SimRun  # the simulator imports the checker: imported late
+    from chaos.insim.run import SimRun  # the simulator imports the checker: imported late
 
     run = SimRun(fault_free(loaded), seed, reference=False)
     final = run.simulate()  # `run_scenario` without its check: only the outcome is needed

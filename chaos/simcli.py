@@ -30,8 +30,8 @@ def run_in_sim(
     loaded: list[LoadedScenario], out: Path, args: argparse.Namespace, console: Console
 ) -> int:
     """`chaos run` in the simulator: same checker, outputs and exit codes as live."""
+    from chaos.insim import outputs, run_scenario
     from chaos.journal import format_violation, write_junit
-    from sim import outputs, run_scenario
 
     out.mkdir(parents=True, exist_ok=True)
     suites = []

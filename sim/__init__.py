@@ -1,21 +1,16 @@
-"""The deterministic simulator of the engine (built on the same pure core).
+"""The deterministic simulator of the engine: the world a worker lives in, on simpy.
 
-    from chaos.scenario import load_scenario
-    from sim import run_scenario, outputs
-    outcome = run_scenario(load_scenario("scenarios/crash_after_ack.yaml"), seed=7)
-    outcome.result.ok, outcome.history_hash
-    outputs(outcome, "out/sim/crash_after_ack")
-
-A scenario file runs here as in `chaos.runner`, on simpy's simulated clock: a 10-minute
-retry tier costs nothing, and one seed gives one history, byte for byte.
+It knows nothing of scenarios or checks (`chaos.insim` runs a scenario file here, as
+`chaos.runner` runs it live): a world (`sim.world`) of simulated services and
+`SimWorker`s, on simpy's simulated clock, where a 10-minute retry tier costs nothing and
+one seed gives one history, byte for byte.
 
 What decides is not modelled but run: `engine.core.Evaluation` (every decision: what runs,
 retry levels, pruning, passes, park, finish) and `engine.core.recovery`; the worker's
 protocol, `engine.shell` (the controller, the orchestrator, the module, the heartbeat, the
 sweeper), its effects carried out by `sim/drive.py` on the simulated services;
-`engine.agent.FakeAgent.draw` (the live agent's own draw); the
-failpoint specs and firing rule of `engine.failpoints`; the runner's fault schedule
-(`chaos.scenario.fault_schedule`), and the checker (`chaos.checker.check`).
+`engine.agent.FakeAgent.draw` (the live agent's own draw); the failpoint specs and firing
+rule of `engine.failpoints`.
 
 What is modelled, one idea a file, each mirroring the live shell's protocol points and
 history events:
@@ -28,10 +23,10 @@ history events:
   head-of-line blocking for the `per_message_ttl` mutant), exclusive private queues and
   mandatory returns, broker kills with robust reconnection, optional `consumer_timeout`
   and dead-letter loss (a scenario's `broker:` and `redis:` sections set these and the
-  failover loss, `sim.run.scenario_options`).
+  failover loss, `chaos.insim.run.scenario_options`).
 - `sim/worker.py`: the worker process (boot, death, freeze), its tasks simpy processes;
-  `sim/failpoints.py`; the runner and its faults in `sim/run.py`; mutants in
-  `sim/mutants.py`.
+  `sim/failpoints.py`; `sim/world.py`, what a worker needs of the run (the services,
+  the clock, the machines' latencies).
 
 What is not, and why: message bodies are not serialised (the plan travels as the `Plan`,
 results as `RuleResult`s: the live code only round-trips them); Redis calls are not
@@ -44,7 +39,3 @@ turn, so a crash in that same turn would drop it); a channel closed by `consumer
 is modelled as its connection closing (its private queue kept); the runner's cancel
 client waits for a broker that is down instead of failing the run.
 """
-
-from sim.run import SimOptions, SimOutcome, outputs, run_scenario
-
-__all__ = ["SimOptions", "SimOutcome", "outputs", "run_scenario"]

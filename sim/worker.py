@@ -27,7 +27,6 @@ from engine.shell.controller import EvaluationController
 from engine.shell.effects import Cancelled
 from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
-from sim import mutants
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery
 from sim.drive import TASK_ERRORS, SimHost, drive
 from sim.failpoints import SimFailpoints
@@ -35,7 +34,7 @@ from sim.history import Source
 from sim.redis import RedisClient
 
 if TYPE_CHECKING:
-    from sim.run import SimRun
+    from sim.world import World
 
 EXIT_KILLED = -9  # what `Popen.returncode` says of a SIGKILLed process
 EXIT_STOPPED = 0
@@ -49,7 +48,7 @@ class WorkerDied(BaseException):
 class SimWorker:
     def __init__(
         self,
-        run: SimRun,
+        run: World,
         index: int,
         incarnation: int,
         failpoints: str,
@@ -65,8 +64,7 @@ class SimWorker:
         self.pid = 10_000 * (index + 1) + incarnation
         self.config = config
         self.agent = agent
-        drops = mutants.history_drops(run.mutant)
-        self.history = Source(env, run.events, self.worker_id, self.pid, drops)
+        self.history = Source(env, run.events, self.worker_id, self.pid, run.history_drops)
         self.record = self.history.record
         self.redis = run.redis
         self.store = RedisClient(env, run.redis, run.net_rng, run.options.redis_latency_s)

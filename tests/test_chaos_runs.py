@@ -233,7 +233,7 @@ def _verdicts(final) -> dict[tuple[str, str], str]:
     "name", ["crash_in_write_window", "permanent_failure_prunes", "crash_before_ack"]
 )
 def test_sim_and_live_agree(name: str, services: Services, baseline: dict, tmp_path: Path) -> None:
-    from sim import run_scenario
+    from chaos.insim import run_scenario
 
     if name not in baseline:
         baseline[name] = run(services, name, tmp_path / "live")
@@ -252,7 +252,7 @@ def test_sim_and_live_agree(name: str, services: Services, baseline: dict, tmp_p
 def test_a_shrunk_regression_replays_in_sim_and_live(services: Services, tmp_path: Path) -> None:
     """The file `chaos sim --shrink` wrote for no_redis_results: one crash after the first
     result write breaks the mutant, live as in the simulator, and not the real engine."""
-    from sim import run_scenario
+    from chaos.insim import run_scenario
 
     path = SCENARIOS / "regressions" / "crash-after-ack-no-completed-rerun-s4-no-redis-results.yaml"
     loaded = load_scenario(path)

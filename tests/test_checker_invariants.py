@@ -468,8 +468,8 @@ def test_a_scenario_states_what_it_must_exercise() -> None:
 
 
 def test_the_simulated_runner_heals_every_fault_it_undoes() -> None:
+    from chaos.insim import run_scenario
     from chaos.scenario import load_scenario
-    from sim import run_scenario
 
     outcome = run_scenario(load_scenario("scenarios/worker_kill_storm.yaml"))
     fired = {e["fault_id"] for e in outcome.history if e["ev"] == "fault_fired"}

@@ -26,16 +26,16 @@ import simpy
 
 from chaos.aof import write_offsets
 from chaos.explore import document, swarm
+from chaos.insim import SimOptions
+from chaos.insim.run import SimOutcome, SimRun, scenario_options
 from chaos.runner import refusal
 from chaos.scenario import LoadedScenario, load_scenario
 from engine.core import RuleResult
 from engine.core.states import RuleState
 from engine.plan import load_plan
 from engine.runtime.store import eval_key, result_key, retry_member, status_key
-from sim import SimOptions
 from sim.broker import BrokerClient
 from sim.redis import SimRedis
-from sim.run import SimOutcome, SimRun, scenario_options
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = load_plan(ROOT / "plans" / "code_review.yaml")

@@ -57,7 +57,7 @@ def test_concrete_schedule_replays_the_same_run() -> None:
     written = concrete(variant)
     assert all("random_at_s" not in f and f["target"] != "random" for f in written["faults"])
     from chaos.explore import load_document
-    from sim import run_scenario
+    from chaos.insim import run_scenario
 
     def events(data: dict) -> list[dict]:  # fault names differ; nothing else may
         history = run_scenario(load_document(data), seed=data["seed"]).history

@@ -27,6 +27,7 @@ import pytest
 import simpy
 from aio_pika.abc import AbstractIncomingMessage
 
+from chaos.insim import mutants as sim_mutants
 from chaos.mutants import INVARIANT_NAMES, MUTANTS
 from chaos.workers import WorkerProcess
 from engine.config import DEFAULT_AMQP_URL, STATE_TTL_SECONDS, EngineConfig
@@ -46,7 +47,6 @@ from engine.history import FileHistory, read_history
 from engine.plan import Plan
 from engine.policy import RetryPolicy
 from engine.runtime.store import LeaseLost, RedisStore, eval_key, result_key
-from sim import mutants as sim_mutants
 from sim.history import Source
 from tests.helpers import OK, PERMANENT, TRANSIENT, agent, example_plan, result_for, run_plan
 from tests.live.conftest import PATIENCE_S, ROOT, Live, _broker_objects

@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 
 from chaos.cli import main
+from chaos.insim import run_scenario
 from chaos.scenario import scenario_from_dict
-from sim import run_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,12 +15,12 @@ import pytest
 
 import chaos.reference as reference_module
 from chaos.checker import CheckSpec, EvaluationFinal, FinalState, check
+from chaos.insim import run_scenario
 from chaos.reference import Outcome, Reference, fault_free, outcome_of, reference_for
 from chaos.scenario import load_scenario, schema_text
 from engine.agent import AgentProfile, AgentProfileError, FakeAgent
 from engine.core.results import RuleResult
 from engine.core.states import PERMANENTLY_FAILED
-from sim import run_scenario
 from tests.helpers import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
 Layers, as in the rest of the suite: the broker and Redis models alone (head-of-line
 blocking, requeue on a dead consumer, unroutable forwards, TTLs and retries on simulated
-time), then whole scenarios through `sim.run_scenario` and the live checker. Everything
+time), then whole scenarios through `chaos.insim.run_scenario` and the live checker. Everything
 runs on simulated time: the whole file takes seconds.
 """
 
@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import simpy
 
+from chaos.insim import SimOptions, outputs, run_scenario
+from chaos.insim.mutants import _SHELL_OWNERS, PATCHED, patched
 from chaos.mutants import MUTANTS
 from chaos.scenario import LoadedScenario, load_scenario, scenario_from_dict
 from engine.core import RuleResult
 from engine.core.evaluation import Evaluation
 from engine.runtime.store import eval_key, result_key, runs_key
-from sim import SimOptions, outputs, run_scenario
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker, Unroutable
-from sim.mutants import _SHELL_OWNERS, PATCHED, patched
 from sim.redis import RedisClient, SimRedis
 from tests.test_chaos_runs import CATCHES
 

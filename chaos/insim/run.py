@@ -34,6 +34,7 @@ import orjson
 import simpy
 
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
+from chaos.insim import mutants
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, Scenario, fault_schedule
 from engine.agent import AgentProfile, FakeAgent
 from engine.config import EngineConfig
@@ -41,11 +42,11 @@ from engine.core.routing import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.plan import Plan
 from engine.runtime.store import eval_key
-from sim import mutants
 from sim.broker import BrokerClient, Delivery, SimBroker
 from sim.history import Source, history_hash
 from sim.redis import RedisClient, SimRedis
 from sim.worker import EXIT_KILLED, SimWorker
+from sim.world import SimOptions
 
 TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
 RUNNER_PID = 1
@@ -53,24 +54,6 @@ RUNNER_PID = 1
 COMPLETED_QUEUE = "chaos.completed"
 #: How long the end of a run waits for the consumer to hold every announced evaluation.
 DELIVERY_PATIENCE_S = 10.0
-
-
-@dataclass(frozen=True)
-class SimOptions:
-    """What the scenario file does not say: the simulated machines. Defaults model the
-    loopback services of a live run; the fault knobs are off."""
-
-    redis_latency_s: tuple[float, float] = (50e-6, 250e-6)  # each way, uniform
-    broker_latency_s: tuple[float, float] = (100e-6, 500e-6)  # each way, uniform
-    worker_boot_s: tuple[float, float] = (0.2, 0.4)  # interpreter start to `worker_started`
-    redis_boot_s: float = 0.05  # a restarted redis-server answering
-    broker_boot_s: float = 0.5  # a restarted RabbitMQ node answering
-    reconnect_interval_s: float = 0.5  # aio-pika connect_robust
-    consumer_timeout_s: float | None = None  # RabbitMQ's consumer_timeout; None: off
-    dead_letter_loss: float = 0.0  # probability that a dead-lettered retry is lost
-    redis_failover_loss: int = 0  # writes a Redis restart loses (a lagging replica)
-    poll_s: float = 0.05  # the runner's supervision loop
-    event_poll_s: float = 0.02  # the runner's watch of the history for `after` faults
 
 
 def scenario_options(spec: Scenario, options: SimOptions) -> SimOptions:
@@ -136,6 +119,7 @@ class SimRun:
         self.spec = spec = loaded.spec
         self.seed = spec.seed if seed is None else seed
         self.mutant = mutant
+        self.history_drops = mutants.history_drops(mutant)
         self.reference = reference  # False: the reference run itself (chaos.reference)
         self.options = scenario_options(spec, options or SimOptions())
         self.env = simpy.Environment()

@@ -4,7 +4,7 @@ A live mutant runs in its own worker process, so its monkeypatch dies with it. T
 simulator runs many engines in one process, one after the other, so:
 - mutants of the modelled services and of the run (a Redis script's options, the broker's
   delay queues, the worker's config, the agent, the history writer) are switched on by
-  name where the simulator models them (`SHELL`, see sim/run.py);
+  name where the simulator models them (`SHELL`, see chaos/insim/run.py);
 - mutants of the pure core and of the worker's protocol (`engine.shell`: the controller,
   the orchestrator, the sweep) are chaos.mutants' own patch functions, applied by
   `patched` around one run: it saves the namespace of every object such a patch may
@@ -28,7 +28,7 @@ from engine.shell import controller, orchestrator, reevaluate
 from engine.shell import sweeper as shell_sweeper
 from sim.redis import SimRedis
 
-#: Switched on where the simulator models them (see sim/run.py).
+#: Switched on where the simulator models them (see chaos/insim/run.py).
 SHELL: dict[str, str] = {
     "no_sweeper": "workers run without the sweeper",
     "nondeterministic_agent": "FakeAgent(nondeterministic=True) with a seed-derived salt",
