@@ -31,7 +31,7 @@ from engine.core.states import PERMANENTLY_FAILED
 from engine.plan import Plan
 
 if TYPE_CHECKING:
-    from chaos.checker import EvaluationFinal
+    from chaos.checker import EvaluationFinal, FinalState
     from chaos.scenario import LoadedScenario
 
 #: Terminal states of an evaluation that ran to its end (cancelled is not one of them).
@@ -161,6 +161,31 @@ def reference_for(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) 
 
     run = SimRun(fault_free(loaded), seed, reference=False)
     final = run.simulate()  # `run_scenario` without its check: only the outcome is needed
+    return _remember(key, loaded, plans, final, run.events)
+
+
+def remember(
+    loaded: LoadedScenario,
+    seed: int,
+    plans: Mapping[str, Plan],
+    final: FinalState,
+    events: list[dict[str, Any]],
+) -> None:
+    """A simulated run of the clean engine on a scenario without faults is its own
+    reference: kept, so that `reference_for` does not simulate it a second time (half
+    the explorer's swarm variants of a one-fault scenario draw no fault at all)."""
+    if loaded.spec.faults:
+        raise ValueError(f"{loaded.spec.name}: a run with faults is no reference")
+    _remember(_key(loaded, seed, plans), loaded, plans, final, events)
+
+
+def _remember(
+    key: tuple[Any, ...],
+    loaded: LoadedScenario,
+    plans: Mapping[str, Plan],
+    final: FinalState,
+    events: list[dict[str, Any]],
+) -> Reference:
     evaluations: dict[str, Outcome] = {}
     unfinished: list[str] = []
     for a, plan in plans.items():
@@ -168,7 +193,7 @@ def reference_for(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) 
         if fin is None or fin.state not in FINISHED:
             unfinished.append(a)
             continue
-        evaluations[a] = outcome_of(plan, fin, run.events)
+        evaluations[a] = outcome_of(plan, fin, events)
     ref = Reference(evaluations, loaded.spec.agent_profile().drift, tuple(unfinished))
     if len(_cache) >= _CACHE_SIZE:
         _cache.pop(next(iter(_cache)))

@@ -1025,6 +1025,14 @@ def test_a_retry_message_is_fresh_only_for_the_attempt_after_the_stored_failure(
     assert not retry_is_fresh(TINY, done, "compiles", 2)  # the retry already succeeded
 
 
+def test_a_terminal_evaluation_is_announced_again_only_when_never_flagged_announced() -> None:
+    from engine.core.recovery import announce_again
+
+    assert announce_again(published=False, plan=TINY)  # its announcer died before the flag
+    assert not announce_again(published=True, plan=TINY)  # consumers heard it already
+    assert not announce_again(published=False, plan=None)  # no plan to read verdicts with
+
+
 def test_a_result_kept_by_the_store_replaces_the_one_computed() -> None:
     ev = Evaluation(TINY, ATTEMPT)
     ev.start()

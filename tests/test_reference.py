@@ -57,6 +57,23 @@ def test_the_reference_replays_and_is_the_fault_free_run(name: str) -> None:
     assert first.drift == loaded.agent.drift
 
 
+@pytest.mark.parametrize("name", ["transient_llm_errors", "permanent_failure_prunes"])
+def test_a_fault_free_run_is_kept_as_its_own_reference_and_equals_it(name: str) -> None:
+    stripped = fault_free(load_scenario(SCENARIOS / f"{name}.yaml"))
+    seed = stripped.spec.seed + 1
+    plans = stripped.evaluations(seed)
+    reference_module._cache.clear()
+    outcome = run_scenario(stripped, seed)  # judged against itself: nothing simulated twice
+    assert outcome.result.ok
+    kept = reference_for(stripped, seed, plans)
+    reference_module._cache.clear()
+    simulated = reference_for(stripped, seed, plans)  # the reference run, simulated apart
+    assert kept is not simulated and kept.to_dict() == simulated.to_dict()
+    faulty = load_scenario(SCENARIOS / "crash_after_ack.yaml")
+    with pytest.raises(ValueError, match="no reference"):
+        reference_module.remember(faulty, seed, plans, outcome.final, [])
+
+
 def test_permanent_failure_prunes_has_every_kind_of_rule_in_its_reference() -> None:
     loaded = load_scenario(SCENARIOS / "permanent_failure_prunes.yaml")
     ref = reference_for(loaded, loaded.spec.seed, loaded.evaluations(loaded.spec.seed))

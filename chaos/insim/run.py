@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 import simpy
 
+from chaos import reference
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
 from chaos.insim import mutants
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, Scenario, fault_schedule
@@ -549,6 +550,8 @@ class SimRun:
 
     def run(self) -> SimOutcome:
         final = self.simulate()
+        if self.reference and self.mutant is None and not self.spec.faults:
+            reference.remember(self.loaded, self.seed, self.plans, final, self.events)
         result = check(self.events, final, self.check_spec())
         digest = history_hash(self.events)
         return SimOutcome(

@@ -66,3 +66,11 @@ def retry_is_fresh(plan: Plan, snapshot: Snapshot, rule_id: str, attempt: int) -
         and snapshot.statuses.get(rule_id) == failed_attempt(attempt - 1)
         and rule_id not in snapshot.results
     )
+
+
+def announce_again(published: bool, plan: Plan | None) -> bool:
+    """A delivery for an evaluation already terminal: its `evaluation.completed` goes out
+    again when the store never flagged it announced (its announcer died between the final
+    write and the flag), if the plan is known to read the verdicts back with. Consumers
+    dedupe on the message id, so a second copy costs nothing."""
+    return not published and plan is not None

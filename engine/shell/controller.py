@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from engine.config import EngineConfig
-from engine.core.recovery import retry_is_fresh
+from engine.core.recovery import announce_again, retry_is_fresh
 from engine.core.routing import may_be_held_elsewhere
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.plan import Plan, PlanError, plan_from_dict
@@ -203,7 +203,7 @@ class EvaluationController:
             yield from self._forward(attempt_id, begun.holder, delivery)
             return
         if begun.terminal is not None:
-            if not begun.published and plan is not None:
+            if announce_again(begun.published, plan):
                 snapshot = yield Store("snapshot", (attempt_id, plan.order))
                 verdicts = {r: v.verdict for r, v in snapshot.results.items()}
                 terminal = begun.terminal
