@@ -25,7 +25,7 @@ CPU-bound: 220 us a rule caps it near 4,500 rules/s on one core, so a ratio of 1
 the CPU halved. Where it goes (cProfile of the worker): redis-py packing and encoding
 script calls (every key travels as an argument) about a quarter; aio-pika/aiormq
 publishing events and settling deliveries; the core's `_advance`; the shell's generators
-and the driver about 8 % (the effect-driven shell costs 9 % of the rule rate against the
+and the driver about 8 % (the effect-driven shell costs 8 to 9 % of the rule rate against the
 engine before it, A/B with `--against`).
 """
 

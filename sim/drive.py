@@ -39,29 +39,15 @@ _CLOCKED = frozenset(
 def drive(step: fx.Step, w: SimWorker) -> Generator[Any, Any, Any]:
     """The live `drive`: run `step` to its end; its return value is returned. An effect
     that takes no simulated time is carried out in place, as live."""
-    send, throw = step.send, step.throw
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
+    stepper = fx.Stepper(step)
+    while (effect := stepper.advance(_NOW, w)) is not None:
         try:
-            effect = send(reply) if error is None else throw(error)
-        except StopIteration as done:
-            return done.value
-        reply = error = None
-        kind = type(effect)
-        now = _NOW.get(kind)
-        try:
-            if now is not None:
-                reply = now(effect, w)
-            elif kind is fx.Failpoint:
-                if w.fp:
-                    yield from w.fp.hit(effect.name, effect.rule, effect.attempt_id)
-            else:
-                reply = yield from _LATER[kind](effect, w)
+            stepper.reply((yield from _LATER[type(effect)](effect, w)))
         except simpy.Interrupt:  # a cancellation: no `except Exception` may take it
-            error = fx.Cancelled()
+            stepper.fail(fx.Cancelled())
         except BaseException as exc:  # into the step, which decides
-            error = exc
+            stepper.fail(exc)
+    return stepper.value
 
 
 def _record(e: fx.Record, w: SimWorker) -> None:
@@ -110,12 +96,14 @@ _NOW: dict[type, Callable[[Any, SimWorker], Any]] = {
     fx.Clock: lambda e, w: w.store.now_ms(),
     fx.Monotonic: lambda e, w: w.env.now,
     fx.Settle: lambda e, w: w.broker.settle(e.delivery, ack=e.ack),
+    fx.Failpoint: lambda e, w: fx.WAIT if w.fp else None,
 }
 #: Effects that may: each handler returns the generator that carries it out.
 _LATER: dict[type, Callable[[Any, SimWorker], Generator[Any, Any, Any]]] = {
     fx.Store: _store,
     fx.Acquire: lambda e, w: e.lock.acquire(),
     fx.CallAgent: _call_agent,
+    fx.Failpoint: lambda e, w: w.fp.hit(e.name, e.rule, e.attempt_id),
     fx.PublishWork: lambda e, w: w.broker.publish_work(dict(e.body), e.message_id),
     fx.PublishEvent: lambda e, w: w.broker.publish_event(e.routing_key, dict(e.body), e.message_id),
     fx.PublishRetry: lambda e, w: w.broker.publish_retry(

@@ -19,32 +19,16 @@ from engine.shell import effects as fx
 
 
 async def drive(step: fx.Step, rt: Runtime) -> Any:
-    """Run `step` to its end; its return value is returned.
-
-    The hot loop of a live worker: an effect that needs no waiting (a history event, a
-    metric, the clock) is carried out in place, the others are awaited directly, with no
-    coroutine of ours around them."""
-    send, throw = step.send, step.throw
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
+    """Run `step` to its end; its return value is returned. An effect that needs no
+    waiting (a history event, a metric, the clock) is carried out in place, the others
+    are awaited directly, with no coroutine of ours around them."""
+    stepper = fx.Stepper(step)
+    while (effect := stepper.advance(_NOW, rt)) is not None:
         try:
-            effect = send(reply) if error is None else throw(error)
-        except StopIteration as done:
-            return done.value
-        reply = error = None
-        kind = type(effect)
-        now = _NOW.get(kind)
-        try:
-            if now is not None:
-                reply = now(effect, rt)
-            elif kind is fx.Failpoint:  # decided in place; only a stall waits
-                if seconds := rt.failpoints.pause(effect.name, effect.rule, effect.attempt_id):
-                    await asyncio.sleep(seconds)
-            else:
-                reply = await _LATER[kind](effect, rt)
+            stepper.reply(await _LATER[type(effect)](effect, rt))
         except BaseException as exc:  # into the step, which decides
-            error = exc
+            stepper.fail(exc)
+    return stepper.value
 
 
 def _record(e: fx.Record, rt: Runtime) -> None:
@@ -79,6 +63,7 @@ _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
     fx.Log: _log,
     fx.Clock: lambda e, rt: now_ms(),
     fx.Monotonic: lambda e, rt: time.monotonic(),
+    fx.Failpoint: lambda e, rt: fx.WAIT if rt.failpoints.armed else None,
 }
 #: Effects awaited: each handler returns the awaitable of the service call itself.
 _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
@@ -95,6 +80,7 @@ _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
     fx.PublishRetry: lambda e, rt: rt.broker.publish_retry(
         e.tier, e.bucket, dict(e.body), e.message_id
     ),
+    fx.Failpoint: lambda e, rt: rt.failpoints.hit(e.name, e.rule, e.attempt_id),
     fx.Forward: _forward,
     fx.Sleep: lambda e, rt: asyncio.sleep(e.seconds),
     fx.Join: lambda e, rt: asyncio.shield(e.task),

@@ -224,13 +224,18 @@ class Cancelled(BaseException):
     `Exception` (simpy's `Interrupt`), so that `except Exception` never catches it."""
 
 
+#: What a handler of `Stepper.advance` returns for an effect it leaves to be waited for.
+WAIT = object()
+
+
 class Stepper:
     """One step as a driver turns it: `next()` is the next effect, or None once the step
     has ended (`value` is then what it returned); the effect's outcome goes back in with
-    `reply` or `fail`. The one loop both drivers turn."""
+    `reply` or `fail`. The one loop both drivers turn (`advance`)."""
 
     def __init__(self, step: Step) -> None:
-        self._step = step
+        self._send = step.send
+        self._throw = step.throw
         self._reply: Any = None
         self._error: BaseException | None = None
         self.value: Any = None
@@ -238,10 +243,36 @@ class Stepper:
     def next(self) -> Effect | None:
         reply, error, self._reply, self._error = self._reply, self._error, None, None
         try:
-            return self._step.throw(error) if error is not None else self._step.send(reply)
+            return self._throw(error) if error is not None else self._send(reply)
         except StopIteration as done:
             self.value = done.value
             return None
+
+    def advance(self, now: Mapping[type, Callable[[Any, Any], Any]], ctx: Any) -> Effect | None:
+        """`next()`, but every effect that `now` has a handler for is carried out in place
+        (`handler(effect, ctx)`, unless it returns `WAIT`): the next effect to wait for, or
+        None once the step has ended. The hot loop of both drivers."""
+        send, throw = self._send, self._throw
+        reply, error = self._reply, self._error
+        while True:
+            try:
+                effect = send(reply) if error is None else throw(error)
+            except StopIteration as done:
+                self.value = done.value
+                self._reply = self._error = None
+                return None
+            reply = error = None
+            handler = now.get(type(effect))
+            if handler is not None:
+                try:
+                    reply = handler(effect, ctx)
+                except BaseException as exc:  # into the step, which decides
+                    error = exc
+                    continue
+                if reply is not WAIT:
+                    continue
+            self._reply = self._error = None
+            return effect
 
     def reply(self, value: Any) -> None:
         self._reply = value
