@@ -39,6 +39,7 @@ from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, c
 from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
 from chaos.services import Services
+from chaos.supervision import Exited, Healed, Slot, Start, supervise
 from chaos.workers import WorkerProcess
 from engine.config import EngineConfig
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
@@ -116,15 +117,11 @@ class Outcome:
 
 
 @dataclass
-class _Worker:
-    index: int
-    failpoints: list[str]
-    proc: WorkerProcess | None = None
-    incarnation: int = 0
-    restart_at: float | None = None  # monotonic time of a pending restart
-    stopped_on_purpose: bool = False
-    heals: list[int] = field(default_factory=list)  # fault ids healed once it is ready again
-    log_offset: int = 0  # where the current incarnation's log starts
+class _Worker(Slot[WorkerProcess]):
+    """A worker index (`restart_at` on the monotonic clock), and where the log of its
+    current incarnation starts."""
+
+    log_offset: int = 0
 
 
 class ScenarioRun:
@@ -227,7 +224,7 @@ class ScenarioRun:
         module = ("chaos.mutants", self.mutant) if self.mutant else ("engine.worker",)
         log = self.run_dir / f"worker{w.index}.log"
         w.log_offset = log.stat().st_size if log.exists() else 0
-        w.proc = WorkerProcess(
+        proc = WorkerProcess(
             self.worker_args(failpoints),
             env={"REDIS_URL": self.services.redis_url, "AMQP_URL": self.services.amqp_url},
             log_path=self.run_dir / f"worker{w.index}.log",
@@ -235,10 +232,8 @@ class ScenarioRun:
             module=module,
         ).start()
         if w.incarnation:
-            self.history.record("worker_restarted", worker=w.index, pid=w.proc.pid)
-        w.incarnation += 1
-        w.restart_at = None
-        w.stopped_on_purpose = False
+            self.history.record("worker_restarted", worker=w.index, pid=proc.pid)
+        w.started(proc)
 
     async def _wait_ready(self, w: _Worker) -> None:
         assert w.proc is not None
@@ -254,11 +249,8 @@ class ScenarioRun:
             return
         pid = w.proc.pid
         w.proc.kill()
-        w.stopped_on_purpose = True
         self.history.record("worker_killed", worker=w.index, pid=pid)
-        if restart_after_s is not None:
-            w.restart_at = time.monotonic() + restart_after_s
-            w.heals.append(fault_id)
+        w.killed(time.monotonic(), restart_after_s, fault_id)
 
     def _healed(self, fault_id: int) -> None:
         """The fault's window closes: the checker reads it from here, not from guesses."""
@@ -274,31 +266,17 @@ class ScenarioRun:
 
     def _supervise(self) -> None:
         """Restart workers that crashed (a failpoint) or were killed, when it is time."""
+        delay = self.spec.restart_delay_s if self.spec.restart_crashed_workers else None
         now = time.monotonic()
-        alive = 0
-        for w in self.workers:
-            if w.proc is not None and w.proc.alive:
-                alive += 1
-                if w.heals and self._ready(w):
-                    for fault_id in w.heals:
-                        self._healed(fault_id)
-                    w.heals.clear()
-                continue
-            if w.restart_at is None and not w.stopped_on_purpose and w.proc is not None:
-                code, pid = w.proc.returncode, w.proc.pid
-                # a crash: a fault window from the worker's `crash` to the restart's "ready"
-                fault_id = next(self._fault_ids)
-                self.history.record(
-                    "worker_exited", worker=w.index, code=code, pid=pid, fault_id=fault_id
-                )
-                w.stopped_on_purpose = True  # noted once
-                if self.spec.restart_crashed_workers:
-                    w.restart_at = now + self.spec.restart_delay_s
-                    w.heals.append(fault_id)
-            if w.restart_at is not None and now >= w.restart_at:
-                self._start_worker(w)
-                alive += 1
-        self.progress.workers_alive = alive
+        for d in supervise(self.workers, now, _alive, self._ready, self._fault_ids, delay):
+            match d:
+                case Healed(fault_id=fault_id):
+                    self._healed(fault_id)
+                case Exited(slot=Slot(proc=proc)):
+                    self.history.record("worker_exited", **d.record(proc.returncode, proc.pid))
+                case Start(slot=w):
+                    self._start_worker(w)
+        self.progress.workers_alive = sum(1 for w in self.workers if w.proc and w.proc.alive)
 
     # --- faults -------------------------------------------------------------------------
 
@@ -322,8 +300,7 @@ class ScenarioRun:
             if w.proc is not None:
                 await asyncio.to_thread(w.proc.terminate)
                 w.stopped_on_purpose = True
-            w.restart_at = time.monotonic()
-            w.heals.append(fault_id)
+            w.restart(time.monotonic(), fault_id)
         elif fault.action == "pause_worker":
             w = self.workers[fault.target]
             if w.proc is None or not w.proc.alive:
@@ -741,3 +718,7 @@ async def _take(channel: AbstractChannel, queue_name: str, message_id: str) -> b
         for message in others:
             await message.nack(requeue=True)
     return found
+
+
+def _alive(proc: WorkerProcess) -> bool:
+    return proc.alive

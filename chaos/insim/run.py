@@ -37,6 +37,7 @@ from chaos import reference
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
 from chaos.insim import mutants
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, Scenario, fault_schedule
+from chaos.supervision import Exited, Healed, Slot, Start, supervise
 from engine.agent import AgentProfile, FakeAgent
 from engine.config import EngineConfig
 from engine.core.routing import SUBMIT_REASON
@@ -89,19 +90,6 @@ class SimOutcome:
     @property
     def duration_s(self) -> float:
         return self.sim_time_s
-
-
-@dataclass
-class _Slot:
-    """One worker index: its failpoints and its current incarnation."""
-
-    index: int
-    failpoints: str
-    worker: SimWorker | None = None
-    incarnation: int = 0
-    restart_at: float | None = None
-    stopped_on_purpose: bool = False
-    heals: list[int] = field(default_factory=list)  # fault ids healed once it is ready again
 
 
 class SimRun:
@@ -170,7 +158,8 @@ class SimRun:
             on_lost=self._retry_lost,
         )
         self.slots = [
-            _Slot(i, loaded.failpoint_specs(i, self.attempt_ids)) for i in range(spec.workers)
+            Slot[SimWorker](i, loaded.failpoint_specs(i, self.attempt_ids))
+            for i in range(spec.workers)
         ]
         self.store = RedisClient(self.env, self.redis, self.net_rng, self.options.redis_latency_s)
         self._t0 = 0.0
@@ -220,7 +209,7 @@ class SimRun:
 
     # --- workers ------------------------------------------------------------------------
 
-    def _start_worker(self, slot: _Slot) -> None:
+    def _start_worker(self, slot: Slot[SimWorker]) -> None:
         failpoints = slot.failpoints if slot.incarnation == 0 else ""
         w = SimWorker(
             self,
@@ -232,54 +221,34 @@ class SimRun:
         )
         if slot.incarnation:
             self.runner.record("worker_restarted", worker=slot.index, pid=w.pid)
-        slot.worker = w
-        slot.incarnation += 1
-        slot.restart_at = None
-        slot.stopped_on_purpose = False
+        slot.started(w)
 
-    def _kill_worker(self, slot: _Slot, restart_after_s: float | None, fault_id: int) -> None:
+    def _kill_worker(
+        self, slot: Slot[SimWorker], restart_after_s: float | None, fault_id: int
+    ) -> None:
         """SIGKILL; the fault heals once a restarted worker is ready (never without one)."""
-        w = slot.worker
+        w = slot.proc
         if w is None or not w.alive:
             self._healed(fault_id)  # nothing to kill: nothing broken
             return
         w.die(EXIT_KILLED)
-        slot.stopped_on_purpose = True
         self.runner.record("worker_killed", worker=slot.index, pid=w.pid)
-        if restart_after_s is not None:
-            slot.restart_at = self.env.now + restart_after_s
-            slot.heals.append(fault_id)
+        slot.killed(self.env.now, restart_after_s, fault_id)
 
     def _healed(self, fault_id: int) -> None:
         """The fault's window closes: the checker reads it from here, not from guesses."""
         self.runner.record("fault_healed", fault_id=fault_id)
 
     def _supervise(self) -> None:
-        now = self.env.now
-        for slot in self.slots:
-            w = slot.worker
-            if w is not None and w.alive:
-                if slot.heals and w.ready.triggered:  # the live runner reads "ready" in its log
-                    for fault_id in slot.heals:
-                        self._healed(fault_id)
-                    slot.heals.clear()
-                continue
-            if slot.restart_at is None and not slot.stopped_on_purpose and w is not None:
-                # a crash: a fault window from the worker's `crash` to the restart's "ready"
-                fault_id = next(self._fault_ids)
-                self.runner.record(
-                    "worker_exited",
-                    worker=slot.index,
-                    code=w.exit_code,
-                    pid=w.pid,
-                    fault_id=fault_id,
-                )
-                slot.stopped_on_purpose = True
-                if self.spec.restart_crashed_workers:
-                    slot.restart_at = now + self.spec.restart_delay_s
-                    slot.heals.append(fault_id)
-            if slot.restart_at is not None and now >= slot.restart_at:
-                self._start_worker(slot)
+        delay = self.spec.restart_delay_s if self.spec.restart_crashed_workers else None
+        for d in supervise(self.slots, self.env.now, _alive, _ready, self._fault_ids, delay):
+            match d:
+                case Healed(fault_id=fault_id):
+                    self._healed(fault_id)
+                case Exited(slot=Slot(proc=w)):
+                    self.runner.record("worker_exited", **d.record(w.exit_code, w.pid))
+                case Start(slot=slot):
+                    self._start_worker(slot)
 
     # --- faults -------------------------------------------------------------------------
 
@@ -298,13 +267,12 @@ class SimRun:
             self._kill_worker(self.slots[fault.target], fault.restart_after_s, fault_id)
         elif fault.action == "restart_worker":
             slot = self.slots[fault.target]
-            if slot.worker is not None:
-                yield from slot.worker.terminate(5.0)
+            if slot.proc is not None:
+                yield from slot.proc.terminate(5.0)
                 slot.stopped_on_purpose = True
-            slot.restart_at = self.env.now
-            slot.heals.append(fault_id)
+            slot.restart(self.env.now, fault_id)
         elif fault.action == "pause_worker":
-            w = self.slots[fault.target].worker
+            w = self.slots[fault.target].proc
             if w is None or not w.alive:
                 self._healed(fault_id)
                 return
@@ -354,7 +322,7 @@ class SimRun:
         yield from client.close()
 
     def _resume_worker(self, index: int, w: SimWorker, fault_id: int) -> Generator[Any, Any, None]:
-        if self.slots[index].worker is w and w.alive:
+        if self.slots[index].proc is w and w.alive:
             self.runner.record("worker_resumed", worker=index, pid=w.pid)
         self._healed(fault_id)
         yield from ()
@@ -397,8 +365,8 @@ class SimRun:
         for slot in self.slots:
             self._start_worker(slot)
         for slot in self.slots:  # `_wait_ready`: the "ready" line, or the process gone
-            assert slot.worker is not None
-            yield slot.worker.ready | slot.worker.exited
+            assert slot.proc is not None
+            yield slot.proc.ready | slot.proc.exited
         client = BrokerClient(env, self.broker, "runner")
         while not (yield from client.connect()):
             yield env.timeout(self.options.reconnect_interval_s)
@@ -426,8 +394,8 @@ class SimRun:
                 proc.interrupt()
         yield from client.close()
         for slot in self.slots:  # `_stop_workers`: SIGTERM, SIGKILL after 3 s
-            if slot.worker is not None:
-                yield from slot.worker.terminate(3.0)
+            if slot.proc is not None:
+                yield from slot.proc.terminate(3.0)
         if self._events is not None:
             yield from self._events.close()
         if not self.redis.up:  # the final state needs Redis back
@@ -601,3 +569,12 @@ def outputs(outcome: SimOutcome, out_dir: str | Path) -> None:
 
     extra = {**outcome.extra, "mode": "sim", "history_hash": outcome.history_hash}
     write_outputs(out_dir, outcome.scenario, outcome.history, outcome.result, extra)
+
+
+def _alive(w: SimWorker) -> bool:
+    return w.alive
+
+
+def _ready(slot: Slot[SimWorker]) -> bool:
+    """The live runner reads "ready" in a worker's log; here the worker says it."""
+    return slot.proc is not None and slot.proc.ready.triggered
