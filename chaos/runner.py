@@ -39,7 +39,7 @@ from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, c
 from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
 from chaos.services import Services
-from chaos.supervision import Exited, Healed, Slot, Start, supervise
+from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
 from chaos.workers import WorkerProcess
 from engine.config import EngineConfig
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
@@ -281,18 +281,10 @@ class ScenarioRun:
     # --- faults -------------------------------------------------------------------------
 
     async def _fire(self, fault: PlannedFault) -> None:
-        """Fire one fault. Its `fault_fired` carries a `fault_id`, and the same id's
-        `fault_healed` is recorded when the runner has undone it (a worker restarted and
-        ready, a service back, a cancel sent); a fault never undone stays open."""
+        """Fire one fault (`chaos.supervision.fired` says what its record holds)."""
         self.progress.faults_fired += 1
         fault_id = next(self._fault_ids)
-        self.history.record(
-            "fault_fired",
-            fault=fault.label,
-            action=fault.action,
-            target=fault.target,
-            fault_id=fault_id,
-        )
+        self.history.record("fault_fired", **fired(fault, fault_id))
         if fault.action == "kill_worker":
             self._kill_worker(self.workers[fault.target], fault.restart_after_s, fault_id)
         elif fault.action == "restart_worker":

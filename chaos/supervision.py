@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from chaos.scenario import PlannedFault
 
 P = TypeVar("P")
 
@@ -96,3 +99,15 @@ def supervise(
                 slot.heals.append(fault_id)
         if slot.restart_at is not None and now >= slot.restart_at:
             yield Start(slot)
+
+
+def fired(fault: PlannedFault, fault_id: int) -> dict[str, Any]:
+    """The fields of a fault's `fault_fired`; its `fault_healed` carries the same id once
+    the runner has undone it (a worker restarted and ready, a service back, a cancel
+    sent); a fault never undone stays open."""
+    return {
+        "fault": fault.label,
+        "action": fault.action,
+        "target": fault.target,
+        "fault_id": fault_id,
+    }

@@ -37,7 +37,7 @@ from chaos import reference
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
 from chaos.insim import mutants
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, Scenario, fault_schedule
-from chaos.supervision import Exited, Healed, Slot, Start, supervise
+from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
 from engine.agent import AgentProfile, FakeAgent
 from engine.config import EngineConfig
 from engine.core.routing import SUBMIT_REASON
@@ -256,13 +256,7 @@ class SimRun:
         """`ScenarioRun._fire`: `fault_fired` with a `fault_id`, and `fault_healed` with
         it once the runner has undone the fault."""
         fault_id = next(self._fault_ids)
-        self.runner.record(
-            "fault_fired",
-            fault=fault.label,
-            action=fault.action,
-            target=fault.target,
-            fault_id=fault_id,
-        )
+        self.runner.record("fault_fired", **fired(fault, fault_id))
         if fault.action == "kill_worker":
             self._kill_worker(self.slots[fault.target], fault.restart_after_s, fault_id)
         elif fault.action == "restart_worker":
