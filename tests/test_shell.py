@@ -4,7 +4,9 @@ effects it yields. The live and simulated drivers run these same steps."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Generator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -90,3 +92,59 @@ def test_a_store_error_surfaces_from_the_step() -> None:
     assert step.send(None) == Store("stale_evaluations", (600,))
     with pytest.raises(ConnectionError):
         step.throw(ConnectionError("redis away"))
+
+
+# --- the asyncio driver: a cancellation that is the connection's, not the task's ----------
+
+
+class _Dying:
+    """A service call that a dying aiormq connection cancels under its caller."""
+
+    async def holder(self, attempt_id: str) -> str:
+        raise asyncio.CancelledError
+
+    async def ack(self) -> None:
+        raise asyncio.CancelledError
+
+
+def _asks_holder() -> Generator[Effect, Any, str]:
+    try:
+        return (yield Store("holder", ("a1",)))
+    except ConnectionError as exc:
+        return f"lost: {exc}"
+
+
+def test_a_call_cancelled_by_its_connection_reaches_the_step_as_a_lost_connection() -> None:
+    from engine.runtime.context import settle
+    from engine.runtime.drive import drive
+
+    rt = SimpleNamespace(store=_Dying())
+    assert asyncio.run(drive(_asks_holder(), rt)) == "lost: Store cancelled"  # type: ignore[arg-type]
+    assert asyncio.run(settle(_Dying())) is False  # type: ignore[arg-type]  # as a closed channel
+
+
+def test_the_task_s_own_cancellation_still_propagates() -> None:
+    from engine.runtime.context import settle
+    from engine.runtime.drive import drive
+
+    class Slow:
+        async def holder(self, attempt_id: str) -> str:
+            await asyncio.sleep(10)
+            return "never"
+
+        async def ack(self) -> None:
+            await asyncio.sleep(10)
+
+    async def cancel_soon(coro: Any) -> str:
+        task = asyncio.ensure_future(coro)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "finished"
+
+    rt = SimpleNamespace(store=Slow())
+    assert asyncio.run(cancel_soon(drive(_asks_holder(), rt))) == "cancelled"  # type: ignore[arg-type]
+    assert asyncio.run(cancel_soon(settle(Slow()))) == "cancelled"  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -41,7 +42,20 @@ async def settle(message: AbstractIncomingMessage, *, ack: bool = True) -> bool:
             await message.ack()
         else:
             await message.nack(requeue=True)
+    except asyncio.CancelledError as exc:
+        if cancelled():
+            raise
+        log.warning("could not %s a delivery: %r", "ack" if ack else "nack", exc)
+        return False
     except Exception as exc:  # the channel closed under us
         log.warning("could not %s a delivery: %s", "ack" if ack else "nack", exc)
         return False
     return True
+
+
+def cancelled() -> bool:
+    """Whether this task is being cancelled. aiormq cancels the frames it had in flight
+    when its connection dies, so a `CancelledError` out of an ACK or a publish may be the
+    connection's, not this task's: only this task's must go on propagating."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.runtime.context import Runtime, log, settle
+from engine.runtime.context import Runtime, cancelled, log, settle
 from engine.runtime.store import LeaseLost, now_ms
 from engine.shell import effects as fx
 
@@ -26,6 +26,14 @@ async def drive(step: fx.Step, rt: Runtime) -> Any:
     while (effect := stepper.advance(_NOW, rt)) is not None:
         try:
             stepper.reply(await _LATER[type(effect)](effect, rt))
+        except asyncio.CancelledError as exc:
+            # This task's cancellation goes in as it is; one that came out of the call (a
+            # dying aiormq connection cancels what it had in flight) is a lost connection,
+            # which the step handles like any other (it would otherwise end the task
+            # silently, an evaluation left in memory half begun).
+            stepper.fail(
+                exc if cancelled() else ConnectionError(f"{type(effect).__name__} cancelled")
+            )
         except BaseException as exc:  # into the step, which decides
             stepper.fail(exc)
     return stepper.value
