@@ -291,7 +291,6 @@ class ScenarioRun:
             w = self.workers[fault.target]
             if w.proc is not None:
                 await asyncio.to_thread(w.proc.terminate)
-                w.stopped_on_purpose = True
             w.restart(time.monotonic(), fault_id)
         elif fault.action == "pause_worker":
             w = self.workers[fault.target]

@@ -44,6 +44,7 @@ class Slot(Generic[P]):
 
     def restart(self, now: float, fault_id: int) -> None:
         """Stopped by a fault that restarts it at once."""
+        self.stopped_on_purpose = True
         self.restart_at = now
         self.heals.append(fault_id)
 

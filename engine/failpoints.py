@@ -194,19 +194,13 @@ class Failpoints:
         fp = self.fired(name, rule, attempt_id)
         return fp.stall_ms if fp is not None else 0
 
-    def pause(self, name: str, rule: str | None = None, attempt_id: str | None = None) -> float:
-        """Decide synchronously (a `freeze` stops the whole process here); return the
-        seconds this task then sleeps (a `stall`), 0 to go on."""
+    async def hit(self, name: str, rule: str | None = None, attempt_id: str | None = None) -> None:
         if not self._armed:
-            return 0.0
+            return
         fp = self.fired(name, rule, attempt_id)
         if fp is None or not fp.stall_ms:
-            return 0.0
+            return
         if fp.action == "freeze":
             time.sleep(fp.stall_ms / 1000)  # blocks the event loop: the whole worker stops
-            return 0.0
-        return fp.stall_ms / 1000
-
-    async def hit(self, name: str, rule: str | None = None, attempt_id: str | None = None) -> None:
-        if seconds := self.pause(name, rule, attempt_id):
-            await asyncio.sleep(seconds)
+        else:
+            await asyncio.sleep(fp.stall_ms / 1000)

@@ -263,7 +263,6 @@ class SimRun:
             slot = self.slots[fault.target]
             if slot.proc is not None:
                 yield from slot.proc.terminate(5.0)
-                slot.stopped_on_purpose = True
             slot.restart(self.env.now, fault_id)
         elif fault.action == "pause_worker":
             w = self.slots[fault.target].proc

@@ -42,13 +42,10 @@ async def settle(message: AbstractIncomingMessage, *, ack: bool = True) -> bool:
             await message.ack()
         else:
             await message.nack(requeue=True)
-    except asyncio.CancelledError as exc:
-        if cancelled():
+    except (Exception, asyncio.CancelledError) as exc:  # the channel closed under us
+        if isinstance(exc, asyncio.CancelledError) and cancelled():
             raise
         log.warning("could not %s a delivery: %r", "ack" if ack else "nack", exc)
-        return False
-    except Exception as exc:  # the channel closed under us
-        log.warning("could not %s a delivery: %s", "ack" if ack else "nack", exc)
         return False
     return True
 
