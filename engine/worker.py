@@ -47,7 +47,7 @@ from engine.metrics import Metrics
 from engine.plan import Rule
 from engine.runtime.broker import Broker, amqp_unavailable
 from engine.runtime.context import Runtime
-from engine.runtime.drive import LiveHost, drive
+from engine.runtime.drive import LiveHost, detached, drive
 from engine.runtime.store import RedisStore, redis_unavailable
 from engine.shell.controller import EvaluationController
 from engine.shell.heartbeat import heartbeat
@@ -119,14 +119,17 @@ class Worker:
         self.private_queue = ""
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._deliveries: set[asyncio.Task[Any]] = set()
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
-        """A delivery (aio-pika runs each as a task of its own), decoded for the controller."""
+        """A delivery, decoded for the controller; its step runs `detached` from aio-pika's
+        task, which a closing channel cancels."""
         try:
             body = orjson.loads(message.body)
         except orjson.JSONDecodeError:
             body = None  # the controller drops it, with one line
-        await drive(self.controller.on_message(message, body, message.redelivered), self.rt)
+        step = self.controller.on_message(message, body, message.redelivered)
+        await detached(step, self.rt, self._deliveries)
 
     async def start(self) -> None:
         """Connect, declare and consume. Raises `ServiceUnavailable` (one line) when Redis or
@@ -173,9 +176,10 @@ class Worker:
         self._stop.set()
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._deliveries]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await drive(self.controller.shutdown(), self.rt)
         await self.rt.broker.close()
         await self.rt.store.close()

@@ -13,7 +13,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.keys import retry_member
-from engine.shell.effects import Clock, Effect, PublishWork, Record, Store
+from engine.shell.effects import Clock, Effect, PublishWork, Record, Sleep, Store
 from engine.shell.sweeper import sweep
 
 
@@ -97,14 +97,44 @@ def test_a_store_error_surfaces_from_the_step() -> None:
 # --- the asyncio driver: a cancellation that is the connection's, not the task's ----------
 
 
+class _Channel:
+    """What `settle` reads of an aiormq channel: an observer of its end, one per look."""
+
+    def __init__(self) -> None:
+        self.end: asyncio.Future[None] | None = None
+        self.observers: list[asyncio.Future[None]] = []
+
+    @property
+    def closing(self) -> asyncio.Future[None]:
+        if self.end is None:
+            self.end = asyncio.get_running_loop().create_future()
+        observer = asyncio.get_running_loop().create_future()
+        self.end.add_done_callback(lambda _: observer.done() or observer.set_result(None))
+        self.observers.append(observer)
+        return observer
+
+
 class _Dying:
     """A service call that a dying aiormq connection cancels under its caller."""
+
+    def __init__(self) -> None:
+        self.channel = _Channel()
 
     async def holder(self, attempt_id: str) -> str:
         raise asyncio.CancelledError
 
     async def ack(self) -> None:
         raise asyncio.CancelledError
+
+
+class _Stuck:
+    """An ACK on a connection whose writer is gone: its frame is never written."""
+
+    def __init__(self) -> None:
+        self.channel = _Channel()
+
+    async def ack(self) -> None:
+        await asyncio.get_running_loop().create_future()
 
 
 def _asks_holder() -> Generator[Effect, Any, str]:
@@ -120,7 +150,23 @@ def test_a_call_cancelled_by_its_connection_reaches_the_step_as_a_lost_connectio
 
     rt = SimpleNamespace(store=_Dying())
     assert asyncio.run(drive(_asks_holder(), rt)) == "lost: Store cancelled"  # type: ignore[arg-type]
-    assert asyncio.run(settle(_Dying())) is False  # type: ignore[arg-type]  # as a closed channel
+    assert asyncio.run(settle(_Dying(), timeout_s=5)) is False  # type: ignore[arg-type]  # closed
+
+
+def test_an_ack_that_is_never_written_ends_when_its_channel_closes_or_after_the_bound() -> None:
+    from engine.runtime.context import settle
+
+    async def channel_closes(message: _Stuck) -> bool:
+        ack = asyncio.ensure_future(settle(message, timeout_s=3600))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        assert message.channel.end is not None and not ack.done()
+        message.channel.end.set_result(None)
+        return await asyncio.wait_for(ack, 10)  # a hang would fail here
+
+    stuck = _Stuck()
+    assert asyncio.run(channel_closes(stuck)) is False
+    assert all(o.done() for o in stuck.channel.observers)  # no observer left behind
+    assert asyncio.run(settle(_Stuck(), timeout_s=0.01)) is False  # type: ignore[arg-type]
 
 
 def test_the_task_s_own_cancellation_still_propagates() -> None:
@@ -131,6 +177,8 @@ def test_the_task_s_own_cancellation_still_propagates() -> None:
         async def holder(self, attempt_id: str) -> str:
             await asyncio.sleep(10)
             return "never"
+
+        channel = _Channel()
 
         async def ack(self) -> None:
             await asyncio.sleep(10)
@@ -147,4 +195,32 @@ def test_the_task_s_own_cancellation_still_propagates() -> None:
 
     rt = SimpleNamespace(store=Slow())
     assert asyncio.run(cancel_soon(drive(_asks_holder(), rt))) == "cancelled"  # type: ignore[arg-type]
-    assert asyncio.run(cancel_soon(settle(Slow()))) == "cancelled"  # type: ignore[arg-type]
+    assert asyncio.run(cancel_soon(settle(Slow(), timeout_s=60))) == "cancelled"  # type: ignore[arg-type]
+
+
+def test_a_delivery_s_step_outlives_the_cancellation_of_aio_pika_s_task() -> None:
+    """aio-pika cancels a consumer's callback when its channel closes: the step goes on (an
+    evaluation it put in memory still starts), and only the worker's end stops it."""
+    from engine.runtime.drive import detached
+
+    seen: list[str] = []
+    rt = SimpleNamespace(history=SimpleNamespace(record=lambda event, **f: seen.append(event)))
+
+    def delivery() -> Generator[Effect, Any, None]:
+        yield Record("evaluation_started", {})
+        yield Sleep(0.05)  # the ACK, while the channel closes
+        yield Record("rule_started", {})
+
+    async def channel_closes() -> set[asyncio.Task[Any]]:
+        running: set[asyncio.Task[Any]] = set()
+        callback = asyncio.ensure_future(detached(delivery(), rt, running))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        callback.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await callback
+        assert len(running) == 1
+        await asyncio.wait_for(asyncio.gather(*running), 10)
+        return running
+
+    assert asyncio.run(channel_closes()) == set()
+    assert seen == ["evaluation_started", "rule_started"]

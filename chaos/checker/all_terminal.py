@@ -33,8 +33,8 @@ def check_all_terminal(cx: Context) -> Outcome:
                 a,
                 None,
                 f"evaluation ended {state or 'with no state'}, not terminal{tail}",
-                timeline(
-                    of(evs, "submitted") + evs[-6:],
+                timeline(  # who started it last: the holder of an evaluation stuck in memory
+                    of(evs, "submitted") + of(evs, "evaluation_started")[-2:] + evs[-6:],
                     of(evs, "parked", "crash", "evaluation_abandoned") + cx.faults,
                 ),
             )

@@ -31,17 +31,34 @@ class Runtime:
     metrics: Metrics
 
 
-async def settle(message: AbstractIncomingMessage, *, ack: bool = True) -> bool:
+async def settle(message: AbstractIncomingMessage, *, ack: bool = True, timeout_s: float) -> bool:
     """ACK (or NACK with requeue) a delivery; False when its channel is gone.
 
     A channel lost with the broker takes the delivery with it: the broker requeues it and
-    redelivers, and the duplicate checks downstream absorb the second copy.
+    redelivers, and the duplicate checks downstream absorb the second copy. An ACK waits
+    for its frame to be written, which a dead connection never does (its writer is gone
+    and the frame queue full): the wait ends when the channel closes, or after
+    `timeout_s`, and counts as a lost channel either way.
     """
+    closing = message.channel.closing  # an observer of the channel's end, ours to drop
     try:
-        if ack:
-            await message.ack()
-        else:
-            await message.nack(requeue=True)
+        async with asyncio.timeout(timeout_s) as bound:
+            waiting = True
+
+            def cut_short(_: object) -> None:
+                if waiting and not bound.expired():
+                    bound.reschedule(-1)  # at once: the frame will never be written
+
+            closing.add_done_callback(cut_short)
+            try:
+                if ack:
+                    await message.ack()
+                else:
+                    await message.nack(requeue=True)
+            finally:
+                waiting = False
+                closing.remove_done_callback(cut_short)
+                closing.cancel()
     except (Exception, asyncio.CancelledError) as exc:  # the channel closed under us
         if isinstance(exc, asyncio.CancelledError) and cancelled():
             raise

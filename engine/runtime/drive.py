@@ -77,7 +77,7 @@ _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
 _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
     fx.Store: lambda e, rt: getattr(rt.store, e.op)(*e.args),
     fx.Acquire: lambda e, rt: e.lock.acquire(),
-    fx.Settle: lambda e, rt: settle(e.delivery, ack=e.ack),
+    fx.Settle: lambda e, rt: settle(e.delivery, ack=e.ack, timeout_s=rt.config.read_timeout_s),
     fx.CallAgent: lambda e, rt: rt.agent.evaluate(
         e.attempt_id, e.rule, e.attempt, e.try_no, execution=e.execution
     ),
@@ -93,6 +93,21 @@ _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
     fx.Sleep: lambda e, rt: asyncio.sleep(e.seconds),
     fx.Join: lambda e, rt: asyncio.shield(e.task),
 }
+
+
+async def detached(step: fx.Step, rt: Runtime, running: set[asyncio.Task[Any]]) -> Any:
+    """Run `step` in a task that the caller's cancellation does not reach; `running` holds
+    it until it ends (the worker cancels what is left when it stops).
+
+    For deliveries: aio-pika runs each consumer callback in a task of the channel and
+    cancels it when the channel closes, which would stop the step half-way, an evaluation
+    put in memory and never started. A lost channel is the step's to handle (its ACK
+    fails); only the worker's end stops it, as in the simulator.
+    """
+    task = asyncio.ensure_future(drive(step, rt))
+    running.add(task)
+    task.add_done_callback(running.discard)
+    return await asyncio.shield(task)
 
 
 class LiveHost:
