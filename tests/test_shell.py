@@ -152,6 +152,13 @@ def test_a_call_cancelled_by_its_connection_reaches_the_step_as_a_lost_connectio
     assert asyncio.run(drive(_asks_holder(), rt)) == "lost: Store cancelled"  # type: ignore[arg-type]
     assert asyncio.run(settle(_Dying(), timeout_s=5)) is False  # type: ignore[arg-type]  # closed
 
+    class Closed:  # aio-pika's message refuses to hand out a channel that closed
+        @property
+        def channel(self) -> _Channel:
+            raise RuntimeError("ChannelInvalidStateError")
+
+    assert asyncio.run(settle(Closed(), timeout_s=5)) is False  # type: ignore[arg-type]
+
 
 def test_an_ack_that_is_never_written_ends_when_its_channel_closes_or_after_the_bound() -> None:
     from engine.runtime.context import settle

@@ -40,8 +40,8 @@ async def settle(message: AbstractIncomingMessage, *, ack: bool = True, timeout_
     and the frame queue full): the wait ends when the channel closes, or after
     `timeout_s`, and counts as a lost channel either way.
     """
-    closing = message.channel.closing  # an observer of the channel's end, ours to drop
     try:
+        closing = message.channel.closing  # an observer of the channel's end, ours to drop
         async with asyncio.timeout(timeout_s) as bound:
             waiting = True
 
