@@ -2,40 +2,51 @@
 
 Faults may cost a run time and tokens, never a different outcome: the engine owes, for
 every evaluation not cancelled on purpose, the final status, the completed, permanently
-failed and skipped rules and each rule's verdict of a run without faults. `reference_for`
-computes that run with the simulator (`chaos.insim.run.SimRun.simulate`: the engine's own core and
-the fake agent's own draws) on the same seed, plans, agent profile, retry policy and time
-scale with every fault stripped: no failpoints, no kills, no cancels. It costs
-milliseconds, so every run, live or simulated, gets one (`CheckSpec.reference`, filled by
-`LoadedScenario.check_spec`), and the checker's `matches_reference` compares with it.
+failed and skipped rules, each rule's verdict and each pass's published result of a run
+without faults. `reference_for` computes that run from the two things that decide it: the
+engine's pure core (`engine.core.Evaluation`, which makes every decision of the protocol)
+and the fake agent's draws, on the same seed, plans, agent profile and retry policy. No
+shell, no broker, no Redis, no clock: nothing in between can fail, so the core is fed
+each call's answer at once, and each delayed retry as soon as it is scheduled. It costs
+well under a millisecond per evaluation, so every run, live or simulated, gets one
+(`CheckSpec.reference`, filled by `LoadedScenario.check_spec`), and the checker's
+`matches_reference` compares with it.
 
 It is sound because the fake agent draws from (seed, attemptId, ruleId, attempt, try)
 only (`engine.agent.FakeAgent.draw`): whichever worker runs a call, after whatever crash,
-the call answers as in the reference. The one exception is the profile's `drift`: a rerun
-may give another verdict, so with drift > 0 verdicts are not the reference's to judge
-(`Reference.drift`; `idempotent_results` compares them with the first durable write).
+the call answers as in the reference, and the core's outcome does not depend on the order
+answers come in. The one exception is the profile's `drift`: a rerun may give another
+verdict, so with drift > 0 verdicts are not the reference's to judge (`Reference.drift`;
+`idempotent_results` compares them with the first durable write). Computed without the
+shells, the reference is also a check of them: a shell that carried out the core's
+decisions wrongly would differ from it even without faults (`tests/test_reference.py`
+holds the simulator's fault-free runs to it).
 
-Rule sets come from the final state alone (`outcome_of`), for the reference and the run
-alike: completed = a result in Redis; permanently failed = that status and no result (a
-result beats a status, as recovery reads it); skipped = every other rule of the plan.
+Rule sets come from the final state alone (`outcome_of`), for the run: completed = a
+result in Redis; permanently failed = that status and no result (a result beats a status,
+as recovery reads it); skipped = every other rule of the plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.agent import AgentProfile, FakeAgent, agent_error
+from engine.core import actions as act
+from engine.core.evaluation import Evaluation
+from engine.core.results import RuleResult
 from engine.core.states import PERMANENTLY_FAILED
 from engine.plan import Plan
+from engine.policy import RetryPolicy
 
 if TYPE_CHECKING:
-    from chaos.checker import EvaluationFinal, FinalState
+    from chaos.checker import EvaluationFinal
     from chaos.scenario import LoadedScenario
 
-#: Terminal states of an evaluation that ran to its end (cancelled is not one of them).
-FINISHED = frozenset({"completed", "partial", "failed"})
 #: Scenario fields that do not change what a fault-free run computes (the cache key drops
 #: them; the faults themselves are stripped).
 _NOT_OUTCOME = {"name", "description", "faults", "invariants", "budgets"}
@@ -80,13 +91,11 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Reference:
-    """Per attemptId, the fault-free `Outcome` (only evaluations the reference run
-    finished: one it could not finish by the deadline is in `unfinished`, not judged).
-    `drift` is the agent's: above 0, a rerun may legitimately answer another verdict."""
+    """Per attemptId, the fault-free `Outcome`. `drift` is the agent's: above 0, a rerun
+    may legitimately answer another verdict."""
 
     evaluations: dict[str, Outcome] = field(default_factory=dict)
     drift: float = 0.0
-    unfinished: tuple[str, ...] = ()
 
     def of(self, attempt_id: str) -> Outcome | None:
         return self.evaluations.get(attempt_id)
@@ -94,7 +103,6 @@ class Reference:
     def to_dict(self) -> dict[str, Any]:
         return {
             "drift": self.drift,
-            "unfinished": list(self.unfinished),
             "evaluations": {a: o.to_dict() for a, o in sorted(self.evaluations.items())},
         }
 
@@ -143,11 +151,11 @@ _cache: dict[tuple[Any, ...], Reference] = {}
 
 def reference_for(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) -> Reference:
     """The fault-free reference of a run of `loaded` under `seed` on `plans` (attemptId ->
-    plan, as the run submitted them): the simulator on the same scenario without faults.
+    plan, as the run submitted them).
 
-    The same agent profile (its seed the run's unless the scenario sets one), retry policy,
-    time scale, engine settings and workers; cached per (scenario without faults, seed,
-    plans), since shrinking and exploring rerun one seed many times."""
+    The same agent profile (its seed the run's unless the scenario sets one), retry policy
+    and engine settings; cached per (scenario without faults, seed, plans), since shrinking
+    and exploring rerun one seed many times."""
     if dict(plans) != loaded.evaluations(seed):
         raise ValueError(
             f"the plans are not the evaluations of {loaded.spec.name} under seed {seed}: a "
@@ -157,48 +165,62 @@ def reference_for(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) 
     cached = _cache.get(key)
     if cached is not None:
         return cached
-    from chaos.insim.run import SimRun  # the simulator imports the checker: imported late
-
-    run = SimRun(fault_free(loaded), seed, reference=False)
-    final = run.simulate()  # `run_scenario` without its check: only the outcome is needed
-    return _remember(key, loaded, plans, final, run.events)
-
-
-def remember(
-    loaded: LoadedScenario,
-    seed: int,
-    plans: Mapping[str, Plan],
-    final: FinalState,
-    events: list[dict[str, Any]],
-) -> None:
-    """A simulated run of the clean engine on a scenario without faults is its own
-    reference: kept, so that `reference_for` does not simulate it a second time (half
-    the explorer's swarm variants of a one-fault scenario draw no fault at all)."""
-    if loaded.spec.faults:
-        raise ValueError(f"{loaded.spec.name}: a run with faults is no reference")
-    _remember(_key(loaded, seed, plans), loaded, plans, final, events)
-
-
-def _remember(
-    key: tuple[Any, ...],
-    loaded: LoadedScenario,
-    plans: Mapping[str, Plan],
-    final: FinalState,
-    events: list[dict[str, Any]],
-) -> Reference:
-    evaluations: dict[str, Outcome] = {}
-    unfinished: list[str] = []
-    for a, plan in plans.items():
-        fin = final.evaluations.get(a)
-        if fin is None or fin.state not in FINISHED:
-            unfinished.append(a)
-            continue
-        evaluations[a] = outcome_of(plan, fin, events)
-    ref = Reference(evaluations, loaded.spec.agent_profile().drift, tuple(unfinished))
+    spec = loaded.spec
+    policy = spec.retry.policy(seed)
+    profile = AgentProfile.from_dict({"seed": seed, **spec.agent})
+    agent = FakeAgent(profile, salt=0, immediate_retries=policy.immediate_retries)
+    parallel = spec.engine.max_parallel
+    ref = Reference(
+        {a: fault_free_outcome(plan, a, policy, agent, parallel) for a, plan in plans.items()},
+        profile.drift,
+    )
     if len(_cache) >= _CACHE_SIZE:
         _cache.pop(next(iter(_cache)))
     _cache[key] = ref
     return ref
+
+
+def fault_free_outcome(
+    plan: Plan, attempt_id: str, policy: RetryPolicy, agent: FakeAgent, max_parallel: int = 4
+) -> Outcome:
+    """One evaluation run by its core alone: each action carried out at once, in order."""
+    core = Evaluation(plan, attempt_id, policy, max_parallel=max_parallel)
+    results: dict[str, RuleResult] = {}
+    failed: set[str] = set()
+    passes: dict[str, PassOutcome] = {}
+    status: str | None = None
+    todo: deque[act.Action] = deque(core.start())
+    while todo:
+        action = todo.popleft()
+        if isinstance(action, act.RunRule):
+            d = agent.draw(attempt_id, action.rule_id, action.attempt, action.try_no)
+            if d.error is None:
+                assert d.result is not None
+                todo.extend(core.rule_succeeded(action.rule_id, d.result))
+            else:
+                err = agent_error(d.error, tokens=d.tokens)
+                todo.extend(core.rule_failed(action.rule_id, err.kind, retryable=err.retryable))
+        elif isinstance(action, act.ScheduleRetry):  # due at once: nothing else is waited for
+            todo.extend(core.retry_due(action.rule_id, action.attempt))
+        elif isinstance(action, act.PersistResult):
+            results[action.rule_id] = action.result
+        elif isinstance(action, act.PersistStatus) and action.status == PERMANENTLY_FAILED:
+            failed.add(action.rule_id)
+        elif isinstance(action, act.PublishPassResult):
+            passes.setdefault(action.pass_id, PassOutcome(action.outcome, dict(action.rules)))
+        elif isinstance(action, act.Finish):
+            status = action.status.value
+    completed = frozenset(results)
+    lost = frozenset(failed) - completed
+    return Outcome(
+        status=status,
+        completed=completed,
+        permanently_failed=lost,
+        skipped=frozenset(r for r in plan.order if r not in completed and r not in lost),
+        verdicts={r: res.verdict for r, res in results.items()},
+        scores={r: round(float(res.score), 6) for r, res in results.items()},
+        passes=passes,
+    )
 
 
 def _key(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) -> tuple[Any, ...]:

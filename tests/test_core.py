@@ -1041,5 +1041,10 @@ def test_a_result_kept_by_the_store_replaces_the_one_computed() -> None:
     kept = RuleResult("compiles", "pass", 0.9, 10)
     ev.result_kept("compiles", kept)
     assert ev.results["compiles"] == kept
+    # announcements computed with the losing write carry the kept verdict from now on
+    assert ev.announced({"compiles": "fail", "other": "skipped"}) == {
+        "compiles": "pass",
+        "other": "skipped",
+    }
     with pytest.raises(ProtocolError):
         ev.result_kept("nope", kept)

@@ -8,13 +8,16 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chaos.checker.oracle import max_attempts_of
 from chaos.checker.records import CheckSpec, EvaluationFinal, FinalState, Violation
 from engine.core.results import RuleResult
 from engine.failpoints import TIMED_ACTIONS
 from engine.plan import Plan, PlanError, plan_from_dict
+
+if TYPE_CHECKING:
+    from chaos.checker.rounds import Round
 
 TERMINAL_STATES = frozenset({"completed", "partial", "failed", "cancelled"})
 FINISHED_STATES = frozenset({"completed", "partial", "failed"})  # terminal, not cancelled
@@ -77,9 +80,10 @@ class Context:
     def __init__(self, history: list[dict], final: FinalState, spec: CheckSpec) -> None:
         self.final = final
         self.spec = spec
-        self.events = sorted((e for e in history if isinstance(e, Mapping)), key=sort_key)
-        self.by_eval: dict[str, list[dict]] = defaultdict(list)
-        self.by_pair: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        self.events = Events(sorted((e for e in history if isinstance(e, Mapping)), key=sort_key))
+        self.by_eval: dict[str, list[dict]] = defaultdict(Events)
+        self.by_pair: dict[tuple[str, str], list[dict]] = defaultdict(Events)
+        self._rounds: dict[tuple[str, str], list[Round]] = {}
         self.faults: list[dict] = []
         self.submitted: dict[str, dict] = {}
         self.cancelled = set(spec.cancelled)
@@ -114,6 +118,15 @@ class Context:
             "crashes": sum(1 for e in self.faults if e.get("ev") == "crash"),
             "faults_fired": faults_fired(self.events),
         }
+
+    def rounds(self, pair: tuple[str, str]) -> list[Round]:
+        """`rounds_of` the pair's events, worked out once for every check that asks."""
+        from chaos.checker.rounds import rounds_of  # it builds on this module
+
+        got = self._rounds.get(pair)
+        if got is None:
+            got = self._rounds[pair] = rounds_of(self.by_pair.get(pair, []))
+        return got
 
     def final_of(self, a: str) -> EvaluationFinal | None:
         return self.final.evaluations.get(a)
@@ -237,7 +250,33 @@ def listed(items: Iterable[str], most: int = 5) -> str:
     return head if len(items) <= most else f"{head} and {len(items) - most} more"
 
 
+class Events(list[dict]):
+    """Events in time order that answer `of` from an index by kind, built at the first
+    question (the checks ask the same lists for the same kinds hundreds of times a run)
+    and again after the list grew."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, events: Iterable[dict] = ()) -> None:
+        super().__init__(events)
+        self._index: tuple[int, dict[Any, list[int]]] | None = None
+
+    def of(self, kinds: tuple[str, ...]) -> list[dict]:
+        if self._index is None or self._index[0] != len(self):
+            positions: dict[Any, list[int]] = defaultdict(list)
+            for i, e in enumerate(self):
+                positions[e.get("ev")].append(i)
+            self._index = (len(self), positions)
+        positions = self._index[1]
+        if len(kinds) == 1:
+            return [self[i] for i in positions.get(kinds[0], ())]
+        return [self[i] for i in sorted(i for k in set(kinds) for i in positions.get(k, ()))]
+
+
 def of(events: Iterable[dict], *kinds: str) -> list[dict]:
+    """The events of these kinds, in their order."""
+    if type(events) is Events:
+        return events.of(kinds)
     return [e for e in events if e.get("ev") in kinds]
 
 

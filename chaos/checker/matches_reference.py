@@ -1,13 +1,14 @@
 """`matches_reference`: faults cost time and tokens, never another outcome.
 
-`CheckSpec.reference` (`chaos.reference`) holds, per evaluation, what the same evaluation
-gives run without faults: the simulator on the same seed, plans, agent profile and retry
-policy. For every evaluation not cancelled on purpose whose final state is terminal (one
-that is not is `all_terminal`'s), the run must end like it: the same final status, the
-same sets of completed (a result in Redis), permanently failed (that status, no result)
-and skipped (neither) rules, and, when the agent does not drift, each completed rule's
-verdict. With `drift` > 0 a rerun may legitimately answer another verdict, so verdicts are
-left to `idempotent_results`, which holds them to the first durable write instead.
+`CheckSpec.reference` (`chaos.reference`) holds, per evaluation, what the same
+evaluation gives run without faults: the engine's core fed the fake agent's answers at
+once, on the same seed, plans, agent profile and retry policy, with no shell in between.
+For every evaluation not cancelled on purpose whose final state is terminal (one that is
+not is `all_terminal`'s), the run must end like it: the same final status, the same sets
+of completed (a result in Redis), permanently failed (that status, no result) and
+skipped (neither) rules, and, when the agent does not drift, each completed rule's
+verdict. With `drift` > 0 a rerun may legitimately answer another verdict, so verdicts
+are left to `idempotent_results`, which holds them to the first durable write instead.
 
 No reference (a hand-built `CheckSpec`): nothing is judged, the verdict is "unknown".
 """

@@ -19,7 +19,7 @@ from chaos.checker.context import (
     timeline,
 )
 from chaos.checker.records import Violation
-from chaos.checker.rounds import Round, rounds_of
+from chaos.checker.rounds import Round
 
 
 def check_no_completed_rerun(cx: Context) -> Outcome:
@@ -64,7 +64,7 @@ def check_no_completed_rerun(cx: Context) -> Outcome:
                 )
             )
         by_attempt: dict[int, list[Round]] = defaultdict(list)
-        for rnd in rounds_of(evs):
+        for rnd in cx.rounds((a, r)):
             by_attempt[rnd.attempt].append(rnd)
         for rounds in by_attempt.values():
             for prev, rnd in itertools.pairwise(rounds):

@@ -38,7 +38,7 @@ from chaos.checker.context import (
 )
 from chaos.checker.holding import Proc, death_of, deaths
 from chaos.checker.records import Violation
-from chaos.checker.rounds import Round, rounds_of
+from chaos.checker.rounds import Round
 
 #: Runner fault actions scoped to one worker (their echo names the process) or harmless.
 _SCOPED = frozenset({"kill_worker", "restart_worker", "cancel"})
@@ -100,9 +100,9 @@ def check_reruns_explained(cx: Context) -> Outcome:
     slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)
     cases = reruns = 0
     why: dict[str, int] = defaultdict(int)
-    for (a, r), evs in sorted(cx.by_pair.items()):
+    for a, r in sorted(cx.by_pair):
         by_attempt: dict[int, list[Round]] = defaultdict(list)
-        for rnd in rounds_of(evs):
+        for rnd in cx.rounds((a, r)):
             by_attempt[rnd.attempt].append(rnd)
         for attempt_rounds in by_attempt.values():
             cases += len(attempt_rounds)  # a first round is judged too: it is no rerun

@@ -20,7 +20,7 @@ from __future__ import annotations
 from chaos.checker.context import Context, Outcome, as_int, of, sort_key, timeline
 from chaos.checker.oracle import is_permanent_error
 from chaos.checker.records import Violation
-from chaos.checker.rounds import Round, rounds_of
+from chaos.checker.rounds import Round
 
 NAME = "retry_budget"
 
@@ -50,7 +50,7 @@ def check_retry_budget(cx: Context) -> Outcome:
     calls = cx.spec.policy.immediate_retries + 1
     cases = 0
     for (a, r), evs in sorted(cx.by_pair.items()):
-        rounds = rounds_of(evs)
+        rounds = cx.rounds((a, r))
         if not rounds:
             continue
         cases += 1

@@ -33,7 +33,6 @@ from typing import Any
 import orjson
 import simpy
 
-from chaos import reference
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
 from chaos.insim import mutants
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, Scenario, fault_schedule
@@ -99,8 +98,6 @@ class SimRun:
         seed: int | None = None,
         mutant: str | None = None,
         options: SimOptions | None = None,
-        *,
-        reference: bool = True,
     ) -> None:
         if mutant is not None and mutant not in mutants.known():
             raise ValueError(f"unknown mutant {mutant!r}; expected one of {mutants.known()}")
@@ -109,7 +106,6 @@ class SimRun:
         self.seed = spec.seed if seed is None else seed
         self.mutant = mutant
         self.history_drops = mutants.history_drops(mutant)
-        self.reference = reference  # False: the reference run itself (chaos.reference)
         self.options = scenario_options(spec, options or SimOptions())
         self.env = simpy.Environment()
         self.events: list[dict[str, Any]] = []
@@ -497,22 +493,13 @@ class SimRun:
             yield self.env.timeout(self.options.event_poll_s)
 
     def check_spec(self) -> CheckSpec:
-        return self.loaded.check_spec(
-            self.seed, self.plans, self.cancelled, self.profile, reference=self.reference
-        )
+        return self.loaded.check_spec(self.seed, self.plans, self.cancelled, self.profile)
 
-    def simulate(self) -> FinalState:
-        """The run itself, unjudged: the final state (the history is `self.events`). What
-        `chaos.reference` needs of a fault-free run, which no checker has to judge."""
+    def run(self) -> SimOutcome:
         with mutants.patched(self.mutant):
             main = self.env.process(self.main())
             self.env.run(until=main)
-            return main.value
-
-    def run(self) -> SimOutcome:
-        final = self.simulate()
-        if self.reference and self.mutant is None and not self.spec.faults:
-            reference.remember(self.loaded, self.seed, self.plans, final, self.events)
+        final: FinalState = main.value
         result = check(self.events, final, self.check_spec())
         digest = history_hash(self.events)
         return SimOutcome(
@@ -547,13 +534,9 @@ def run_scenario(
     mutant: str | None = None,
     *,
     options: SimOptions | None = None,
-    reference: bool = True,
 ) -> SimOutcome:
-    """Run a loaded scenario in the simulator and check it (`seed` overrides the file's).
-
-    `reference=False` checks without the fault-free reference: what `chaos.reference`
-    asks of the run that computes it."""
-    return SimRun(loaded, seed, mutant, options, reference=reference).run()
+    """Run a loaded scenario in the simulator and check it (`seed` overrides the file's)."""
+    return SimRun(loaded, seed, mutant, options).run()
 
 
 def outputs(outcome: SimOutcome, out_dir: str | Path) -> None:

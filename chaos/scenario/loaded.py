@@ -70,8 +70,8 @@ class LoadedScenario:
         reference: bool = True,
     ) -> CheckSpec:
         """What the checker needs of this scenario, for a run under `seed` (live or sim),
-        with the fault-free reference of the same evaluations (`chaos.reference`; a few
-        milliseconds of simulation) unless `reference` is False (the reference run's own)."""
+        with the fault-free reference of the same evaluations (`chaos.reference`: the core
+        alone, well under a millisecond an evaluation) unless `reference` is False."""
         from chaos.reference import reference_for
 
         budgets = self.spec.budgets

@@ -109,6 +109,10 @@ class Evaluation:
         # A retry message that is not the next attempt of a waiting rule is stale: it is
         # acked at start (or cancel), exactly as `retry_due` acks one, never left unacked.
         self._stale_due = sorted((r, a) for r, a in due.items() if self._retry_tokens.get(r) != a)
+        # Rules per state, kept by `_move`: `_advance` runs after every input and asks.
+        self._count: dict[RuleState, int] = dict.fromkeys(RuleState, 0)
+        for st in self.state.values():
+            self._count[st] += 1
 
     # --- queries --------------------------------------------------------------------------
 
@@ -168,6 +172,13 @@ class Evaluation:
         if rule_id not in self.state:
             raise ProtocolError(f"unknown rule {rule_id!r}")
         self.results[rule_id] = kept
+
+    def announced(self, verdicts: Mapping[str, str]) -> dict[str, str]:
+        """What to announce of verdicts computed earlier (a `PublishPassResult`'s or a
+        `Finish`'s, made in the same turn as a result write that then lost): each rule's
+        verdict as it stands now, the kept one after `result_kept`."""
+        results = self.results
+        return {r: results[r].verdict if r in results else v for r, v in verdicts.items()}
 
     def rule_failed(self, rule_id: str, error: str, *, retryable: bool = True) -> list[Action]:
         """An agent call failed. Retry now, later, or give up: the three levels."""
@@ -235,15 +246,15 @@ class Evaluation:
         if self._finished or self.status is not EvaluationStatus.RUNNING:
             return []
         actions: list[Action] = []
-        running = len(self.rules_in(RuleState.RUNNING))
-        for rid in self.plan.order:
-            if running >= self.max_parallel:
-                break
-            if self.state[rid] is RuleState.PENDING and self._ready(rid):
-                self._move(rid, RuleState.RUNNING)
-                self.tries[rid] = 1
-                actions.append(RunRule(rid, self.attempt[rid], 1))
-                running += 1
+        count = self._count
+        if count[RuleState.PENDING] and count[RuleState.RUNNING] < self.max_parallel:
+            for rid in self.plan.order:
+                if count[RuleState.RUNNING] >= self.max_parallel:
+                    break
+                if self.state[rid] is RuleState.PENDING and self._ready(rid):
+                    self._move(rid, RuleState.RUNNING)
+                    self.tries[rid] = 1
+                    actions.append(RunRule(rid, self.attempt[rid], 1))
         for p in self.plan.passes:
             if p.id in self._published:
                 continue
@@ -257,16 +268,17 @@ class Evaluation:
                 actions.append(
                     PublishPassResult(p.id, outcome, {r: self._verdict(r) for r in p.rule_ids})
                 )
-        if all(s in TERMINAL_RULE_STATES for s in self.state.values()):
+        rules, succeeded = len(self.state), count[RuleState.SUCCEEDED]
+        if sum(count[st] for st in TERMINAL_RULE_STATES) == rules:
             self._finished = True
-            if all(s is RuleState.SUCCEEDED for s in self.state.values()):
+            if succeeded == rules:
                 self.status = EvaluationStatus.COMPLETED
-            elif any(s is RuleState.SUCCEEDED for s in self.state.values()):
+            elif succeeded:
                 self.status = EvaluationStatus.PARTIAL
             else:
                 self.status = EvaluationStatus.FAILED
             actions.append(Finish(self.status, self._verdicts()))
-        elif not self.rules_in(RuleState.RUNNING) and not self._parked:
+        elif not count[RuleState.RUNNING] and not self._parked:
             # Nothing in flight and nothing startable (a ready rule would have started
             # above): only delayed retries are left, even if dependents of them are pending.
             self._parked = True
@@ -322,3 +334,5 @@ class Evaluation:
         if to not in RULE_TRANSITIONS[here]:
             raise ProtocolError(f"rule {rule_id!r}: {here.value} -> {to.value} is not allowed")
         self.state[rule_id] = to
+        self._count[here] -= 1
+        self._count[to] += 1

@@ -84,7 +84,6 @@ class PassExecutionOrchestrator:
         # that a rerun is known as one (a drifting agent may answer it differently).
         self._counted: dict[str, int] = {}
         self._execution: dict[str, int] = {}
-        self._kept: dict[str, str] = {}  # rule -> verdict of another write that came first
         self._looked = False  # the state was read for the actions being executed
         self._over: str | None = None  # the terminal state the store showed (a cancel)
         self._lease_until = 0.0  # monotonic time the lease runs to, by the last fenced write
@@ -282,7 +281,7 @@ class PassExecutionOrchestrator:
                 )
             case PublishPassResult():
                 yield Failpoint("before_pass_publish", None, a)
-                rules = self._durable(action.rules)
+                rules = self.core.announced(action.rules)
                 body = {
                     "attempt_id": a,
                     "pass_id": action.pass_id,
@@ -392,18 +391,13 @@ class PassExecutionOrchestrator:
             yield from self.abandon(f"{rule_id}: another write of its result came first")
             return False
         self.core.result_kept(rule_id, kept)
-        self._kept[rule_id] = kept.verdict
         return True
-
-    def _durable(self, verdicts: Mapping[str, str]) -> dict[str, str]:
-        """Verdicts to announce: those computed before a write lost, replaced by the kept."""
-        return {r: self._kept.get(r, v) for r, v in verdicts.items()}
 
     def _finish(self, action: Finish) -> Step:
         a = self.attempt_id
         kept = yield from self._confirm_final(action)
         status = kept or action.status.value
-        verdicts = self._durable(action.verdicts)
+        verdicts = self.core.announced(action.verdicts)
         yield Record(
             "evaluation_terminal",
             {
