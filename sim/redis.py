@@ -83,8 +83,6 @@ class SimRedis:
         retries_index: str,
         ttl_s: int,
         lease_ms: int,
-        result_ttl: bool = True,
-        first_write_wins: bool = True,
         failover_loss: int = 0,
     ) -> None:
         self.env = env
@@ -92,8 +90,6 @@ class SimRedis:
         self.retries_index = retries_index
         self.ttl = ttl_s
         self.lease_s = lease_ms / 1000.0
-        self.result_ttl = result_ttl  # False: the result_without_ttl mutant's plain SET NX
-        self.first_write_wins = first_write_wins  # False: overwrite_result's plain SET EX
         self.data: dict[str, Any] = {}
         self.expires: dict[str, float] = {}  # key -> simulated time it expires at
         self.up = True
@@ -259,19 +255,23 @@ class SimRedis:
         starts: Sequence[tuple[str, int]],
         fence: str | None = None,
     ) -> tuple[RuleResult | None, list[int], str | None] | Fenced:
-        # overwrite_result's blind write passes the fence too
-        refused = self._fenced(a, fence) if self.first_write_wins else None
+        refused = self._fenced(a, fence)
         if refused is not None:
             return refused
-        key = result_key(a, result.rule_id)
-        existing = self.get(key) if self.first_write_wins else None  # SET reports no loser
-        if existing is None:
-            self._set(key, result, self.ttl if self.result_ttl else None)
+        existing = self.set_result(result_key(a, result.rule_id), result)
         self._zrem(self.retries_index, retry_member(a, result.rule_id))
         over = self._over(a)
         if over is not None:  # the evaluation is over: nothing counted, nothing starts
             return existing, [], over
         return existing, self._count_starts(a, starts), None
+
+    def set_result(self, key: str, result: RuleResult) -> RuleResult | None:
+        """The script's `SET key value NX EX ttl`: the result stored before, if one was (the
+        first write wins). A seam of its own: the script mutants edit this one call."""
+        existing = self.get(key)
+        if existing is None:
+            self._set(key, result, self.ttl)
+        return existing
 
     def _over(self, a: str) -> str | None:
         """The evaluation's state if it is terminal (the scripts' `terminal(state)`)."""

@@ -168,10 +168,15 @@ def test_keys_expire_on_simulated_time() -> None:
 
 
 def test_a_result_written_without_ttl_never_expires() -> None:
-    env, redis = _redis(result_ttl=False)
-    redis.write_result("a1", RuleResult("compiles", "pass", 0.9, 10), [])
+    from chaos.insim import mutants
+
+    env, redis = _redis()
+    with mutants.patched("result_without_ttl"):  # the mutant's SET NX, without EX
+        redis.write_result("a1", RuleResult("compiles", "pass", 0.9, 10), [])
+    redis.write_result("a1", RuleResult("tests", "pass", 0.9, 10), [])  # restored after
     env.run(until=30 * DAY)
     assert redis.ttl_of(result_key("a1", "compiles")) == -1
+    assert redis.ttl_of(result_key("a1", "tests")) == -2  # expired after its 7 days
 
 
 def test_calls_wait_out_a_redis_kill_and_a_lost_reply_runs_twice() -> None:

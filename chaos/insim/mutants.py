@@ -2,9 +2,9 @@
 
 A live mutant runs in its own worker process, so its monkeypatch dies with it. The
 simulator runs many engines in one process, one after the other, so:
-- mutants of the modelled services and of the run (a Redis script's options, the broker's
-  delay queues, the worker's config, the agent, the history writer) are switched on by
-  name where the simulator models them (`SHELL`, see chaos/insim/run.py);
+- mutants of the modelled broker and of the run (the broker's delay queues, the worker's
+  config, the agent, the history writer) are switched on by name where the simulator
+  models them (`SHELL`, see chaos/insim/run.py);
 - mutants of the pure core and of the worker's protocol (`engine.shell`: the controller,
   the orchestrator, the sweep) are chaos.mutants' own patch functions, applied by
   `patched` around one run: it saves the namespace of every object such a patch may
@@ -33,8 +33,6 @@ SHELL: dict[str, str] = {
     "no_sweeper": "workers run without the sweeper",
     "nondeterministic_agent": "FakeAgent(nondeterministic=True) with a seed-derived salt",
     "per_message_ttl": "one shared delay queue, per-message TTLs, expiring at its head",
-    "result_without_ttl": "rule results are written without EX",
-    "overwrite_result": "rule results are written with a plain SET: the last write wins",
     "drop_history_events": "a worker's history source skips every 7th seq (chaos.mutants)",
 }
 #: Patches of the pure core and of the shared shell (`engine.shell`), applied with
@@ -189,8 +187,37 @@ def _no_fencing() -> None:
     orchestrator.PassExecutionOrchestrator._lease_short = lambda self, now: False  # type: ignore[method-assign]
 
 
+def _result_without_ttl() -> None:
+    """The live patch's `SET NX` without `EX`; the rest of the script unchanged."""
+
+    def set_nx(self: SimRedis, key: str, result: Any) -> Any:
+        existing = self.get(key)
+        if existing is None:
+            self._set(key, result, None)
+        return existing
+
+    SimRedis.set_result = set_nx  # type: ignore[method-assign]
+
+
+def _overwrite_result() -> None:
+    """The live patch's blind `SET ... EX` past the fence: the last write wins, and every
+    write reports that it won."""
+    write_result = SimRedis.write_result
+
+    def blind_write(self: SimRedis, a: str, result: Any, starts: Any, fence: Any = None) -> Any:
+        return write_result(self, a, result, starts, None)
+
+    def set_ex(self: SimRedis, key: str, result: Any) -> None:
+        self._set(key, result, self.ttl)
+
+    SimRedis.write_result = blind_write  # type: ignore[method-assign]
+    SimRedis.set_result = set_ex  # type: ignore[method-assign]
+
+
 #: Script mutants patched on their reference in `SimRedis`, with `patched`, like the core's.
 PATCHED: dict[str, Callable[[], None]] = {
+    "result_without_ttl": _result_without_ttl,
+    "overwrite_result": _overwrite_result,
     "leak_running_index": _leak_running_index,
     "needless_rerun": _needless_rerun,
     "ignore_lease": _ignore_lease,

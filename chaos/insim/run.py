@@ -133,8 +133,6 @@ class SimRun:
             retries_index=self.config.name("engine:retries"),
             ttl_s=self.config.state_ttl_s,
             lease_ms=self.config.stale_ms,
-            result_ttl=mutant != "result_without_ttl",
-            first_write_wins=mutant != "overwrite_result",
             failover_loss=self.options.redis_failover_loss,
         )
         delay_queues = {}
