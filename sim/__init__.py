@@ -19,8 +19,8 @@ history events:
   redis-py's retries (a script may run twice when its reply is lost); optional failover
   that loses the last N writes.
 - `sim/broker.py`: durable queues, prefetch and manual ACK, requeue at the front on a
-  dead connection, delay queues dead-lettering on TTL (queue-level, or per-message with
-  head-of-line blocking for the `per_message_ttl` mutant), exclusive private queues and
+  dead connection, delay queues dead-lettering on TTL at their head (head-of-line blocking
+  once one queue holds several TTLs: the `per_message_ttl` mutant), exclusive queues and
   mandatory returns, broker kills with robust reconnection, optional `consumer_timeout`
   and dead-letter loss (a scenario's `broker:` and `redis:` sections set these and the
   failover loss, `chaos.insim.run.scenario_options`).

@@ -6,8 +6,9 @@ What the engine relies on, and nothing else:
 - a connection that closes (its process died, the broker died, `consumer_timeout`) hands
   its unacknowledged messages back to the front of their queues, `redelivered` set;
 - one delay queue per (tier, bucket) with a queue-level TTL that dead-letters to the work
-  queue; in `per_message_ttl` mode (the mutant) one shared delay queue whose messages
-  carry their own TTL and, as in RabbitMQ, expire only when they reach its head;
+  queue; as in RabbitMQ, a message expires only when it reaches its queue's head, which
+  matters once messages of one queue carry different TTLs (the `per_message_ttl`
+  mutant's shared queue, `chaos.insim.mutants`);
 - each worker's exclusive private queue, bound to the control fanout and deleted with
   its connection: a mandatory publish to it then comes back unroutable;
 - dead-lettering is not confirmed: with `dead_letter_loss` > 0 a seeded draw drops some;
@@ -111,7 +112,6 @@ class SimBroker:
         latency_s: tuple[float, float],
         delay_queues: dict[tuple[int, int], tuple[str, float]],
         *,
-        per_message_ttl: bool = False,
         dead_letter_loss: float = 0.0,
         consumer_timeout_s: float | None = None,
         loses: Callable[[str | None], bool] | None = None,
@@ -121,7 +121,6 @@ class SimBroker:
         self.rng = rng
         self.latency_s = latency_s
         self.up = True
-        self.per_message_ttl = per_message_ttl
         self.dead_letter_loss = dead_letter_loss
         # which dead-lettered message is lost: a draw of its id (the live runner makes the
         # same one), else of the broker's rng; `on_lost` is told of each
@@ -135,9 +134,6 @@ class SimBroker:
             self.queues[name] = Queue(name, delay=True, ttl=ttl)
             self.delay_route[key] = name
             self.tier_ttl[key] = ttl
-        if per_message_ttl:  # the per-tier queues are still declared, and stay empty
-            self.queues[SHARED_DELAY_QUEUE] = Queue(SHARED_DELAY_QUEUE, delay=True)
-            self.delay_route = dict.fromkeys(self.delay_route, SHARED_DELAY_QUEUE)
         self.private: dict[str, Queue] = {}  # bound to the control fanout, in creation order
         self.event_bindings: list[tuple[str, str]] = []  # (routing key, durable queue)
         self.connections: list[Connection] = []
@@ -245,19 +241,19 @@ class SimBroker:
             return False
         msg = Message(body, message_id)
         if q.delay:  # published to a tier queue by name: its queue-level TTL applies
-            self._hold(q, msg, q.ttl or 0.0)
+            self.hold(q, msg, q.ttl or 0.0)
             return True
         self._enqueue(q, msg)
         return True
 
     def publish_delay(self, route: tuple[int, int], body: dict[str, Any], msg_id: str) -> bool:
-        """A retry to delay queue (tier, bucket): with queue-level TTLs, the tier's own
-        queue; in per-message-TTL mode, the shared queue, the TTL carried by the message."""
+        """A retry to delay queue (tier, bucket), under the tier's TTL."""
         q = self.queues[self.delay_route[route]]
-        self._hold(q, Message(body, msg_id), self.tier_ttl[route])
+        self.hold(q, Message(body, msg_id), self.tier_ttl[route])
         return True
 
-    def _hold(self, q: Queue, msg: Message, ttl: float) -> None:
+    def hold(self, q: Queue, msg: Message, ttl: float) -> None:
+        """`msg` in delay queue `q` for `ttl` seconds, behind its head."""
         msg.expires_at = self.env.now + ttl
         q.messages.append(msg)
         if len(q.messages) == 1:

@@ -52,7 +52,7 @@ def _broker(per_message_ttl: bool) -> tuple[simpy.Environment, SimBroker, list]:
     notes when each message arrives."""
     env = simpy.Environment()
     tiers = {(0, 0): ("t1", 1.0), (1, 0): ("t2", 10.0)}
-    broker = SimBroker(env, random.Random(0), (0.0, 0.0), tiers, per_message_ttl=per_message_ttl)
+    broker = SimBroker(env, random.Random(0), (0.0, 0.0), tiers)
     conn = broker.connect("consumer", None)
     seen: list[tuple[float, str]] = []
 
@@ -66,9 +66,12 @@ def _broker(per_message_ttl: bool) -> tuple[simpy.Environment, SimBroker, list]:
 
 @pytest.mark.parametrize("per_message_ttl", [False, True])
 def test_head_of_line_blocking_only_with_per_message_ttl(per_message_ttl: bool) -> None:
+    from chaos.insim import mutants
+
     env, broker, seen = _broker(per_message_ttl)
-    broker.publish_delay((1, 0), {"name": "long"}, "long")  # due at 10 s
-    broker.publish_delay((0, 0), {"name": "short"}, "short")  # due at 1 s
+    with mutants.patched("per_message_ttl" if per_message_ttl else None):
+        broker.publish_delay((1, 0), {"name": "long"}, "long")  # due at 10 s
+        broker.publish_delay((0, 0), {"name": "short"}, "short")  # due at 1 s
     env.run(until=20)
     arrivals = dict((name, t) for t, name in seen)
     assert arrivals["long"] == pytest.approx(10.0)

@@ -26,13 +26,13 @@ from engine.policy import RetryPolicy
 from engine.runtime.store import eval_key
 from engine.shell import controller, orchestrator, reevaluate
 from engine.shell import sweeper as shell_sweeper
+from sim.broker import SHARED_DELAY_QUEUE, Message, Queue, SimBroker
 from sim.redis import SimRedis
 
 #: Switched on where the simulator models them (see chaos/insim/run.py).
 SHELL: dict[str, str] = {
     "no_sweeper": "workers run without the sweeper",
     "nondeterministic_agent": "FakeAgent(nondeterministic=True) with a seed-derived salt",
-    "per_message_ttl": "one shared delay queue, per-message TTLs, expiring at its head",
     "drop_history_events": "a worker's history source skips every 7th seq (chaos.mutants)",
 }
 #: Patches of the pure core and of the shared shell (`engine.shell`), applied with
@@ -214,8 +214,24 @@ def _overwrite_result() -> None:
     SimRedis.set_result = set_ex  # type: ignore[method-assign]
 
 
-#: Script mutants patched on their reference in `SimRedis`, with `patched`, like the core's.
+def _per_message_ttl() -> None:
+    """The live patch's topology: every retry in one shared delay queue, its tier's TTL
+    carried by the message (and, as in RabbitMQ, expiring only at the queue's head)."""
+
+    def publish_shared(self: SimBroker, route: tuple[int, int], body: Any, msg_id: str) -> bool:
+        shared = self.queues.get(SHARED_DELAY_QUEUE)
+        if shared is None:
+            shared = self.queues[SHARED_DELAY_QUEUE] = Queue(SHARED_DELAY_QUEUE, delay=True)
+        self.hold(shared, Message(body, msg_id), self.tier_ttl[route])
+        return True
+
+    SimBroker.publish_delay = publish_shared  # type: ignore[method-assign]
+
+
+#: Mutants of a Lua script or of the broker's topology, patched on their model in `SimRedis`
+#: or `SimBroker` with `patched`, like the core's.
 PATCHED: dict[str, Callable[[], None]] = {
+    "per_message_ttl": _per_message_ttl,
     "result_without_ttl": _result_without_ttl,
     "overwrite_result": _overwrite_result,
     "leak_running_index": _leak_running_index,
@@ -224,4 +240,4 @@ PATCHED: dict[str, Callable[[], None]] = {
     "no_fencing": _no_fencing,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
-_SHELL_OWNERS: tuple[Any, ...] = (SimRedis,)
+_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker)

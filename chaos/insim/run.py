@@ -145,7 +145,6 @@ class SimRun:
             self.net_rng,
             self.options.broker_latency_s,
             delay_queues,
-            per_message_ttl=mutant == "per_message_ttl",
             dead_letter_loss=self.options.dead_letter_loss,
             consumer_timeout_s=self.options.consumer_timeout_s,
             loses=self._loses if spec.broker.dead_letter_loss else None,
