@@ -22,6 +22,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 FAILPOINTS: dict[str, str] = {
     "on_delivery": "a work message was received; nothing done yet",
@@ -96,6 +97,17 @@ class Failpoint:
         if self.attempt_id:
             out += f",attempt_id={self.attempt_id}"
         return out
+
+
+def fired_fields(fp: Failpoint, rule: str | None, attempt_id: str | None) -> dict[str, Any]:
+    """The fields of the history's `failpoint_fired`, live and simulated alike."""
+    return {
+        "failpoint": fp.name,
+        "action": fp.action,
+        "stall_ms": fp.stall_ms,
+        "rule": rule,
+        "attempt_id": attempt_id,
+    }
 
 
 def parse_specs(text: str) -> list[Failpoint]:

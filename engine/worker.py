@@ -41,7 +41,7 @@ from engine.config import (
     redacted,
 )
 from engine.core import RuleResult
-from engine.failpoints import FailpointError, Failpoints, parse_specs
+from engine.failpoints import FailpointError, Failpoints, fired_fields, parse_specs
 from engine.history import open_history
 from engine.metrics import Metrics
 from engine.plan import Rule
@@ -97,12 +97,7 @@ class Worker:
         fps = failpoints or Failpoints()
         fps.on_crash = lambda name: history.record("crash", failpoint=name)
         fps.on_fire = lambda fp, rule, attempt_id: history.record(
-            "failpoint_fired",
-            failpoint=fp.name,
-            action=fp.action,
-            stall_ms=fp.stall_ms,
-            rule=rule,
-            attempt_id=attempt_id,
+            "failpoint_fired", **fired_fields(fp, rule, attempt_id)
         )
         self.rt = Runtime(
             worker_id=self.worker_id,

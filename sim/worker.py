@@ -22,7 +22,7 @@ import simpy
 
 from engine.agent import FakeAgent
 from engine.config import EngineConfig
-from engine.failpoints import Failpoint
+from engine.failpoints import Failpoint, fired_fields
 from engine.shell.controller import EvaluationController
 from engine.shell.effects import Cancelled
 from engine.shell.heartbeat import heartbeat
@@ -181,14 +181,7 @@ class SimWorker:
 
     def _failpoint_fired(self, fp: Failpoint, rule: str | None, attempt_id: str | None) -> None:
         """What the live worker's `Failpoints.on_fire` records."""
-        self.record(
-            "failpoint_fired",
-            failpoint=fp.name,
-            action=fp.action,
-            stall_ms=fp.stall_ms,
-            rule=rule,
-            attempt_id=attempt_id,
-        )
+        self.record("failpoint_fired", **fired_fields(fp, rule, attempt_id))
 
     def crash(self, failpoint: str) -> NoReturn:
         self.record("crash", failpoint=failpoint)
