@@ -25,15 +25,15 @@ import orjson
 import engine.worker
 from chaos.checker import INVARIANTS
 from engine.agent import FakeAgent
+from engine.config import EngineConfig
 from engine.core import (
     AckRetry,
     Evaluation,
-    PublishPassResult,
     Recovery,
     RuleState,
-    SkipRules,
     Snapshot,
     classify,
+    dag,
 )
 from engine.history import FileHistory
 from engine.plan import Plan
@@ -118,12 +118,14 @@ def reset_attempts_on_recovery() -> None:
     """attempts_monotonic: recovery ignores `failed_attempt_N` and restarts a retrying rule
     at attempt 1. The rule still waits for its delayed retry (attempt N+1), and that message
     still resumes it, whether it rebuilds the evaluation (`due`) or reaches it in memory:
-    the rule then runs as attempt 1 again, and the message is acked as usual."""
+    the rule then runs as attempt 1 again, and the message is acked as usual (its
+    `AckRetry` names the attempt the message carries)."""
     init, retry_due = Evaluation.__init__, Evaluation.retry_due
 
     def forgetful_init(self: Evaluation, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self._mutant_awaits = {}  # rule -> the attempt its retry message will carry
+        self._mutant_acks = {}  # rule -> the attempt of the message its attempt 1 holds
         for rid, (kind, _) in classify(self.plan, self.snapshot).items():
             if kind is Recovery.RETRYING:
                 if self.state[rid] is RuleState.WAITING_RETRY:
@@ -135,27 +137,41 @@ def reset_attempts_on_recovery() -> None:
             return retry_due(self, rule_id, attempt)
         del self._mutant_awaits[rule_id]
         actions = retry_due(self, rule_id, 1)  # the message's attempt, as the core now counts
-        if self._retry_tokens.get(rule_id) == 1:  # acked under the message's own attempt
-            self._retry_tokens[rule_id] = attempt
+        if AckRetry(rule_id, 1) not in actions:  # taken: acked with attempt 1's outcome
+            self._mutant_acks[rule_id] = attempt
         return [AckRetry(rule_id, attempt) if a == AckRetry(rule_id, 1) else a for a in actions]
+
+    def acking_as_sent(method: Callable[..., list]) -> Callable[..., list]:
+        def acting(self: Evaluation, *args: Any, **kwargs: Any) -> list:
+            actions = method(self, *args, **kwargs)
+            acks = self._mutant_acks
+            for i, a in enumerate(actions):
+                if isinstance(a, AckRetry) and a.attempt == 1 and a.rule_id in acks:
+                    actions[i] = AckRetry(a.rule_id, acks.pop(a.rule_id))
+            return actions
+
+        return acting
 
     Evaluation.__init__ = forgetful_init
     Evaluation.retry_due = lenient_retry_due
+    for name in ("start", "rule_succeeded", "rule_failed", "cancel"):
+        setattr(Evaluation, name, acking_as_sent(getattr(Evaluation, name)))
 
 
 # --- the hole after the ACK ----------------------------------------------------------------
 
 
 def no_sweeper() -> None:
-    """all_terminal: the seed's design as written. The worker's config always has
-    `sweeper=False`, whatever flags and environment say, so an evaluation whose worker died
-    after the ACK is never resumed."""
-    config_from_args = engine.worker.config_from_args
+    """all_terminal: the seed's design as written. Every `EngineConfig` has `sweeper=False`
+    (the worker's own, whatever its flags and environment say), so an evaluation whose
+    worker died after the ACK is never resumed."""
+    init = EngineConfig.__init__
 
-    def without_sweeper(args: Any) -> Any:
-        return dataclasses.replace(config_from_args(args), sweeper=False)
+    def without_sweeper(self: EngineConfig, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        object.__setattr__(self, "sweeper", False)
 
-    engine.worker.config_from_args = without_sweeper
+    EngineConfig.__init__ = without_sweeper  # type: ignore[method-assign]
 
 
 # --- the shared shell (engine.shell): one patch, live and in the simulator ---------------------
@@ -191,49 +207,39 @@ def sweep_wrong_attempt() -> None:
 
 def prune_everything() -> None:
     """prune_only_dependents: a permanent failure skips every rule still pending, its
-    dependents and the independent branches alike."""
-    skip_dependents = Evaluation._skip_dependents
+    dependents and the independent branches alike (`engine.core.dag.pruned`)."""
 
-    def skip_every_pending(self: Evaluation, failed: list[str]) -> list:
-        actions = skip_dependents(self, failed)
-        rest = tuple(r for r in self.plan.order if self.state[r] is RuleState.PENDING)
-        for rid in rest:
-            self._move(rid, RuleState.SKIPPED)
-        if rest:
-            actions.append(SkipRules(rest, because_of=failed[0]))
-        return actions
+    def every_pending(plan: Plan, state: Any, failed: str) -> tuple[str, ...]:
+        return tuple(r for r in plan.order if state[r] is RuleState.PENDING)
 
-    Evaluation._skip_dependents = skip_every_pending
+    dag.pruned = every_pending
 
 
 def prune_nothing() -> None:
-    """prune_only_dependents: a permanently failed dependency counts as satisfied, so its
-    dependents still run and nothing is skipped."""
+    """prune_only_dependents: a permanently failed dependency counts as satisfied
+    (`engine.core.dag.ready`), so its dependents still run and nothing is pruned."""
     satisfied = (RuleState.SUCCEEDED, RuleState.PERMANENTLY_FAILED)
 
-    def ready(self: Evaluation, rule_id: str) -> bool:
-        return all(self.state[d] in satisfied for d in self.plan.rules[rule_id].depends_on)
+    def ready(plan: Plan, state: Any, rule_id: str) -> bool:
+        return all(state[d] in satisfied for d in plan.rules[rule_id].depends_on)
 
-    def skip_nothing(self: Evaluation, failed: list[str]) -> list:
-        return []
-
-    Evaluation._ready = ready
-    Evaluation._skip_dependents = skip_nothing
+    dag.ready = ready
+    dag.pruned = lambda plan, state, failed: ()
 
 
 # --- the agent -----------------------------------------------------------------------------
 
 
-class _NondeterministicAgent(FakeAgent):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "nondeterministic": True})
-
-
 def nondeterministic_agent() -> None:
-    """idempotent_results: the worker's FakeAgent is built with `nondeterministic=True`, so
-    a verdict also depends on a per-process salt and on (attempt, try, call): a rerun
+    """idempotent_results: every FakeAgent is built with `nondeterministic=True`, so a
+    verdict also depends on its process's salt and on (attempt, try, call): a rerun
     disagrees with the first run and with the fault-free reference."""
-    engine.worker.FakeAgent = _NondeterministicAgent
+    init = FakeAgent.__init__
+
+    def salted(self: FakeAgent, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **{**kwargs, "nondeterministic": True})
+
+    FakeAgent.__init__ = salted  # type: ignore[method-assign]
 
 
 # --- RabbitMQ ------------------------------------------------------------------------------
@@ -291,15 +297,11 @@ def double_final_publish() -> None:
 
 
 def ignore_dag() -> None:
-    """dag_order: every rule is ready at once, whatever its dependencies (`Evaluation._ready`
-    answers yes), so a dependent starts beside the rules it depends on, before their results
-    exist. Pruning is unchanged: a dependent still pending when a dependency fails for good
-    is skipped."""
-
-    def always_ready(self: Evaluation, rule_id: str) -> bool:
-        return True
-
-    Evaluation._ready = always_ready
+    """dag_order: every rule is ready at once, whatever its dependencies
+    (`engine.core.dag.ready` answers yes), so a dependent starts beside the rules it
+    depends on, before their results exist. Pruning is unchanged: a dependent still
+    pending when a dependency fails for good is skipped."""
+    dag.ready = lambda plan, state, rule_id: True
 
 
 def no_immediate_retries() -> None:
@@ -407,18 +409,10 @@ def spurious_cancel() -> None:
 
 
 def all_passes_complete() -> None:
-    """pass_results_correct: every pass is announced `complete`, whatever it lost: the core's
-    `PublishPassResult` says so even when a rule of the pass failed for good or was skipped
-    (its rules and their verdicts are unchanged)."""
-    advance = Evaluation._advance
-
-    def optimistic_advance(self: Evaluation) -> list:
-        return [
-            dataclasses.replace(a, outcome="complete") if isinstance(a, PublishPassResult) else a
-            for a in advance(self)
-        ]
-
-    Evaluation._advance = optimistic_advance
+    """pass_results_correct: every pass is announced `complete`, whatever it lost
+    (`engine.core.dag.pass_outcome`), even when a rule of the pass failed for good or was
+    skipped (its rules and their verdicts are unchanged)."""
+    dag.pass_outcome = lambda p, state: "complete"
 
 
 def _without_completed(step: Step) -> Step:

@@ -1,15 +1,14 @@
 """The live runner: one scenario against real workers, a real Redis and a real RabbitMQ.
 
 Jepsen's split, in small pieces: the *client* submits evaluations and cancels them
-(`engine.submit.EngineClient`); the *nemesis* fires the scenario's faults (SIGKILL a worker,
-Redis or the broker and bring it back, arm failpoints in worker processes); the *generator*
-is the fault schedule, planned as data from the scenario's seed before the run starts;
-a *consumer* of `evaluation.completed`, bound before the first submit, records what a
-downstream service would receive; the *checker* (`chaos.checker`) reads the recorded
-history and the final Redis state (its keys, TTLs and the engine's indexes) once
-everything has stopped. The runner itself only supervises: it restarts crashed workers,
-watches the history for event-triggered faults, and waits until every evaluation is
-terminal or the deadline passes.
+(`engine.submit.EngineClient`); the *generator* is the fault schedule, planned as data from
+the scenario's seed; the *nemesis* fires it, and the runner supervises the workers, as
+`chaos.conductor` plans both, for this runner and the simulated one alike. This module
+only carries the conductor's acts out: worker processes started, SIGKILLed, SIGSTOPped;
+Redis and the broker killed and brought back; a *consumer* of `evaluation.completed`,
+bound before the first submit, recording what a downstream service would receive; and,
+once everything has stopped, the final Redis state (its keys, TTLs and the engine's
+indexes) for the *checker* (`chaos.checker`).
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
+import inspect
 import json
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -35,25 +33,24 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
+from chaos import acts
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
 from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
-from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
+from chaos.conductor import COMPLETED_QUEUE, EVENT_POLL_S, STOP_TIMEOUT_S, Conductor, Progress, Step
+from chaos.scenario import LoadedScenario
 from chaos.services import Services
-from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
+from chaos.supervision import Slot
 from chaos.workers import WorkerProcess
 from engine.config import EngineConfig
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.history import FileHistory, read_history
 from engine.plan import Plan
 from engine.runtime.store import RedisStore, eval_key, glob_escape
+from engine.shell.effects import Stepper
 from engine.submit import EngineClient
 
 TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
 READY_TIMEOUT_S = 30.0
-#: The harness's durable queue of `evaluation.completed` (in the run's namespace).
-COMPLETED_QUEUE = "chaos.completed"
-#: How long the end of a run waits for the consumer to hold every announced evaluation.
-DELIVERY_PATIENCE_S = 10.0
 
 
 def run_prefix(namespace: str, *, shared_redis: bool) -> str:
@@ -93,19 +90,6 @@ def refusal(loaded: LoadedScenario, killable: set[str]) -> str | None:
 
 
 @dataclass
-class Progress:
-    """What the display shows while a scenario runs."""
-
-    scenario: str
-    total: int
-    terminal: int = 0
-    workers_alive: int = 0
-    faults_fired: int = 0
-    elapsed_s: float = 0.0
-    note: str = ""
-
-
-@dataclass
 class Outcome:
     scenario: str
     result: CheckResult
@@ -114,14 +98,6 @@ class Outcome:
     attempt_ids: list[str]
     final: FinalState
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Worker(Slot[WorkerProcess]):
-    """A worker index (`restart_at` on the monotonic clock), and where the log of its
-    current incarnation starts."""
-
-    log_offset: int = 0
 
 
 class ScenarioRun:
@@ -146,8 +122,6 @@ class ScenarioRun:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.raw_history = run_dir / "history.raw.jsonl"
         self.history = FileHistory(self.raw_history, "runner")
-        self.rng = random.Random(self.seed)
-        self.schedule: list[PlannedFault] = fault_schedule(self.spec, self.rng)
         # Queues and index keys are the run's own (`ns`). On the run's own Redis the
         # attemptIds are the seed's (as the simulator's are), and leftovers of an earlier run
         # of the same ids are cleared first; on a shared one (REDIS_URL) they carry `ns` too,
@@ -157,15 +131,14 @@ class ScenarioRun:
         self.seed_plans: dict[str, Plan] = loaded.evaluations(self.seed)
         self.plans: dict[str, Plan] = {self.run_prefix + a: p for a, p in self.seed_plans.items()}
         self.attempt_ids: list[str] = list(self.plans)
-        self.cancelled: set[str] = set()
-        self.workers: list[_Worker] = []
+        self.conductor = Conductor(loaded, self.seed, mutant, self.plans)
+        self.cancelled = self.conductor.cancelled
+        self.progress = self.conductor.progress
+        self._client: EngineClient | None = None  # the runner's, between Connect and Disconnect
         self._events_conn: AbstractRobustConnection | None = None  # the consumer's
         self._events_queue: AbstractQueue | None = None
         self._received: set[str] = set()  # attemptIds whose evaluation.completed arrived
-        self._fault_ids = itertools.count(1)  # fault_fired / worker_exited -> fault_healed
-        self.progress = Progress(self.spec.name, len(self.attempt_ids))
-        self._t0 = 0.0
-        self._pending: list[asyncio.Task[None]] = []
+        self._spawned: list[asyncio.Task[Any]] = []  # the conductor's steps alongside
         self._refuse_unsupported()
 
     # --- set-up -------------------------------------------------------------------------
@@ -217,120 +190,88 @@ class ScenarioRun:
         agent.setdefault("seed", self.seed)
         return agent
 
-    # --- workers ------------------------------------------------------------------------
+    # --- the acts of `chaos.conductor` ---------------------------------------------------
 
-    def _start_worker(self, w: _Worker) -> None:
-        failpoints = w.failpoints if w.incarnation == 0 else []
+    async def _drive(self, step: Step) -> Any:
+        """Carry `step` out to its end; what it returns is returned. An act that needs no
+        waiting is carried out in place."""
+        stepper = Stepper(step)
+        while (act := stepper.advance(_NOW, self)) is not None:
+            try:
+                stepper.reply(await _LATER[type(act)](act, self))
+            except BaseException as exc:  # into the step (a cancellation too)
+                stepper.fail(exc)
+        return stepper.value
+
+    def on_now(self, a: acts.Now) -> float:
+        return time.monotonic()
+
+    def on_record(self, a: acts.Record) -> None:
+        self.history.record(a.event, **a.fields)
+
+    def on_show(self, a: acts.Show) -> None:
+        self.on_progress(self.progress)
+
+    def on_spawn(self, a: acts.Spawn) -> None:
+        self._spawned.append(asyncio.ensure_future(self._drive(a.step)))
+
+    async def on_stop_spawned(self, a: acts.StopSpawned | None = None) -> None:
+        tasks, self._spawned = self._spawned, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def on_sleep(self, a: acts.Sleep) -> None:
+        for task in self._spawned:  # a failing nemesis is a harness bug: surface it
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        await asyncio.sleep(a.seconds)
+
+    def on_start_worker(self, a: acts.StartWorker) -> WorkerProcess:
         module = ("chaos.mutants", self.mutant) if self.mutant else ("engine.worker",)
-        log = self.run_dir / f"worker{w.index}.log"
-        w.log_offset = log.stat().st_size if log.exists() else 0
-        proc = WorkerProcess(
-            self.worker_args(failpoints),
+        index = a.slot.index
+        return WorkerProcess(
+            self.worker_args([a.failpoints] if a.failpoints else []),
             env={"REDIS_URL": self.services.redis_url, "AMQP_URL": self.services.amqp_url},
-            log_path=self.run_dir / f"worker{w.index}.log",
-            name=f"worker{w.index}",
+            log_path=self.run_dir / f"worker{index}.log",
+            name=f"worker{index}",
             module=module,
         ).start()
-        if w.incarnation:
-            self.history.record("worker_restarted", worker=w.index, pid=proc.pid)
-        w.started(proc)
 
-    async def _wait_ready(self, w: _Worker) -> None:
-        assert w.proc is not None
-        proc = w.proc
-        ok = await asyncio.to_thread(proc.wait_for_log, "ready", READY_TIMEOUT_S)
-        if not ok and proc.alive:
-            raise RuntimeError(f"worker {w.index} did not get ready in {READY_TIMEOUT_S:.0f} s")
+    async def on_wait_ready(self, a: acts.WaitReady) -> None:
+        async def ready(slot: Slot[WorkerProcess]) -> None:
+            proc = slot.proc
+            assert proc is not None
+            ok = await asyncio.to_thread(proc.wait_for_log, "ready", READY_TIMEOUT_S)
+            if not ok and proc.alive:
+                raise RuntimeError(
+                    f"worker {slot.index} did not get ready in {READY_TIMEOUT_S:.0f} s"
+                )
 
-    def _kill_worker(self, w: _Worker, restart_after_s: float | None, fault_id: int) -> None:
-        """SIGKILL; the fault heals once a restarted worker is ready (never without one)."""
-        if w.proc is None or not w.proc.alive:
-            self._healed(fault_id)  # nothing to kill: nothing broken
-            return
-        pid = w.proc.pid
-        w.proc.kill()
-        self.history.record("worker_killed", worker=w.index, pid=pid)
-        w.killed(time.monotonic(), restart_after_s, fault_id)
+        await asyncio.gather(*(ready(slot) for slot in a.slots))
 
-    def _healed(self, fault_id: int) -> None:
-        """The fault's window closes: the checker reads it from here, not from guesses."""
-        self.history.record("fault_healed", fault_id=fault_id)
+    def on_kill_worker(self, a: acts.KillWorker) -> None:
+        a.slot.proc.kill()
 
-    def _ready(self, w: _Worker) -> bool:
-        """Whether the current incarnation has said "ready" in its log (no waiting)."""
-        if w.proc is None or w.proc.log_path is None or not w.proc.log_path.exists():
-            return False
-        with open(w.proc.log_path, "rb") as fh:
-            fh.seek(w.log_offset)
-            return b" ready: " in fh.read()
+    async def on_terminate_worker(self, a: acts.TerminateWorker) -> None:
+        if a.slot.proc is not None:
+            await asyncio.to_thread(a.slot.proc.terminate, a.timeout_s)
 
-    def _supervise(self) -> None:
-        """Restart workers that crashed (a failpoint) or were killed, when it is time."""
-        delay = self.spec.restart_delay_s if self.spec.restart_crashed_workers else None
-        now = time.monotonic()
-        for d in supervise(self.workers, now, _alive, self._ready, self._fault_ids, delay):
-            match d:
-                case Healed(fault_id=fault_id):
-                    self._healed(fault_id)
-                case Exited(slot=Slot(proc=proc)):
-                    self.history.record("worker_exited", **d.record(proc.returncode, proc.pid))
-                case Start(slot=w):
-                    self._start_worker(w)
-        self.progress.workers_alive = sum(1 for w in self.workers if w.proc and w.proc.alive)
+    def on_pause_worker(self, a: acts.PauseWorker) -> None:
+        a.slot.proc.pause()
 
-    # --- faults -------------------------------------------------------------------------
+    def on_resume_worker(self, a: acts.ResumeWorker) -> None:
+        a.slot.proc.resume()
 
-    async def _fire(self, fault: PlannedFault) -> None:
-        """Fire one fault (`chaos.supervision.fired` says what its record holds)."""
-        self.progress.faults_fired += 1
-        fault_id = next(self._fault_ids)
-        self.history.record("fault_fired", **fired(fault, fault_id))
-        if fault.action == "kill_worker":
-            self._kill_worker(self.workers[fault.target], fault.restart_after_s, fault_id)
-        elif fault.action == "restart_worker":
-            w = self.workers[fault.target]
-            if w.proc is not None:
-                await asyncio.to_thread(w.proc.terminate)
-            w.restart(time.monotonic(), fault_id)
-        elif fault.action == "pause_worker":
-            w = self.workers[fault.target]
-            if w.proc is None or not w.proc.alive:
-                self._healed(fault_id)  # nothing to pause: nothing broken
-                return
-            proc = w.proc
-            proc.pause()
-            self.history.record("worker_paused", worker=w.index, pid=proc.pid)
-            self._later(fault.pause_s or 0.0, self._resume_worker(w, proc, fault_id))
-        elif fault.action in ("kill_redis", "kill_broker"):
-            name = "redis" if fault.action == "kill_redis" else "broker"
-            svc = self.services.service(name)
-            await asyncio.to_thread(svc.kill)
-            self.history.record("service_killed", service=name)
-            if fault.restart_after_s is not None:
-                self._later(fault.restart_after_s, self._restart_service(name, fault_id))
-        elif fault.action == "cancel":
-            attempt_id = self.attempt_ids[fault.target]
-            self.cancelled.add(attempt_id)
-            self.history.record("cancel_requested", attempt_id=attempt_id)
-            async with EngineClient(self.config()) as client:
-                state = await client.cancel(attempt_id)
-            self.history.record("cancel_written", attempt_id=attempt_id, state=state)
-            self._healed(fault_id)
+    async def on_kill_service(self, a: acts.KillService) -> None:
+        await asyncio.to_thread(self.services.service(a.name).kill)
 
-    async def _resume_worker(self, w: _Worker, proc: WorkerProcess, fault_id: int) -> None:
-        if w.proc is proc and proc.alive:
-            proc.resume()
-            self.history.record("worker_resumed", worker=w.index, pid=proc.pid)
-        self._healed(fault_id)
-
-    async def _restart_service(self, name: str, fault_id: int) -> None:
-        svc = self.services.service(name)
-        extra = {}
-        if name == "redis" and self.spec.redis.lose_last_writes:
-            extra["lost_writes"] = await self._lose_redis_writes()
-        await asyncio.to_thread(svc.restart)
-        self.history.record("service_restarted", service=name, **extra)
-        self._healed(fault_id)
+    async def on_restart_service(self, a: acts.RestartService) -> int | None:
+        lost = None
+        if a.name == "redis" and self.spec.redis.lose_last_writes:
+            lost = await self._lose_redis_writes()
+        await asyncio.to_thread(self.services.service(a.name).restart)
+        return lost
 
     async def _lose_redis_writes(self) -> int:
         """`redis.lose_last_writes`: the stopped server's append-only file loses its last
@@ -338,6 +279,64 @@ class ScenarioRun:
         return await asyncio.to_thread(
             self.services.lose_redis_writes, self.spec.redis.lose_last_writes
         )
+
+    async def on_connect(self, a: acts.Connect) -> None:
+        client = EngineClient(self.config())
+        await client.__aenter__()
+        self._client = client
+        if self.spec.broker.dead_letter_loss:  # the simulated broker draws its own
+            self._spawned.append(asyncio.ensure_future(self._lose_retries(client)))
+
+    async def on_disconnect(self, a: acts.Disconnect | None = None) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.__aexit__(None, None, None)
+
+    async def on_submit(self, a: acts.Submit) -> None:
+        assert self._client is not None
+        await self._client.submit(a.plan, a.attempt_id)
+
+    async def on_cancel(self, a: acts.Cancel) -> str:
+        async with EngineClient(self.config()) as client:
+            return await client.cancel(a.attempt_id)
+
+    async def on_settled(self, a: acts.Settled) -> int:
+        assert self._client is not None
+        keys = [eval_key(i, k) for i in a.attempt_ids for k in ("state", "final_published")]
+        try:
+            values = await self._client.store.redis.mget(keys)
+        except Exception:  # Redis is down (a fault): none counts
+            return 0
+        pairs = zip(values[::2], values[1::2], strict=True)
+        return sum(1 for state, published in pairs if state in TERMINAL and published)
+
+    async def on_announced(self, a: acts.Announced) -> set[str]:
+        assert self._client is not None
+        keys = [eval_key(i, "final_published") for i in a.attempt_ids]
+        try:
+            flags = await self._client.store.redis.mget(keys)
+        except Exception:  # Redis is down (a fault): none counts
+            return set()
+        return {i for i, flag in zip(a.attempt_ids, flags, strict=True) if flag}
+
+    def on_received(self, a: acts.Received) -> set[str]:
+        return self._received
+
+    def on_tail(self, a: acts.Tail) -> tuple[list[dict[str, Any]], int]:
+        """The events the workers and the runner appended since the cursor (a byte offset),
+        whole lines only."""
+        offset = a.cursor or 0
+        if not self.raw_history.exists():
+            return [], offset
+        with open(self.raw_history, "rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+        end = chunk.rfind(b"\n") + 1
+        events = []
+        for line in chunk[:end].splitlines():
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+        return events, offset + end
 
     async def _lose_retries(self, client: EngineClient) -> None:
         """`broker.dead_letter_loss`: each delayed retry the workers publish is lost or not,
@@ -366,93 +365,30 @@ class ScenarioRun:
             with contextlib.suppress(Exception):
                 await channel.close()
 
-    def _later(self, delay_s: float, coro: Any) -> None:
-        async def run() -> None:
-            await asyncio.sleep(delay_s)
-            await coro
-
-        self._pending.append(asyncio.ensure_future(run()))
-
-    async def _timed_faults(self) -> None:
-        for fault in sorted(
-            (f for f in self.schedule if f.at_s is not None), key=lambda f: f.at_s or 0.0
-        ):
-            delay = self._t0 + (fault.at_s or 0.0) - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await self._fire(fault)
-
     async def _history_events(self) -> AsyncIterator[dict[str, Any]]:
-        """The events the workers and the runner append, as they land (whole lines only)."""
-        offset = 0
+        """The events the workers and the runner append, as they land."""
+        cursor = None
         while True:
-            await asyncio.sleep(0.02)
-            if not self.raw_history.exists():
-                continue
-            with open(self.raw_history, "rb") as fh:
-                fh.seek(offset)
-                chunk = fh.read()
-            end = chunk.rfind(b"\n") + 1
-            offset += end
-            for line in chunk[:end].splitlines():
-                try:
-                    yield json.loads(line)
-                except ValueError:
-                    continue
-
-    async def _event_faults(self) -> None:
-        triggers = EventTriggers(self.schedule)
-        if triggers.done:
-            return
-        async for ev in self._history_events():
-            for fault in triggers.feed(ev):
-                if fault.delay_s:  # a repetition: `every_s` after the one before
-                    self._later(fault.delay_s, self._fire(fault))
-                else:
-                    await self._fire(fault)
-            if triggers.done:
-                return
+            await asyncio.sleep(EVENT_POLL_S)
+            events, cursor = self.on_tail(acts.Tail(cursor))
+            for ev in events:
+                yield ev
 
     # --- the run ------------------------------------------------------------------------
 
     async def run(self) -> Outcome:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        spec = self.spec
-        self.workers = [
-            _Worker(i, [s for s in [self.loaded.failpoint_specs(i, self.attempt_ids)] if s])
-            for i in range(spec.workers)
-        ]
         started = time.monotonic()
-        await asyncio.to_thread(self.services.configure, spec.broker.consumer_timeout_s)
+        await asyncio.to_thread(self.services.configure, self.spec.broker.consumer_timeout_s)
         await self._clear_earlier_runs()
-        self.history.record("run_started", scenario=spec.name, seed=self.seed, mutant=self.mutant)
-        tasks: list[asyncio.Task[None]] = []
         try:
-            for w in self.workers:
-                self._start_worker(w)
-            await asyncio.gather(*(self._wait_ready(w) for w in self.workers))
-            async with EngineClient(self.config()) as client:
-                await self._bind_consumer()
-                self._t0 = time.monotonic()
-                for attempt_id in self.attempt_ids:
-                    plan = self.plans[attempt_id]
-                    self.history.record("submitted", attempt_id=attempt_id, plan=plan.id)
-                    await client.submit(plan, attempt_id)
-                tasks = [
-                    asyncio.ensure_future(self._timed_faults()),
-                    asyncio.ensure_future(self._event_faults()),
-                    asyncio.ensure_future(self._lose_retries(client)),
-                ]
-                await self._wait_terminal(client, tasks)
-                await self._wait_delivered(client)
-        finally:
-            for task in [*tasks, *self._pending]:
-                task.cancel()
-            await asyncio.gather(*tasks, *self._pending, return_exceptions=True)
+            final: FinalState = await self._drive(self.conductor.run())
+        except BaseException:  # what the run left standing (a run that ends stops it all)
+            await self.on_stop_spawned()
+            await self.on_disconnect()
             await self._stop_workers()
-            await self._close_consumer()
-        final = await self._final_state()
-        self.history.record("run_finished", duration_s=round(time.monotonic() - started, 3))
+            await self.on_close_consumer()
+            raise
         self.history.close()
         history, final = self._as_seed_run(
             read_history(self.raw_history, keep_unreadable=True), final
@@ -462,7 +398,7 @@ class ScenarioRun:
         if self.run_prefix:
             extra["attempt_id_prefix"] = self.run_prefix
         return Outcome(
-            scenario=spec.name,
+            scenario=self.spec.name,
             result=result,
             history=history,
             duration_s=time.monotonic() - started,
@@ -527,52 +463,17 @@ class ScenarioRun:
         finally:
             await store.close()
 
-    async def _wait_terminal(self, client: EngineClient, tasks: list[asyncio.Task[None]]) -> None:
-        deadline = self._t0 + self.spec.deadline_s
-        ids = list(self.attempt_ids)
-        while True:
-            self._supervise()
-            for task in tasks:  # a failing nemesis is a harness bug: surface it
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-            # Settled: terminal, and evaluation.completed is out (stopping a worker between
-            # the two would cut the history short, not break the engine).
-            keys = [f"attempt:{a}:{k}" for a in ids for k in ("state", "final_published")]
-            try:
-                values = await client.store.redis.mget(keys)
-            except Exception:  # Redis is down (a fault): look again shortly
-                values = [None] * len(keys)
-            self.progress.terminal = sum(
-                1
-                for state, published in zip(values[::2], values[1::2], strict=True)
-                if state in TERMINAL and published
-            )
-            self.progress.elapsed_s = time.monotonic() - self._t0
-            self.on_progress(self.progress)
-            pending_faults = any(not t.done() for t in tasks) and any(
-                f.at_s is not None and f.at_s > self.progress.elapsed_s for f in self.schedule
-            )
-            restarting = any(w.restart_at is not None for w in self.workers) or any(
-                not t.done() for t in self._pending
-            )
-            if self.progress.terminal == len(ids) and not pending_faults and not restarting:
-                return
-            if time.monotonic() >= deadline:
-                self.progress.note = "deadline passed"
-                return
-            await asyncio.sleep(0.05)
-
     async def _stop_workers(self) -> None:
         def stop() -> None:
-            for w in self.workers:
-                if w.proc is not None:
-                    w.proc.terminate(timeout=3.0)
+            for slot in self.conductor.slots:
+                if slot.proc is not None:
+                    slot.proc.terminate(timeout=STOP_TIMEOUT_S)
 
         await asyncio.to_thread(stop)
 
     # --- the harness's consumer of evaluation.completed ---------------------------------
 
-    async def _bind_consumer(self) -> None:
+    async def on_bind_consumer(self, a: acts.BindConsumer) -> None:
         """Before the first submit: a durable queue (a broker kill keeps what it holds and
         what was confirmed into it) bound to the events exchange for `evaluation.completed`,
         consumed on a robust connection of its own. Every delivery is recorded as
@@ -610,23 +511,7 @@ class ScenarioRun:
         with contextlib.suppress(Exception):  # the channel went with the broker: redelivered
             await message.ack()
 
-    async def _wait_delivered(self, client: EngineClient) -> None:
-        """Until the consumer holds an evaluation.completed of every evaluation announced
-        (Redis' `final_published`), or `DELIVERY_PATIENCE_S` passed: deliveries trail the
-        publisher's confirm by a little."""
-        until = time.monotonic() + DELIVERY_PATIENCE_S
-        ids = list(self.attempt_ids)
-        while time.monotonic() < until:
-            try:
-                flags = await client.store.redis.mget([eval_key(a, "final_published") for a in ids])
-            except Exception:  # Redis is down (a fault): look again shortly
-                flags = [None] * len(ids)
-            got = self._received
-            if all(a in got for a, flag in zip(ids, flags, strict=True) if flag):
-                return
-            await asyncio.sleep(0.05)
-
-    async def _close_consumer(self) -> None:
+    async def on_close_consumer(self, a: acts.CloseConsumer | None = None) -> None:
         """Delete the queue (a shared broker keeps nothing of the run) and disconnect."""
         queue, conn = self._events_queue, self._events_conn
         self._events_queue = self._events_conn = None
@@ -637,13 +522,12 @@ class ScenarioRun:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 5.0)
 
-    async def _final_state(self) -> FinalState:
-        for name in ("redis",):  # the final state needs Redis up
-            svc = self.services.redis if name == "redis" else None
-            if svc is not None and not svc.alive:
-                if self.spec.redis.lose_last_writes:
-                    await self._lose_redis_writes()
-                await asyncio.to_thread(svc.restart)
+    async def on_read_final(self, a: acts.ReadFinal) -> FinalState:
+        redis = self.services.redis
+        if redis is not None and not redis.alive:  # the final state needs Redis up
+            if self.spec.redis.lose_last_writes:
+                await self._lose_redis_writes()
+            await asyncio.to_thread(redis.restart)
         store = RedisStore(self.config())
         try:
             evaluations: dict[str, EvaluationFinal] = {}
@@ -711,5 +595,4 @@ async def _take(channel: AbstractChannel, queue_name: str, message_id: str) -> b
     return found
 
 
-def _alive(proc: WorkerProcess) -> bool:
-    return proc.alive
+_NOW, _LATER = acts.handlers(ScenarioRun, waits=inspect.iscoroutinefunction)

@@ -9,14 +9,33 @@ each poll, what the runner does about them; the runners carry the decisions out 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from chaos.scenario import PlannedFault
 
-P = TypeVar("P")
+
+class Process(Protocol):
+    """A worker process as the runner sees it: a live one (`chaos.workers`) or a
+    simulated one (`sim.worker`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def is_ready(self) -> bool:
+        """Whether it has said it is ready (no waiting)."""
+        ...
+
+
+P = TypeVar("P", bound=Process)
 
 
 @dataclass
@@ -74,8 +93,6 @@ class Start:
 def supervise(
     slots: Iterable[Slot[P]],
     now: float,
-    alive: Callable[[P], bool],
-    ready: Callable[[Slot[P]], bool],
     fault_ids: Iterator[int],
     restart_delay_s: float | None,
 ) -> Iterator[Healed | Exited | Start]:
@@ -84,8 +101,8 @@ def supervise(
     carried out before the next is drawn."""
     for slot in slots:
         proc = slot.proc
-        if proc is not None and alive(proc):
-            if slot.heals and ready(slot):
+        if proc is not None and proc.alive:
+            if slot.heals and proc.is_ready():
                 for fault_id in slot.heals:
                     yield Healed(fault_id)
                 slot.heals.clear()

@@ -43,12 +43,15 @@ class WorkerProcess:
         self.name = name
         self.marker = f"worker-{uuid.uuid4().hex}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0  # where this process's lines start in a log shared with others
 
     def start(self) -> WorkerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINE_")}
         env.update(self.env)
         env[MARKER_ENV] = self.marker  # found by a /proc scan even if this process dies
         env[OWNER_ENV] = owner_token()
+        if self.log_path is not None and self.log_path.exists():
+            self._log_offset = self.log_path.stat().st_size
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
@@ -78,6 +81,14 @@ class WorkerProcess:
     @property
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
+
+    def is_ready(self) -> bool:
+        """Whether this process has logged that it is ready (no waiting)."""
+        if self.log_path is None or not self.log_path.exists():
+            return False
+        with open(self.log_path, "rb") as fh:
+            fh.seek(self._log_offset)
+            return b" ready: " in fh.read()
 
     def kill(self) -> None:
         """SIGKILL the worker's whole process group, as a crash would."""

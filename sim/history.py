@@ -9,7 +9,6 @@ tries to record is a simulator bug, and fails loudly.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -17,30 +16,20 @@ import simpy
 
 
 class Source:
-    __slots__ = ("_env", "_events", "_seq", "alive", "drops", "pid", "src")
+    __slots__ = ("_env", "_events", "_seq", "alive", "pid", "src")
 
-    def __init__(
-        self,
-        env: simpy.Environment,
-        events: list[dict],
-        src: str,
-        pid: int,
-        drops: Callable[[int], bool] | None = None,
-    ) -> None:
+    def __init__(self, env: simpy.Environment, events: list[dict], src: str, pid: int) -> None:
         self._env = env
         self._events = events
         self.src = src
         self.pid = pid
         self._seq = 0
         self.alive = True
-        self.drops = drops  # the drop_history_events mutant: the seqs it numbers, not writes
 
     def record(self, ev: str, **fields: Any) -> None:
         if not self.alive:
             raise RuntimeError(f"{self.src} recorded {ev!r} after it died")
         self._seq += 1
-        if self.drops is not None and self.drops(self._seq):
-            return
         line = {"t": self._env.now, "src": self.src, "pid": self.pid, "seq": self._seq, "ev": ev}
         line.update(fields)
         self._events.append(line)

@@ -64,7 +64,7 @@ class SimWorker:
         self.pid = 10_000 * (index + 1) + incarnation
         self.config = config
         self.agent = agent
-        self.history = Source(env, run.events, self.worker_id, self.pid, run.history_drops)
+        self.history = Source(env, run.events, self.worker_id, self.pid)
         self.record = self.history.record
         self.redis = run.redis
         self.store = RedisClient(env, run.redis, run.net_rng, run.options.redis_latency_s)
@@ -91,6 +91,13 @@ class SimWorker:
         self._procs: dict[simpy.Process, None] = {}
         self._loops: list[simpy.Process] = []
         self.spawn(self._boot())
+
+    @property
+    def returncode(self) -> int | None:
+        return self.exit_code
+
+    def is_ready(self) -> bool:
+        return self.ready.triggered
 
     # --- processes ----------------------------------------------------------------------
 

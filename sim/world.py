@@ -7,7 +7,6 @@ builds a world, starts `SimWorker`s in it and reads what they recorded.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,8 +30,6 @@ class SimOptions:
     consumer_timeout_s: float | None = None  # RabbitMQ's consumer_timeout; None: off
     dead_letter_loss: float = 0.0  # probability that a dead-lettered retry is lost
     redis_failover_loss: int = 0  # writes a Redis restart loses (a lagging replica)
-    poll_s: float = 0.05  # the runner's supervision loop
-    event_poll_s: float = 0.02  # the runner's watch of the history for `after` faults
 
 
 class World(Protocol):
@@ -47,4 +44,3 @@ class World(Protocol):
     boot_rng: random.Random  # process start-up
     pauses: bool  # the run may pause workers (every step is then watched for a thaw)
     shell_errors: list[str]  # protocol errors of the shell, for the run to report
-    history_drops: Callable[[int], bool] | None  # seqs a history source numbers, not writes

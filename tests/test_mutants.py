@@ -278,14 +278,20 @@ def test_drop_history_events() -> None:
     before, after = _probe("probe_history_seqs", "drop_history_events")
     assert before == list(range(1, 16))
     assert after == [s for s in range(1, 16) if s not in (7, 14)]  # numbered, not written
-    # The simulator's history source loses the same events.
-    events: list[dict[str, Any]] = []
-    drops = sim_mutants.history_drops("drop_history_events")
-    source = Source(simpy.Environment(), events, "w", 1, drops)
-    for n in range(15):
-        source.record("probe", n=n)
-    assert [e["seq"] for e in events] == after
-    assert sim_mutants.history_drops(None) is None
+
+    # The simulator's history source of a worker loses the same events, the runner's none
+    # (another process, live); and the source is whole again after the run.
+    def seqs(src: str) -> list[int]:
+        events: list[dict[str, Any]] = []
+        source = Source(simpy.Environment(), events, src, 1)
+        for n in range(15):
+            source.record("probe", n=n)
+        return [e["seq"] for e in events]
+
+    with sim_mutants.patched("drop_history_events"):
+        assert seqs("sim-w0-1") == after
+        assert seqs("runner") == before
+    assert seqs("sim-w0-1") == before
 
 
 # --- mutants run as worker processes, beside a normal worker --------------------------------

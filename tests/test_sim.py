@@ -19,11 +19,10 @@ import pytest
 import simpy
 
 from chaos.insim import SimOptions, outputs, run_scenario
-from chaos.insim.mutants import _SHELL_OWNERS, PATCHED, patched
+from chaos.insim.mutants import _OWNERS, _SHELL_OWNERS, PATCHED, patched
 from chaos.mutants import MUTANTS
 from chaos.scenario import LoadedScenario, load_scenario, scenario_from_dict
 from engine.core import RuleResult
-from engine.core.evaluation import Evaluation
 from engine.runtime.store import eval_key, result_key, runs_key
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker, Unroutable
 from sim.redis import RedisClient, SimRedis
@@ -374,16 +373,19 @@ def test_mutant_is_caught_in_the_simulator(mutant: str) -> None:
     assert outcome.extra["mutant"] == mutant
 
 
-@pytest.mark.parametrize("mutant", ["prune_everything", "reset_attempts_on_recovery"])
+@pytest.mark.parametrize(
+    "mutant",
+    ["prune_everything", "reset_attempts_on_recovery", "no_sweeper", "nondeterministic_agent"],
+)
 def test_a_core_mutant_is_undone_after_its_run(mutant: str) -> None:
     loaded = scenario(CATCHES[mutant])
     before = run_scenario(loaded).history_hash
-    methods = dict(vars(Evaluation))
+    owners = [dict(vars(owner)) for owner in _OWNERS]
     assert not run_scenario(loaded, mutant=mutant).result.ok
-    assert dict(vars(Evaluation)) == methods
+    assert [dict(vars(owner)) for owner in _OWNERS] == owners
     assert run_scenario(loaded).history_hash == before
     with patched(mutant):
-        assert dict(vars(Evaluation)) != methods
+        assert [dict(vars(owner)) for owner in _OWNERS] != owners
 
 
 @pytest.mark.parametrize("mutant", sorted(PATCHED))

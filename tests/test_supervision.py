@@ -13,13 +13,18 @@ from chaos.supervision import Exited, Healed, Slot, Start, supervise
 class Proc:
     alive: bool = True
     ready: bool = False
+    pid: int = 42
+    returncode: int | None = None
+
+    def is_ready(self) -> bool:
+        return self.ready
 
 
 def poll(slots: list[Slot[Proc]], now: float, delay: float | None = 1.0) -> list[object]:
     """One supervision poll, carried out as a runner would: a start gives a new process."""
     ids = itertools.count(100)
     done: list[object] = []
-    for d in supervise(slots, now, lambda p: p.alive, lambda s: s.proc.ready, ids, delay):
+    for d in supervise(slots, now, ids, delay):
         done.append(d)
         if isinstance(d, Start):
             d.slot.started(Proc())

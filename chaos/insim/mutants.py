@@ -1,17 +1,16 @@
-"""`chaos.mutants` in the simulator: the services' mutants as switches, the others as patches.
+"""`chaos.mutants` in the simulator: the same patches, saved and restored around a run.
 
 A live mutant runs in its own worker process, so its monkeypatch dies with it. The
-simulator runs many engines in one process, one after the other, so:
-- mutants of the modelled broker and of the run (the broker's delay queues, the worker's
-  config, the agent, the history writer) are switched on by name where the simulator
-  models them (`SHELL`, see chaos/insim/run.py);
-- mutants of the pure core and of the worker's protocol (`engine.shell`: the controller,
-  the orchestrator, the sweep) are chaos.mutants' own patch functions, applied by
-  `patched` around one run: it saves the namespace of every object such a patch may
-  touch and puts it back afterwards, so a clean run that follows is the clean engine;
-- mutants of a Lua script whose reference is a method of `SimRedis` are patched there the
-  same way (`PATCHED`), the live patch's counterpart, saved and restored alike.
-A mutant `chaos.mutants` gains later fails here loudly until the simulator models it.
+simulator runs many engines in one process, one after the other, so `patched` applies a
+mutant around one run: it saves the namespace of every object a patch may touch and puts
+it back afterwards, so a clean run that follows is the clean engine.
+- Mutants of the pure core, of the worker's protocol (`engine.shell`), of its config and of
+  its agent (`CORE`) are chaos.mutants' own patch functions, exactly as live.
+- Mutants of a Lua script, of the broker's topology or of the history writer (`PATCHED`)
+  are the live patch's counterpart on the simulator's model of it (`SimRedis`, `SimBroker`,
+  `sim.history.Source`), saved and restored alike.
+No mutant is a switch inside the engine, the simulator or the simulated runner. A mutant
+`chaos.mutants` gains later fails here loudly until the simulator models it.
 """
 
 from __future__ import annotations
@@ -20,24 +19,23 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from engine.core import evaluation
+from engine.agent import FakeAgent
+from engine.config import EngineConfig
+from engine.core import dag, evaluation
 from engine.core.evaluation import Evaluation
 from engine.policy import RetryPolicy
 from engine.runtime.store import eval_key
 from engine.shell import controller, orchestrator, reevaluate
 from engine.shell import sweeper as shell_sweeper
 from sim.broker import SHARED_DELAY_QUEUE, Message, Queue, SimBroker
+from sim.history import Source
 from sim.redis import SimRedis
 
-#: Switched on where the simulator models them (see chaos/insim/run.py).
-SHELL: dict[str, str] = {
-    "no_sweeper": "workers run without the sweeper",
-    "nondeterministic_agent": "FakeAgent(nondeterministic=True) with a seed-derived salt",
-    "drop_history_events": "a worker's history source skips every 7th seq (chaos.mutants)",
-}
-#: Patches of the pure core and of the shared shell (`engine.shell`), applied with
-#: `patched`: chaos.mutants' own patch, exactly as live.
+#: Patches of the pure core, the shared shell (`engine.shell`), the worker's config and its
+#: agent, applied with `patched`: chaos.mutants' own patch, exactly as live.
 CORE: tuple[str, ...] = (
+    "no_sweeper",
+    "nondeterministic_agent",
     "sweep_wrong_attempt",
     "no_redis_results",
     "spurious_cancel",
@@ -55,8 +53,11 @@ CORE: tuple[str, ...] = (
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
+    EngineConfig,
+    FakeAgent,
     Evaluation,
     evaluation,
+    dag,
     RetryPolicy,
     shell_sweeper,
     orchestrator,
@@ -72,27 +73,16 @@ def known() -> tuple[str, ...]:
     """Every mutant of `chaos.mutants.MUTANTS`, checked to be modelled here."""
     from chaos.mutants import MUTANTS
 
-    missing = [m for m in MUTANTS if m not in SHELL and m not in CORE and m not in PATCHED]
+    missing = [m for m in MUTANTS if m not in CORE and m not in PATCHED]
     if missing:
         raise NotImplementedError(f"the simulator does not model mutant(s) {missing}")
     return tuple(MUTANTS)
 
 
-def history_drops(name: str | None) -> Callable[[int], bool] | None:
-    """For `drop_history_events`, which `seq` a worker's history source numbers and does
-    not write: `chaos.mutants.history_drops`, the live patch's own rule; None otherwise."""
-    if name != "drop_history_events":
-        return None
-    from chaos import mutants
-
-    return mutants.history_drops
-
-
 @contextlib.contextmanager
 def patched(name: str | None) -> Iterator[None]:
-    """Apply mutant `name` of `CORE` or `PATCHED` (nothing for None or one of `SHELL`) for
-    the duration."""
-    if name is None or name in SHELL:
+    """Apply mutant `name` of `CORE` or `PATCHED` (nothing for None) for the duration."""
+    if name is None:
         yield
         return
     if name not in CORE and name not in PATCHED:
@@ -228,9 +218,27 @@ def _per_message_ttl() -> None:
     SimBroker.publish_delay = publish_shared  # type: ignore[method-assign]
 
 
-#: Mutants of a Lua script or of the broker's topology, patched on their model in `SimRedis`
-#: or `SimBroker` with `patched`, like the core's.
+def _drop_history_events() -> None:
+    """The live patch's rule (`chaos.mutants.history_drops`) on the simulator's history
+    writer: a worker's source numbers every event and loses every 7th. The runner's is
+    another process live, which the patch never reaches."""
+    from chaos.mutants import history_drops
+
+    record = Source.record
+
+    def lossy_record(self: Source, ev: str, **fields: Any) -> None:
+        if self.src != "runner" and history_drops(self._seq + 1):
+            self._seq += 1
+            return
+        record(self, ev, **fields)
+
+    Source.record = lossy_record  # type: ignore[method-assign]
+
+
+#: Mutants of a Lua script, of the broker's topology or of the history writer, patched on
+#: their model in `SimRedis`, `SimBroker` or `Source` with `patched`, like the core's.
 PATCHED: dict[str, Callable[[], None]] = {
+    "drop_history_events": _drop_history_events,
     "per_message_ttl": _per_message_ttl,
     "result_without_ttl": _result_without_ttl,
     "overwrite_result": _overwrite_result,
@@ -240,4 +248,4 @@ PATCHED: dict[str, Callable[[], None]] = {
     "no_fencing": _no_fencing,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
-_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker)
+_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from engine.core import dag
 from engine.core.actions import (
     AckRetry,
     Action,
@@ -251,7 +252,7 @@ class Evaluation:
             for rid in self.plan.order:
                 if count[RuleState.RUNNING] >= self.max_parallel:
                     break
-                if self.state[rid] is RuleState.PENDING and self._ready(rid):
+                if self.state[rid] is RuleState.PENDING and dag.ready(self.plan, self.state, rid):
                     self._move(rid, RuleState.RUNNING)
                     self.tries[rid] = 1
                     actions.append(RunRule(rid, self.attempt[rid], 1))
@@ -260,11 +261,7 @@ class Evaluation:
                 continue
             if all(self.state[r] in TERMINAL_RULE_STATES for r in p.rule_ids):
                 self._published.add(p.id)
-                outcome = (
-                    "complete"
-                    if all(self.state[r] is RuleState.SUCCEEDED for r in p.rule_ids)
-                    else "partial"
-                )
+                outcome = dag.pass_outcome(p, self.state)
                 actions.append(
                     PublishPassResult(p.id, outcome, {r: self._verdict(r) for r in p.rule_ids})
                 )
@@ -287,18 +284,10 @@ class Evaluation:
             )
         return actions
 
-    def _ready(self, rule_id: str) -> bool:
-        return all(
-            self.state[d] is RuleState.SUCCEEDED for d in self.plan.rules[rule_id].depends_on
-        )
-
     def _skip_dependents(self, failed: list[str]) -> list[Action]:
         actions: list[Action] = []
         for rid in failed:
-            doomed = self.plan.transitive_dependents([rid])
-            skipped = tuple(
-                r for r in self.plan.order if r in doomed and self.state[r] is RuleState.PENDING
-            )
+            skipped = dag.pruned(self.plan, self.state, rid)
             for r in skipped:
                 self._move(r, RuleState.SKIPPED)
             if skipped:

@@ -1,0 +1,238 @@
+"""What the runner asks of its world, as plain values (`chaos.conductor` yields them).
+
+The live runner carries each act out on processes, Redis and RabbitMQ (`chaos.runner`),
+the simulated one on simpy (`chaos.insim.run`); either sends the reply back into the
+conductor, or throws the error in. Worker acts name a `Slot`, whose process is the
+runner's own kind (`chaos.supervision.Process`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chaos.supervision import Slot
+    from engine.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class Now:
+    """The runner's clock in seconds: monotonic live, simulated in sim."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A history event of the runner."""
+
+    event: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Show:
+    """The progress moved (`Conductor.progress`): live, the display redraws it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Spawn:
+    """Run `step` alongside (a fault loop, a fault undone later); it is stopped where it
+    waits by `StopSpawned`. Its error is the run's: a failing nemesis is a harness bug."""
+
+    step: Generator[Any, Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StopSpawned:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StartWorker:
+    """A new worker process for `slot`, with these failpoints armed ("": none); the
+    process is sent back."""
+
+    slot: Slot[Any]
+    failpoints: str
+
+
+@dataclass(frozen=True, slots=True)
+class WaitReady:
+    """Until each slot's worker has said it is ready, or has died."""
+
+    slots: tuple[Slot[Any], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KillWorker:
+    """SIGKILL the slot's worker (its whole process group)."""
+
+    slot: Slot[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TerminateWorker:
+    """SIGTERM the slot's worker, SIGKILL if it has not stopped within `timeout_s`."""
+
+    slot: Slot[Any]
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PauseWorker:
+    """SIGSTOP the slot's worker; `ResumeWorker` after `pause_s` (the simulator freezes it
+    for that long at once)."""
+
+    slot: Slot[Any]
+    pause_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeWorker:
+    slot: Slot[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class KillService:
+    """SIGKILL "redis" or "broker"."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class RestartService:
+    """Bring "redis" or "broker" back (Redis losing `redis.lose_last_writes` writes first);
+    the number of writes lost is sent back (None: none were to be lost)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Connect:
+    """The runner's client of the engine (`engine.submit.EngineClient`), until
+    `Disconnect`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class BindConsumer:
+    """The harness's consumer of `evaluation.completed`, until `CloseConsumer`: a durable
+    queue bound before the first submit; each delivery recorded (`completed_received`),
+    then acknowledged."""
+
+
+@dataclass(frozen=True, slots=True)
+class CloseConsumer:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    attempt_id: str
+    plan: Plan
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """`EngineClient.cancel`, on a connection of its own: the state it left is sent back."""
+
+    attempt_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """How many of `attempt_ids` are terminal and announced (0 while Redis is down)."""
+
+    attempt_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    """Which of `attempt_ids` Redis marks announced (`final_published`); none while it is
+    down."""
+
+    attempt_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """The attempt ids whose `evaluation.completed` the consumer holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """The history events appended since `cursor` (None: the start), whole ones only, and
+    the cursor after them."""
+
+    cursor: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFinal:
+    """The final state (`chaos.checker.FinalState`), with Redis brought back if it is down."""
+
+
+Act = (
+    Now
+    | Sleep
+    | Record
+    | Show
+    | Spawn
+    | StopSpawned
+    | StartWorker
+    | WaitReady
+    | KillWorker
+    | TerminateWorker
+    | PauseWorker
+    | ResumeWorker
+    | KillService
+    | RestartService
+    | Connect
+    | Disconnect
+    | BindConsumer
+    | CloseConsumer
+    | Submit
+    | Cancel
+    | Settled
+    | Announced
+    | Received
+    | Tail
+    | ReadFinal
+)
+Step = Generator[Act, Any, Any]
+Handler = Callable[[Any, Any], Any]
+#: Every act, in the order above.
+ACTS: tuple[type, ...] = Act.__args__  # type: ignore[attr-defined]
+
+
+def handlers(
+    driver: type, waits: Callable[[Callable[..., Any]], bool]
+) -> tuple[dict[type, Handler], dict[type, Handler]]:
+    """A driver's tables for `engine.shell.effects.Stepper`: each act to the driver's method
+    `on_<act>` (`on_stop_spawned` for `StopSpawned`), called as `handler(act, driver)`;
+    the acts carried out at once, then those `waits(method)` says are waited for. A
+    driver that lacks one fails here, when it is imported."""
+    now: dict[type, Handler] = {}
+    later: dict[type, Handler] = {}
+    for act in ACTS:
+        name = "on_" + re.sub(r"(?<!^)(?=[A-Z])", "_", act.__name__).lower()
+        method = getattr(driver, name, None)
+        if method is None:
+            raise TypeError(f"{driver.__name__} does not carry out {act.__name__} ({name})")
+        (later if waits(method) else now)[act] = _as_handler(method)
+    return now, later
+
+
+def _as_handler(method: Callable[[Any, Any], Any]) -> Handler:
+    return lambda act, driver: method(driver, act)

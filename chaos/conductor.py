@@ -1,0 +1,282 @@
+"""The run, written once: what the runner does and when, carried out by both runners.
+
+A run starts the workers, waits until they are ready, binds the harness's consumer of
+`evaluation.completed`, submits the evaluations, fires the scenario's faults (the
+*generator*'s schedule, planned from the seed; the *nemesis* firing them at their times
+and on history events), supervises the workers (`chaos.supervision`), waits until every
+evaluation is terminal and announced and its announcement delivered, stops everything and
+reads the final state. `Conductor` decides all of it and names each thing done as an act
+(`chaos.acts`); the live runner carries the acts out on processes, Redis and RabbitMQ
+(`chaos.runner`), the simulated one on simpy (`chaos.insim.run`). What one mode does, the
+other does in the same order, so the simulator explores the runner that ships.
+
+Every fault's `fault_fired` carries a `fault_id`; its `fault_healed` carries it again once
+the runner has undone it (a worker restarted and ready, a service back, a pause over, a
+cancel written). The checker reads fault windows from these, not from guesses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+from chaos import acts
+from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
+from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
+from engine.plan import Plan
+
+#: The harness's durable queue of `evaluation.completed` (in the run's namespace).
+COMPLETED_QUEUE = "chaos.completed"
+#: How often the runner supervises the workers and looks whether the run has settled.
+POLL_S = 0.05
+#: How often it reads new history events (event-triggered faults, deliveries at the end).
+EVENT_POLL_S = 0.02
+#: How long the end of a run waits for the consumer to hold every announced evaluation.
+DELIVERY_PATIENCE_S = 10.0
+#: SIGTERM to SIGKILL: a `restart_worker` fault's, and the end of the run's.
+RESTART_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 3.0
+
+Step = Generator[acts.Act, Any, Any]
+
+
+@dataclass
+class Progress:
+    """What the display shows while a scenario runs."""
+
+    scenario: str
+    total: int
+    terminal: int = 0
+    workers_alive: int = 0
+    faults_fired: int = 0
+    elapsed_s: float = 0.0
+    note: str = ""
+
+
+class Conductor:
+    """One run's plan. `attempt_ids` and `plans` are the ids as the run's engine sees them
+    (live on a shared Redis they carry the run's prefix)."""
+
+    def __init__(
+        self,
+        loaded: LoadedScenario,
+        seed: int,
+        mutant: str | None,
+        plans: dict[str, Plan],
+    ) -> None:
+        self.spec = spec = loaded.spec
+        self.seed = seed
+        self.mutant = mutant
+        self.plans = plans
+        self.attempt_ids: tuple[str, ...] = tuple(plans)
+        self.schedule: list[PlannedFault] = fault_schedule(spec, random.Random(seed))
+        self.slots: list[Slot[Any]] = [
+            Slot(i, loaded.failpoint_specs(i, list(self.attempt_ids))) for i in range(spec.workers)
+        ]
+        self.cancelled: set[str] = set()
+        self.progress = Progress(spec.name, len(self.attempt_ids))
+        self._timed = sorted(
+            (f for f in self.schedule if f.at_s is not None), key=lambda f: f.at_s or 0.0
+        )
+        self._timed_left = len(self._timed)  # not yet fired to the end
+        self._fault_ids = itertools.count(1)  # fault_fired / worker_exited -> fault_healed
+        self._later = 0  # steps spawned to run later (a resume, a restart) not yet done
+        self._t0 = 0.0  # the first submit: faults' `at_s` and the deadline count from it
+
+    # --- the run ------------------------------------------------------------------------
+
+    def run(self) -> Step:
+        """The whole run; the final state is returned."""
+        spec = self.spec
+        started = yield acts.Now()
+        yield acts.Record(
+            "run_started", {"scenario": spec.name, "seed": self.seed, "mutant": self.mutant}
+        )
+        for slot in self.slots:
+            yield from self._start(slot)
+        yield acts.WaitReady(tuple(self.slots))
+        yield acts.Connect()
+        yield acts.BindConsumer()
+        self._t0 = yield acts.Now()
+        for attempt_id in self.attempt_ids:
+            plan = self.plans[attempt_id]
+            yield acts.Record("submitted", {"attempt_id": attempt_id, "plan": plan.id})
+            yield acts.Submit(attempt_id, plan)
+        yield acts.Spawn(self._timed_faults())
+        yield acts.Spawn(self._event_faults())
+        yield from self._wait_settled()
+        yield from self._wait_delivered()
+        yield acts.StopSpawned()
+        yield acts.Disconnect()
+        for slot in self.slots:
+            if slot.proc is not None:
+                yield acts.TerminateWorker(slot, STOP_TIMEOUT_S)
+        yield acts.CloseConsumer()
+        final = yield acts.ReadFinal()
+        ended = yield acts.Now()
+        yield acts.Record("run_finished", {"duration_s": round(ended - started, 3)})
+        return final
+
+    def _wait_settled(self) -> Step:
+        """Until every evaluation is terminal and announced (stopping a worker between the
+        two would cut the history short, not break the engine), with no timed fault or
+        restart pending; or the deadline."""
+        deadline = self._t0 + self.spec.deadline_s
+        progress = self.progress
+        while True:
+            yield from self._supervise()
+            progress.terminal = yield acts.Settled(self.attempt_ids)
+            now = yield acts.Now()
+            progress.elapsed_s = now - self._t0
+            yield acts.Show()
+            pending_faults = self._timed_left > 0 and any(
+                f.at_s is not None and f.at_s > progress.elapsed_s for f in self._timed
+            )
+            restarting = self._later > 0 or any(s.restart_at is not None for s in self.slots)
+            if progress.terminal == len(self.attempt_ids) and not (pending_faults or restarting):
+                return
+            if now >= deadline:
+                progress.note = "deadline passed"
+                return
+            yield acts.Sleep(POLL_S)
+
+    def _wait_delivered(self) -> Step:
+        """Until the consumer holds an `evaluation.completed` of every evaluation announced,
+        or `DELIVERY_PATIENCE_S` passed: deliveries trail the publisher's confirm a little."""
+        until = (yield acts.Now()) + DELIVERY_PATIENCE_S
+        while (yield acts.Now()) < until:
+            announced = yield acts.Announced(self.attempt_ids)
+            received = yield acts.Received()
+            if announced <= received:
+                return
+            yield acts.Sleep(EVENT_POLL_S)
+
+    # --- supervision --------------------------------------------------------------------
+
+    def _start(self, slot: Slot[Any]) -> Step:
+        """A worker for `slot`: its failpoints are armed in its first incarnation only."""
+        failpoints = slot.failpoints if slot.incarnation == 0 else ""
+        proc = yield acts.StartWorker(slot, failpoints)
+        if slot.incarnation:
+            yield acts.Record("worker_restarted", {"worker": slot.index, "pid": proc.pid})
+        slot.started(proc)
+
+    def _supervise(self) -> Step:
+        """Restart workers that crashed (a failpoint) or were killed, when it is time."""
+        spec = self.spec
+        delay = spec.restart_delay_s if spec.restart_crashed_workers else None
+        now = yield acts.Now()
+        for d in supervise(self.slots, now, self._fault_ids, delay):
+            match d:
+                case Healed(fault_id=fault_id):
+                    yield from self._healed(fault_id)
+                case Exited(slot=Slot(proc=proc)):
+                    yield acts.Record("worker_exited", d.record(proc.returncode, proc.pid))
+                case Start(slot=slot):
+                    yield from self._start(slot)
+        self.progress.workers_alive = sum(1 for s in self.slots if s.proc and s.proc.alive)
+
+    def _healed(self, fault_id: int) -> Step:
+        yield acts.Record("fault_healed", {"fault_id": fault_id})
+
+    # --- faults -------------------------------------------------------------------------
+
+    def _timed_faults(self) -> Step:
+        for fault in self._timed:
+            delay = self._t0 + (fault.at_s or 0.0) - (yield acts.Now())
+            if delay > 0:
+                yield acts.Sleep(delay)
+            yield from self._fire(fault)
+            self._timed_left -= 1
+
+    def _event_faults(self) -> Step:
+        triggers = EventTriggers(self.schedule)
+        cursor = None
+        while not triggers.done:
+            yield acts.Sleep(EVENT_POLL_S)
+            events, cursor = yield acts.Tail(cursor)
+            for ev in events:
+                for fault in triggers.feed(ev):
+                    if fault.delay_s:  # a repetition: `every_s` after the one before
+                        yield from self._after(fault.delay_s, self._fire(fault))
+                    else:
+                        yield from self._fire(fault)
+
+    def _after(self, delay_s: float, step: Step) -> Step:
+        """Run `step` `delay_s` from now, alongside; the run does not settle before."""
+
+        def later() -> Step:
+            try:
+                yield acts.Sleep(delay_s)
+                yield from step
+            finally:
+                self._later -= 1
+
+        self._later += 1
+        yield acts.Spawn(later())
+
+    def _fire(self, fault: PlannedFault) -> Step:
+        """Fire one fault (`chaos.supervision.fired` says what its record holds)."""
+        self.progress.faults_fired += 1
+        fault_id = next(self._fault_ids)
+        yield acts.Record("fault_fired", fired(fault, fault_id))
+        match fault.action:
+            case "kill_worker":
+                yield from self._kill(self.slots[fault.target], fault.restart_after_s, fault_id)
+            case "restart_worker":
+                slot = self.slots[fault.target]
+                if slot.proc is not None:
+                    yield acts.TerminateWorker(slot, RESTART_TIMEOUT_S)
+                slot.restart((yield acts.Now()), fault_id)
+            case "pause_worker":
+                yield from self._pause(self.slots[fault.target], fault.pause_s or 0.0, fault_id)
+            case "kill_redis" | "kill_broker":
+                name = "redis" if fault.action == "kill_redis" else "broker"
+                yield acts.KillService(name)
+                yield acts.Record("service_killed", {"service": name})
+                if fault.restart_after_s is not None:
+                    yield from self._after(fault.restart_after_s, self._restart(name, fault_id))
+            case "cancel":
+                attempt_id = self.attempt_ids[fault.target]
+                self.cancelled.add(attempt_id)
+                yield acts.Record("cancel_requested", {"attempt_id": attempt_id})
+                state = yield acts.Cancel(attempt_id)
+                yield acts.Record("cancel_written", {"attempt_id": attempt_id, "state": state})
+                yield from self._healed(fault_id)
+
+    def _kill(self, slot: Slot[Any], restart_after_s: float | None, fault_id: int) -> Step:
+        """SIGKILL; the fault heals once a restarted worker is ready (never without one)."""
+        proc = slot.proc
+        if proc is None or not proc.alive:
+            yield from self._healed(fault_id)  # nothing to kill: nothing broken
+            return
+        yield acts.KillWorker(slot)
+        yield acts.Record("worker_killed", {"worker": slot.index, "pid": proc.pid})
+        slot.killed((yield acts.Now()), restart_after_s, fault_id)
+
+    def _pause(self, slot: Slot[Any], pause_s: float, fault_id: int) -> Step:
+        proc = slot.proc
+        if proc is None or not proc.alive:
+            yield from self._healed(fault_id)  # nothing to pause: nothing broken
+            return
+        yield acts.PauseWorker(slot, pause_s)
+        yield acts.Record("worker_paused", {"worker": slot.index, "pid": proc.pid})
+
+        def resume() -> Step:
+            if slot.proc is proc and proc.alive:
+                yield acts.ResumeWorker(slot)
+                yield acts.Record("worker_resumed", {"worker": slot.index, "pid": proc.pid})
+            yield from self._healed(fault_id)
+
+        yield from self._after(pause_s, resume())
+
+    def _restart(self, name: str, fault_id: int) -> Step:
+        lost = yield acts.RestartService(name)
+        extra = (
+            {"lost_writes": lost} if name == "redis" and self.spec.redis.lose_last_writes else {}
+        )
+        yield acts.Record("service_restarted", {"service": name, **extra})
+        yield from self._healed(fault_id)
