@@ -230,9 +230,11 @@ def handlers(
         method = getattr(driver, name, None)
         if method is None:
             raise TypeError(f"{driver.__name__} does not carry out {act.__name__} ({name})")
-        (later if waits(method) else now)[act] = _as_handler(method)
+        (later if waits(method) else now)[act] = _as_handler(name)
     return now, later
 
 
-def _as_handler(method: Callable[[Any, Any], Any]) -> Handler:
-    return lambda act, driver: method(driver, act)
+def _as_handler(name: str) -> Handler:
+    """The driver's method, looked up on the driver (a subclass may carry an act out its
+    own way)."""
+    return lambda act, driver: getattr(driver, name)(act)

@@ -56,6 +56,18 @@ class Progress:
     note: str = ""
 
 
+def delivered(body: Any, message_id: str | None, redelivered: bool) -> dict[str, Any]:
+    """What the consumer records of a delivery of `evaluation.completed` (its
+    `completed_received`), before it acknowledges it."""
+    attempt_id = body.get("attempt_id") if isinstance(body, dict) else None
+    return {
+        "attempt_id": attempt_id,
+        "message_id": message_id,
+        "body": body,
+        "redelivered": redelivered,
+    }
+
+
 class Conductor:
     """One run's plan. `attempt_ids` and `plans` are the ids as the run's engine sees them
     (live on a shared Redis they carry the run's prefix)."""

@@ -36,7 +36,15 @@ from aio_pika.abc import (
 from chaos import acts
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
 from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
-from chaos.conductor import COMPLETED_QUEUE, EVENT_POLL_S, STOP_TIMEOUT_S, Conductor, Progress, Step
+from chaos.conductor import (
+    COMPLETED_QUEUE,
+    EVENT_POLL_S,
+    STOP_TIMEOUT_S,
+    Conductor,
+    Progress,
+    Step,
+    delivered,
+)
 from chaos.scenario import LoadedScenario
 from chaos.services import Services
 from chaos.supervision import Slot
@@ -499,13 +507,8 @@ class ScenarioRun:
             body: Any = json.loads(message.body)
         except ValueError:
             body = message.body.decode("utf-8", "replace")
-        self.history.record(
-            "completed_received",
-            attempt_id=body.get("attempt_id") if isinstance(body, dict) else None,
-            message_id=message.message_id,
-            body=body,
-            redelivered=message.redelivered,
-        )
+        fields = delivered(body, message.message_id, message.redelivered)
+        self.history.record("completed_received", **fields)
         if isinstance(body, dict):
             self._received.add(str(body.get("attempt_id")))
         with contextlib.suppress(Exception):  # the channel went with the broker: redelivered

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import simpy
 
+from chaos import acts
 from chaos.aof import write_offsets
 from chaos.explore import document, swarm
 from chaos.insim import SimOptions
@@ -150,7 +151,8 @@ class _NoBroadcast(SimRun):
     """A run whose cancel client never publishes the control broadcast (a lost or late
     broadcast): the owner can learn of the cancel from Redis only."""
 
-    def _cancel(self, attempt_id: str) -> Generator[Any, Any, None]:
+    def on_cancel(self, a: acts.Cancel) -> Generator[Any, Any, str]:
+        attempt_id = a.attempt_id
         client = BrokerClient(self.env, self.broker, "runner-cancel")
         while not (yield from client.connect()):
             yield self.env.timeout(self.options.reconnect_interval_s)
@@ -159,8 +161,8 @@ class _NoBroadcast(SimRun):
         body = {"attempt_id": attempt_id, "status": "cancelled", "verdicts": {}}
         yield from client.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
         yield from self.store.call(self.redis.done, attempt_id, "")
-        self.runner.record("cancel_written", attempt_id=attempt_id, state="cancelled")
         yield from client.close()
+        return "cancelled"
 
 
 @pytest.mark.parametrize("name", ["cancel_midway", "cancel_during_retry"])

@@ -33,7 +33,7 @@ import simpy
 
 from chaos import acts
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.conductor import COMPLETED_QUEUE, Conductor, Step
+from chaos.conductor import COMPLETED_QUEUE, Conductor, Step, delivered
 from chaos.insim import mutants
 from chaos.scenario import LoadedScenario, Scenario
 from engine.agent import AgentProfile, FakeAgent
@@ -361,13 +361,7 @@ class SimRun:
 
         def received(d: Delivery) -> None:
             body = orjson.loads(orjson.dumps(d.body))  # a copy, as JSON carries it
-            self.runner.record(
-                "completed_received",
-                attempt_id=body.get("attempt_id") if isinstance(body, dict) else None,
-                message_id=d.message_id,
-                body=body,
-                redelivered=d.redelivered,
-            )
+            self.runner.record("completed_received", **delivered(body, d.message_id, d.redelivered))
             if isinstance(body, dict):
                 self._received.add(str(body.get("attempt_id")))
             events.settle(d)
