@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, help="output folder (default out/<time>)")
     run.add_argument("--mutant", help="run the workers with this deliberately broken behaviour")
     run.add_argument("--quiet", action="store_true", help="no progress display")
+    run.add_argument(
+        "--report", action="store_true", help="also write what the faults cost (OUT/report)"
+    )
+    run.add_argument("--price-per-1k", type=_price, help="USD per 1,000 tokens in the report")
     sim = sub.add_parser("sim", help="explore many seeds in the simulator, shrink failures")
     sim.add_argument("scenario", metavar="SCENARIO")
     sim.add_argument(
@@ -102,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("scenarios/regressions"),
         help="where --shrink writes the failing case (default scenarios/regressions)",
     )
+    rep = sub.add_parser("report", help="what the faults of finished runs cost, plotted")
+    rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's folder, or --out's")
+    rep.add_argument("--out", type=Path, help="report folder (default: RUN_DIR/report)")
+    rep.add_argument("--price-per-1k", type=_price, help="USD per 1,000 tokens (default 0.01)")
     val = sub.add_parser("validate", help="check scenario files without running them")
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
@@ -146,6 +154,8 @@ def _main(argv: list[str] | None) -> int:
         return _clean(console)
     if args.command == "list":
         return _list(console)
+    if args.command == "report":
+        return _report(args.runs, args.out, args.price_per_1k, console)
     loaded, errors = _load_all(args.scenarios if args.command != "sim" else [args.scenario])
     for line in errors:  # every bad file, before anything runs
         print(line, file=sys.stderr)
@@ -164,13 +174,42 @@ def _main(argv: list[str] | None) -> int:
     if args.mutant is not None and _bad_mutant(args.mutant):
         return EXIT_INPUT
     out = args.out or Path("out") / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    return _run(loaded, out, args, console)
+    code = _run(loaded, out, args, console)
+    if args.report and code in (EXIT_OK, EXIT_VIOLATION):
+        reported = _report([out], out / "report", args.price_per_1k, console)
+        code = max(code, reported)
+    return code
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value < 1e6):
+        raise argparse.ArgumentTypeError(f"expected a price >= 0 (USD); got {text[:40]}")
+    return value
+
+
+def _report(paths: list[Path], out: Path | None, price: float | None, console: Console) -> int:
+    """`chaos report`: one line and exit 2 for a path that holds no readable run."""
+    from reports import ReportError, build_report, find_runs
+
+    try:
+        runs = find_runs(list(paths))
+    except ReportError as exc:
+        print(f"chaos report: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    target = out or Path(paths[0]) / "report"
+    build_report(runs, target, price)
+    console.print(f"report: {target / 'report.html'} ({len(runs)} run(s))", markup=False)
+    return EXIT_OK
 
 
 # --- interrupts and leftovers -------------------------------------------------------------
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_COMMANDS = ("run", "sim", "validate", "list", "clean")
+_COMMANDS = ("run", "sim", "report", "validate", "list", "clean")
 
 
 class Interrupted(KeyboardInterrupt):

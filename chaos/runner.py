@@ -403,6 +403,7 @@ class ScenarioRun:
         )
         result = check(history, final, self.check_spec())
         extra: dict[str, Any] = {"seed": self.seed, "mutant": self.mutant, "namespace": self.ns}
+        extra["settings"] = self.spec.settings()
         if self.run_prefix:
             extra["attempt_id_prefix"] = self.run_prefix
         return Outcome(

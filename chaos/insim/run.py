@@ -401,6 +401,7 @@ class SimRun:
                 "sim_time_s": round(self.env.now, 6),
                 "dead_letters_lost": self.broker.dead_letters_lost,
                 "shell_errors": list(self.shell_errors),
+                "settings": self.spec.settings(),
             },
         )
 

@@ -687,6 +687,21 @@ class Scenario(_Model):
         """The fake agent's profile; its seed is the scenario seed unless `agent` sets one."""
         return AgentProfile.from_dict({"seed": self.seed, **self.agent})
 
+    def settings(self) -> dict[str, Any]:
+        """The timings a report reads back from a run's journal: the time scale (scenario
+        time to production time), the retry levels, and what bounds recovery."""
+        e, r = self.engine, self.retry
+        return {
+            "time_scale": self.time_scale,
+            "immediate_retries": r.immediate_retries,
+            "max_attempts": r.max_attempts,
+            "tiers_ms": list(r.tiers_ms),
+            "heartbeat_ms": e.heartbeat_ms,
+            "stale_ms": e.stale_ms,
+            "sweep_ms": e.sweep_ms,
+            "sweeper": e.sweeper,
+        }
+
     def engine_config(self, **overrides: Any) -> EngineConfig:
         """Worker settings for this scenario; pass URLs and the namespace as overrides."""
         values: dict[str, Any] = {

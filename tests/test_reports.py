@@ -1,0 +1,161 @@
+"""Reports (`reports/`, `python -m chaos report`): what faults cost, from runs' outputs.
+
+The numbers are read from histories: hand-written ones pin each cause and level, and
+simulated runs of the shipped scenarios must agree with the checker's own counts."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+import pytest
+
+from chaos.cli import main
+from chaos.insim import outputs, run_scenario
+from chaos.scenario import load_scenario
+from reports import build_report, find_runs
+from reports.cost import duplicated_cost
+from reports.latency import percentiles, recoveries, retry_latencies
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ev(t: float, ev: str, src: str = "w1", pid: int = 11, **fields: Any) -> dict[str, Any]:
+    return {"t": t, "ev": ev, "src": src, "pid": pid, **fields}
+
+
+def start(t: float, rule: str, src: str = "w1", attempt: int = 1, pid: int = 11) -> dict:
+    return ev(t, "rule_started", src, pid, attempt_id="a", rule_id=rule, attempt=attempt, try_no=1)
+
+
+def done(t: float, rule: str, tokens: int, src: str = "w1", pid: int = 11) -> dict:
+    return ev(t, "rule_finished", src, pid, attempt_id="a", rule_id=rule, attempt=1, tokens=tokens)
+
+
+def test_each_rerun_is_charged_to_its_cause() -> None:
+    history = [
+        start(0.0, "ww"),
+        done(0.1, "ww", 100),  # finished, never written: the write window
+        start(0.0, "sw"),  # in flight when its worker died after the ACK
+        start(0.0, "rd"),  # in flight when its worker died before the ACK
+        ev(0.3, "worker_killed", "runner", 11, worker=0),
+        ev(0.5, "sweeper_resumed", "w2", 12, attempt_id="a"),
+        start(0.6, "ww", "w2", pid=12),
+        done(0.7, "ww", 120, "w2", 12),
+        start(0.6, "sw", "w2", pid=12),
+        done(0.7, "sw", 130, "w2", 12),
+        ev(0.8, "delivered", "w3", 13, attempt_id="a", redelivered=True),
+        start(0.9, "rd", "w3", pid=13),
+        done(1.0, "rd", 140, "w3", 13),
+        ev(1.0, "result_persisted", "w3", 13, attempt_id="a", rule_id="rd", won=True),
+        ev(1.1, "service_restarted", "runner", 1, service="redis", lost_writes=3),
+        start(1.2, "rd", "w3", pid=13),  # its result was lost with Redis' writes
+        done(1.3, "rd", 150, "w3", 13),
+    ]
+    cost = duplicated_cost(history)
+    assert [(x.rule_id, x.cause, x.tokens) for x in cost.reruns] == [
+        ("ww", "write_window", 120),
+        ("sw", "sweeper_resume", 130),
+        ("rd", "redelivery", 140),
+        ("rd", "lost_state", 150),
+    ]
+    assert cost.tokens_total == 640 and cost.duplicated_tokens == 540
+    assert cost.reference_tokens == 100  # the first executions: the only finished one
+    # Without the lost writes, a start after the write is the engine's bug, or a mutant's.
+    unexplained = [e for e in history if e["ev"] != "service_restarted"]
+    assert duplicated_cost(unexplained).reruns[-1].cause == "after_completion"
+    assert duplicated_cost(unexplained, mutant="ignore_lease").reruns[-1].cause == "mutant"
+
+
+def test_retry_latency_is_timed_from_the_first_failure_and_leveled() -> None:
+    def fail(t: float, rule: str) -> dict:
+        return ev(t, "rule_failed", attempt_id="a", rule_id=rule, attempt=1, tokens=1)
+
+    def status(t: float, rule: str, value: str) -> dict:
+        return ev(t, "status_written", attempt_id="a", rule_id=rule, status=value)
+
+    def written(t: float, rule: str) -> dict:
+        return ev(t, "result_persisted", attempt_id="a", rule_id=rule, won=True)
+
+    history = [
+        fail(1.0, "immediate"),
+        written(1.5, "immediate"),
+        fail(1.0, "delayed"),
+        status(1.1, "delayed", "failed_attempt_1"),
+        status(2.0, "delayed", "failed_attempt_2"),
+        written(4.0, "delayed"),
+        fail(1.0, "given_up"),
+        status(3.0, "given_up", "permanently_failed"),
+        fail(1.0, "unfinished"),
+        written(0.5, "never_failed"),
+    ]
+    got = {(x.rule_id, x.level, x.tier, x.seconds, x.outcome) for x in retry_latencies(history)}
+    assert got == {
+        ("immediate", 1, None, 0.5, "succeeded"),
+        ("delayed", 2, 2, 3.0, "succeeded"),
+        ("given_up", 3, None, 2.0, "permanently_failed"),
+    }
+    assert percentiles([3.0, 1.0, 2.0]) == {
+        "n": 3, "p50": 2.0, "p95": 3.0, "p99": 3.0, "max": 3.0, "mean": 2.0,
+    }  # fmt: skip
+    assert percentiles([]) == {"n": 0}
+
+
+def test_recovery_is_timed_for_the_evaluations_the_killed_worker_held() -> None:
+    history = [
+        ev(0.0, "evaluation_started", "w1", 11, attempt_id="a"),
+        ev(0.0, "evaluation_started", "w2", 12, attempt_id="b"),
+        ev(1.0, "worker_killed", "runner", 11, worker=0),  # the killed worker's pid
+        ev(1.4, "rule_started", "w2", 12, attempt_id="a", rule_id="r"),
+        ev(2.0, "evaluation_terminal", "w2", 12, attempt_id="a"),
+    ]
+    [rec] = recoveries(history)
+    assert (rec.fault, rec.attempt_id) == ("worker_killed worker 0", "a")
+    assert rec.next_start_s == pytest.approx(0.4) and rec.end_s == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", ["crash_after_ack", "transient_llm_errors", "worker_kill_storm"])
+def test_a_report_agrees_with_the_checker_and_renders_every_plot(name: str, tmp_path: Path) -> None:
+    outcome = run_scenario(load_scenario(ROOT / "scenarios" / f"{name}.yaml"))
+    outputs(outcome, tmp_path / "run" / name)
+    report = build_report(find_runs([tmp_path / "run"]), tmp_path / "report", 0.5)
+    metrics = json.loads((report / "metrics.json").read_text())
+    [run] = metrics["runs"]
+    stats = outcome.result.stats
+    assert run["cost"]["reruns"] == stats["reruns"] + stats["completed_reruns"]
+    assert run["cost"]["duplicated_tokens"] == stats["rerun_tokens"]
+    assert run["cost"]["tokens_total"] == stats["tokens_total"]
+    assert run["cost"]["duplicated_money"] == pytest.approx(stats["rerun_tokens"] / 1000 * 0.5)
+    assert run["settings"]["time_scale"] == outcome_scale(name)
+    page = (report / "report.html").read_text()
+    assert "http://" not in page and "https://" not in page  # nothing from the network
+    assert page.count("data:image/png;base64,") == 3
+    for png in sorted(report.glob("*.png")):
+        pixels = matplotlib.image.imread(io.BytesIO(png.read_bytes()), format="png")
+        height, width = pixels.shape[:2]
+        assert height > 200 and width > 400, png.name
+        assert pixels.std() > 0.05, f"{png.name} is blank"
+    assert (report / "summary.md").read_text().startswith("# What the faults cost")
+
+
+def outcome_scale(name: str) -> float:
+    return load_scenario(ROOT / "scenarios" / f"{name}.yaml").spec.time_scale
+
+
+def test_chaos_run_report_and_chaos_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    scenario = str(ROOT / "scenarios" / "crash_after_ack.yaml")
+    out = tmp_path / "out"
+    assert main(["run", scenario, "--mode", "sim", "--report", "--out", str(out)]) == 0
+    assert (out / "report" / "report.html").is_file()
+    again = tmp_path / "again"
+    assert main(["report", str(out / "crash_after_ack"), "--out", str(again)]) == 0
+    assert (again / "metrics.json").is_file()
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"chaos report: {tmp_path / 'missing'}: no such file or directory"]
+    assert main(["report", str(tmp_path)]) == 2  # a folder without runs
+    assert not (tmp_path / "report").exists()  # nothing half-written
