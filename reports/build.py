@@ -13,18 +13,23 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from chaos.checker.cost import CAUSES, Cost, duplicated_cost
+from chaos.checker.latency import percentiles, recoveries, retry_latencies
+from chaos.checker.records import BUDGETS
 from reports import plots
-from reports.cost import CAUSES, Cost, duplicated_cost
-from reports.latency import percentiles, recoveries, retry_latencies
 from reports.runs import Run
 
 #: Money per 1,000 tokens when neither the command line nor the run says (USD).
 DEFAULT_PRICE_PER_1K = 0.01
 
 
-def metrics(run: Run, price_per_1k: float) -> tuple[dict[str, Any], Cost, list[Any]]:
-    """The numbers of one run, its cost, and its retry latencies."""
+def metrics(run: Run, price: float | None) -> tuple[dict[str, Any], Cost, list[Any]]:
+    """The numbers of one run, its cost, and its retry latencies. The price per 1,000
+    tokens: `price`, else the scenario's, else `DEFAULT_PRICE_PER_1K`."""
     settings = run.settings
+    price_per_1k = price if price is not None else settings.get("price_per_1k_tokens")
+    if not isinstance(price_per_1k, int | float):
+        price_per_1k = DEFAULT_PRICE_PER_1K
     scale = settings.get("time_scale")
     latencies = retry_latencies(run.history)
     cost = duplicated_cost(run.history, run.extra.get("mutant"))
@@ -53,6 +58,7 @@ def metrics(run: Run, price_per_1k: float) -> tuple[dict[str, Any], Cost, list[A
                 "evaluation_end_s": percentiles([r.end_s for r in recs if r.end_s is not None]),
                 "never_resumed": sum(1 for r in recs if r.next_start_s is None),
             },
+            "budgets": budgets(run),
             "cost": {
                 "tokens_total": cost.tokens_total,
                 "reference_tokens": reference,
@@ -70,9 +76,21 @@ def metrics(run: Run, price_per_1k: float) -> tuple[dict[str, Any], Cost, list[A
     )
 
 
-def build_report(runs: list[Run], out: str | Path, price_per_1k: float | None = None) -> Path:
+def budgets(run: Run) -> list[dict[str, Any]]:
+    """Each budget the scenario set, against the value the run's checker measured."""
+    stats = run.journal.get("stats")
+    stats = stats if isinstance(stats, dict) else {}
+    limits = stats.get("budgets")
+    out = []
+    for name, limit in sorted((limits if isinstance(limits, dict) else {}).items()):
+        value = stats.get(BUDGETS.get(name, ""))
+        within = None if value is None else value <= limit
+        out.append({"budget": name, "limit": limit, "value": value, "ok": within})
+    return out
+
+
+def build_report(runs: list[Run], out: str | Path, price: float | None = None) -> Path:
     """Write the report of `runs` into the folder `out` (replaced whole); return it."""
-    price = DEFAULT_PRICE_PER_1K if price_per_1k is None else price_per_1k
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out.parent))
@@ -135,6 +153,15 @@ def _rows(per_run: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def _budget_rows(per_run: list[dict[str, Any]]) -> list[list[str]]:
+    verdict = {True: "yes", False: "EXCEEDED", None: "not measured"}
+    return [
+        [m["run"], b["budget"], _s(b["limit"]), _s(b["value"]), verdict[b["ok"]]]
+        for m in per_run
+        for b in m["budgets"]
+    ]
+
+
 HEADERS = [
     "run",
     "verdict",
@@ -160,6 +187,16 @@ def summary_md(per_run: list[dict[str, Any]]) -> str:
         "|" + "---|" * len(HEADERS),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in _rows(per_run)]
+    rows = _budget_rows(per_run)
+    if rows:
+        lines += [
+            "",
+            "Budgets:",
+            "",
+            "| run | budget | limit | value | within |",
+            "|---|---|---|---|---|",
+        ]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += ["", "Duplicated tokens by cause:", ""]
     lines += ["| run | " + " | ".join(CAUSES) + " |", "|" + "---|" * (len(CAUSES) + 1)]
     for m in per_run:
@@ -183,6 +220,11 @@ def report_html(per_run: list[dict[str, Any]], images: list[tuple[str, str, str,
         f"<figcaption>{html.escape(label)}: {html.escape(kind)}</figcaption></figure>"
         for label, kind, _, data in images
     )
+    rows = _budget_rows(per_run)
+    budget_html = ""
+    if rows:
+        headers = ["run", "budget", "limit", "value", "within"]
+        budget_html = f"<h2>Budgets</h2>{table(headers, rows)}"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>What the faults cost</title>
 <style>
@@ -197,6 +239,7 @@ figcaption {{ color: #666; font-size: 12px; }}
 <p>Retry latency in production seconds where the run's time scale is known; recovery from a
 stopping fault to the next rule start, in scenario seconds.</p>
 {table(HEADERS, _rows(per_run))}
+{budget_html}
 <h2>Duplicated tokens by cause</h2>
 {table(["run", *CAUSES], causes)}
 <h2>Plots</h2>

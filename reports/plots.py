@@ -15,8 +15,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from chaos.checker.context import event_time
-from reports.cost import CAUSES, Cost
-from reports.latency import STOPPING, RetryLatency
+from chaos.checker.cost import CAUSES, Cost
+from chaos.checker.latency import STOPPING, RetryLatency
 
 if TYPE_CHECKING:
     from reports.runs import Run

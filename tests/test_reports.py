@@ -5,20 +5,26 @@ simulated runs of the shipped scenarios must agree with the checker's own counts
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import matplotlib.image
 import pytest
 
+from chaos.checker.cost import duplicated_cost
+from chaos.checker.latency import percentiles, recoveries, retry_latencies
 from chaos.cli import main
 from chaos.insim import outputs, run_scenario
 from chaos.scenario import load_scenario
 from reports import build_report, find_runs
-from reports.cost import duplicated_cost
-from reports.latency import percentiles, recoveries, retry_latencies
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,3 +165,90 @@ def test_chaos_run_report_and_chaos_report(tmp_path: Path, capsys: pytest.Captur
     assert err == [f"chaos report: {tmp_path / 'missing'}: no such file or directory"]
     assert main(["report", str(tmp_path)]) == 2  # a folder without runs
     assert not (tmp_path / "report").exists()  # nothing half-written
+
+
+def test_a_cost_budget_exceeded_fails_the_run_and_the_report_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "scenarios" / "crash_after_ack.yaml").read_text())
+    doc["plan"] = str(ROOT / "plans" / "code_review.yaml")
+    tight = tmp_path / "tight.yaml"
+    tight.write_text(yaml.safe_dump({**doc, "budgets": {"max_duplicated_ratio": 0.01}}))
+    loose = tmp_path / "loose.yaml"
+    loose.write_text(
+        yaml.safe_dump({**doc, "budgets": {"max_duplicated_ratio": 50, "max_p99_recovery_s": 60}})
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(tight), "--mode", "sim", "--report", "--out", str(out)]) == 1
+    journal = json.loads((out / doc["name"] / "journal.json").read_text())
+    [failure] = journal["budget_failures"]
+    assert failure.startswith("duplicated_ratio ") and "> max_duplicated_ratio 0.01" in failure
+    assert "| max_duplicated_ratio | 0.01 |" in (out / "report" / "summary.md").read_text()
+    assert "EXCEEDED" in (out / "report" / "report.html").read_text()
+    out2 = tmp_path / "out2"
+    assert main(["run", str(loose), "--mode", "sim", "--report", "--out", str(out2)]) == 0
+    stats = json.loads((out2 / doc["name"] / "journal.json").read_text())["stats"]
+    assert 0 < stats["duplicated_ratio"] < 50 and 0 < stats["recovery_p99_s"] < 60
+    capsys.readouterr()
+
+
+def _chromium(args: list[str], tmp: Path) -> str:
+    """Headless Chromium (Debian's `chromium`, which .ci/run installs when it is missing),
+    with a profile of its own; its whole process group is killed if it hangs."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert exe, "install Debian's chromium: the report is checked as a person sees it"
+    cmd = [
+        exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+        f"--user-data-dir={tmp / 'profile'}", "--virtual-time-budget=10000", *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, text=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, f"chromium exited {proc.returncode}"
+    return out
+
+
+PROBE = """<script>
+window.addEventListener("load", () => {
+  for (const img of document.images) {
+    const p = document.createElement("p");
+    p.className = "probe";
+    p.textContent = `${img.complete} ${img.naturalWidth}x${img.naturalHeight}`;
+    document.body.appendChild(p);
+  }
+});
+</script></body>"""
+
+
+def test_the_report_renders_in_a_browser_with_every_plot(tmp_path: Path) -> None:
+    outcome = run_scenario(load_scenario(ROOT / "scenarios" / "worker_kill_storm.yaml"))
+    outputs(outcome, tmp_path / "run" / "worker_kill_storm")
+    report = build_report(find_runs([tmp_path / "run"]), tmp_path / "report")
+    page = (report / "report.html").read_text()
+    # Each embedded plot decoded by the browser at the size of its PNG file.
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", PROBE))
+    dom = _chromium(["--dump-dom", probe.as_uri()], tmp_path)
+    seen = re.findall(r'<p class="probe">(\w+) (\d+)x(\d+)</p>', dom)
+    expected = []
+    for name in ("run1-timeline.png", "run1-latency.png", "cost.png"):
+        height, width = matplotlib.image.imread(report / name).shape[:2]
+        expected.append(("true", str(width), str(height)))
+    assert seen == expected
+    # And the page as a person sees it: a screenshot that is not blank.
+    shot = tmp_path / "shot.png"
+    _chromium(
+        [f"--screenshot={shot}", "--window-size=1200,2000", (report / "report.html").as_uri()],
+        tmp_path,
+    )
+    pixels = matplotlib.image.imread(shot)
+    assert pixels.shape[:2] == (2000, 1200)
+    assert pixels.std() > 0.05

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import chaos.scenario as scenario_module
+from chaos.checker.records import COST_BUDGETS
 from chaos.scenario import (
     INVARIANT_NAMES,
     RULELESS_FAILPOINTS,
@@ -120,6 +121,13 @@ def test_full_example_loads_with_every_value(monkeypatch: pytest.MonkeyPatch) ->
         "max_duplicated_tokens": 5000,
         "max_reruns": 3,
         "max_retry_latency_s": 900.0,
+        "max_duplicated_ratio": None,
+        "max_duplicated_usd": None,
+        "price_per_1k_tokens": 0.01,
+        "max_p99_retry_l1_s": None,
+        "max_p99_retry_l2_s": None,
+        "max_p99_retry_l3_s": None,
+        "max_p99_recovery_s": None,
     }
     fp, fp_all, kill, restart, redis, cancel = s.faults
     assert isinstance(fp, FailpointFault) and isinstance(fp_all, FailpointFault)
@@ -196,8 +204,10 @@ def test_defaults_are_the_documented_ones() -> None:
     }
     assert (s.restart_crashed_workers, s.restart_delay_s, s.deadline_s) == (True, 0.2, 30.0)
     assert s.faults == () and s.invariants == INVARIANT_NAMES
-    assert s.budgets.model_dump() == dict.fromkeys(
-        ["max_duplicated_tokens", "max_reruns", "max_retry_latency_s"]
+    limits = s.budgets.model_dump()
+    assert limits.pop("price_per_1k_tokens") == 0.01
+    assert limits == dict.fromkeys(
+        ["max_duplicated_tokens", "max_reruns", "max_retry_latency_s", *COST_BUDGETS]
     )
     fp = load(minimal(faults=[{"failpoint": "after_ack"}])).spec.faults[0]
     assert isinstance(fp, FailpointFault)

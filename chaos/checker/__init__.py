@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 
+from chaos.checker.budgets import cost_stats
 from chaos.checker.context import (
     FAULT_EVENTS,
     FINISHED_STATES,
@@ -52,6 +53,7 @@ from chaos.checker.context import (
 from chaos.checker.invariants import CHECKS, INVARIANTS, REGISTRY, Invariant
 from chaos.checker.records import (
     BUDGETS,
+    COST_BUDGETS,
     CheckResult,
     CheckSpec,
     EvaluationFinal,
@@ -146,7 +148,9 @@ def check(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckResul
     limits = {b: limit for b, limit in spec.budgets.items() if limit is not None}
     if limits:
         cx.stats["budgets"] = limits
-    for budget, limit in spec.budgets.items():
+    if any(b in COST_BUDGETS for b in limits):
+        cx.stats.update(cost_stats(cx.events, spec))
+    for budget, limit in sorted(spec.budgets.items()):
         stat = BUDGETS[budget]
         value = cx.stats.get(stat)
         if limit is not None and value is not None and value > limit:

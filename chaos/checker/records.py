@@ -35,6 +35,17 @@ BUDGETS: dict[str, str] = {
     "max_reruns": "reruns",
     "max_retry_latency_s": "retry_latency_max_s",
 }
+#: Budgets on what faults cost (`chaos.checker.cost`, `chaos.checker.latency`), measured
+#: only when one is set: budget name -> the stat it bounds.
+COST_BUDGETS: dict[str, str] = {
+    "max_duplicated_ratio": "duplicated_ratio",
+    "max_duplicated_usd": "duplicated_usd",
+    "max_p99_retry_l1_s": "retry_p99_l1_s",
+    "max_p99_retry_l2_s": "retry_p99_l2_s",
+    "max_p99_retry_l3_s": "retry_p99_l3_s",
+    "max_p99_recovery_s": "recovery_p99_s",
+}
+BUDGETS.update(COST_BUDGETS)
 
 
 def _is_int(value: Any) -> bool:
@@ -125,6 +136,7 @@ class CheckSpec:
     invariants: tuple[str, ...] = field(default_factory=_all_invariants)
     cancelled: set[str] = field(default_factory=set)
     budgets: dict[str, float | int | None] = field(default_factory=dict)
+    price_per_1k_tokens: float = 0.01
     exercised: dict[str, int] = field(default_factory=dict)
     retry_slack_ms: float = DEFAULT_RETRY_SLACK_MS
     scheduling_slack_s: float = 0.0

@@ -10,6 +10,7 @@ from functools import cached_property
 from pathlib import Path
 
 from chaos.checker import CheckSpec, RetrySettings
+from chaos.checker.records import COST_BUDGETS
 from chaos.scenario.faults import PlannedFault, fault_schedule
 from chaos.scenario.schema import Scenario
 from engine.agent import AgentProfile
@@ -91,7 +92,9 @@ class LoadedScenario:
                 "max_reruns": budgets.max_reruns,
                 # the scenario states it in engine time; the checker measures run time
                 "max_retry_latency_s": None if latency is None else latency * self.spec.time_scale,
+                **{name: getattr(budgets, name) for name in COST_BUDGETS},
             },
+            price_per_1k_tokens=budgets.price_per_1k_tokens,
         )
 
     @cached_property

@@ -251,6 +251,33 @@ class BudgetsSpec(_Model):
         le=STATE_TTL_MS / 1000,
         description="engine time, before time_scale",
     )
+    max_duplicated_ratio: float | None = Field(
+        default=None, ge=0, le=MAX_BUDGET, description="duplicated tokens / the fault-free bill"
+    )
+    max_duplicated_usd: float | None = Field(
+        default=None, ge=0, le=MAX_BUDGET, description="at price_per_1k_tokens"
+    )
+    price_per_1k_tokens: float = Field(
+        default=0.01, ge=0, le=MAX_BUDGET, description="USD per 1,000 tokens (reports too)"
+    )
+    max_p99_retry_l1_s: float | None = Field(
+        default=None, gt=0, le=MAX_BUDGET, description="level 1 (immediate), production seconds"
+    )
+    max_p99_retry_l2_s: float | None = Field(
+        default=None, gt=0, le=MAX_BUDGET, description="level 2 (delayed), production seconds"
+    )
+    max_p99_retry_l3_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_BUDGET,
+        description="level 3 (permanent failure), production seconds",
+    )
+    max_p99_recovery_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_BUDGET,
+        description="run seconds from a fault that stops work to the next rule start",
+    )
 
 
 #: Writes a Redis restart may lose (`redis.lose_last_writes`).
@@ -700,6 +727,7 @@ class Scenario(_Model):
             "stale_ms": e.stale_ms,
             "sweep_ms": e.sweep_ms,
             "sweeper": e.sweeper,
+            "price_per_1k_tokens": self.budgets.price_per_1k_tokens,
         }
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
