@@ -110,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's folder, or --out's")
     rep.add_argument("--out", type=Path, help="report folder (default: RUN_DIR/report)")
     rep.add_argument("--price-per-1k", type=_price, help="USD per 1,000 tokens (default 0.01)")
+    cmp = sub.add_parser(
+        "compare", help="both memories vs RabbitMQ only vs the seed as written, side by side"
+    )
+    cmp.add_argument("scenarios", nargs="+", metavar="SCENARIO")
+    cmp.add_argument("--mode", choices=["auto", "live", "sim"], default="auto")
+    cmp.add_argument(
+        "--seeds", type=_within(1, MAX_SEEDS), default=20, help="sim: seeds per design (20)"
+    )
+    cmp.add_argument("--out", type=Path, help="output folder (default out/compare-<time>)")
     val = sub.add_parser("validate", help="check scenario files without running them")
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
@@ -171,6 +180,9 @@ def _main(argv: list[str] | None) -> int:
         from chaos.simcli import explore_command
 
         return explore_command(loaded[0], args, console)
+    if args.command == "compare":
+        out = args.out or Path("out") / datetime.now(UTC).strftime("compare-%Y%m%dT%H%M%SZ")
+        return _compare(loaded, out, args, console)
     if args.mutant is not None and _bad_mutant(args.mutant):
         return EXIT_INPUT
     out = args.out or Path("out") / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -179,6 +191,40 @@ def _main(argv: list[str] | None) -> int:
         reported = _report([out], out / "report", args.price_per_1k, console)
         code = max(code, reported)
     return code
+
+
+def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Console) -> int:
+    """`chaos compare`: each design's runs under OUT/<mutant or engine>, then the table.
+    Exit 1 when the engine as shipped broke an invariant (the other two are meant to)."""
+    from chaos.services import Services
+    from reports import find_runs
+    from reports.compare import VARIANTS, compare, table_md, write_comparison
+
+    if out.exists() and any(out.iterdir()):
+        print(f"--out: {out} exists and is not empty; expected a new folder", file=sys.stderr)
+        return EXIT_INPUT
+    live = args.mode == "live" or (args.mode == "auto" and Services.available() is None)
+    runs = {}
+    for _, mutant, _ in VARIANTS:
+        folder = out / (mutant or "engine")
+        if live:
+            one = argparse.Namespace(mode="live", seed=None, mutant=mutant, quiet=True)
+            code = _run(loaded, folder, one, console)
+            if code not in (EXIT_OK, EXIT_VIOLATION):
+                return code
+        else:
+            from chaos.insim import outputs, run_scenario
+
+            for sc in loaded:
+                for seed in range(args.seeds):
+                    outcome = run_scenario(sc, seed, mutant)
+                    outputs(outcome, folder / f"{sc.spec.name}-s{seed}")
+        runs[mutant] = find_runs([folder])
+    rows = compare(runs)
+    write_comparison(rows, out, [sc.spec.name for sc in loaded])
+    console.print(table_md(rows), markup=False)
+    console.print(f"comparison: {out / 'compare.md'}", markup=False)
+    return EXIT_VIOLATION if rows[0].failed else EXIT_OK
 
 
 def _price(text: str) -> float:
@@ -209,7 +255,7 @@ def _report(paths: list[Path], out: Path | None, price: float | None, console: C
 # --- interrupts and leftovers -------------------------------------------------------------
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_COMMANDS = ("run", "sim", "report", "validate", "list", "clean")
+_COMMANDS = ("run", "sim", "report", "compare", "validate", "list", "clean")
 
 
 class Interrupted(KeyboardInterrupt):

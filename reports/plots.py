@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
@@ -135,3 +135,20 @@ def cost_bars(labels: list[str], costs: list[Cost]) -> bytes:
 
 def _short(label: str, width: int = 38) -> str:
     return label if len(label) <= width else label[: width - 1] + "…"
+
+
+def compare_boxes(rows: list[Any]) -> bytes:
+    """The three designs side by side: duplicated tokens and unfinished evaluations per
+    run, as distributions over the runs (seeds)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{r.variant}\n({r.runs} runs)" for r in rows]
+    left.boxplot([r.duplicated_tokens or [0] for r in rows], tick_labels=labels)
+    left.set_ylabel("duplicated tokens per run")
+    left.set_title("What faults cost in LLM calls", fontsize=10)
+    right.boxplot([r.unfinished or [0] for r in rows], tick_labels=labels)
+    right.set_ylabel("evaluations left unfinished per run")
+    right.set_title("What never ended", fontsize=10)
+    for ax in (left, right):
+        ax.grid(axis="y", alpha=0.3)
+        ax.tick_params(axis="x", labelsize=8)
+    return png(fig)

@@ -252,3 +252,33 @@ def test_the_report_renders_in_a_browser_with_every_plot(tmp_path: Path) -> None
     pixels = matplotlib.image.imread(shot)
     assert pixels.shape[:2] == (2000, 1200)
     assert pixels.std() > 0.05
+
+
+def test_chaos_compare_shows_what_each_memory_buys(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    scenario = str(ROOT / "scenarios" / "crash_after_ack.yaml")
+    assert main(["compare", scenario, "--mode", "sim", "--seeds", "3", "--out", str(out)]) == 0
+    rows = {r["mutant"]: r for r in json.loads((out / "compare.json").read_text())["rows"]}
+    engine, rabbit_only, as_written = rows[None], rows["no_redis_results"], rows["no_sweeper"]
+    assert engine["failed"] == {} and engine["finished_rules_paid_again_tokens"] == 0
+    assert rabbit_only["failed"] == {"no_completed_rerun": 3}
+    assert rabbit_only["finished_rules_paid_again_tokens"] > 0
+    assert "paid" in rabbit_only["what_broke"] and "already finished" in rabbit_only["what_broke"]
+    assert as_written["failed"] == {"all_terminal": 3} and as_written["unfinished_evaluations"] > 0
+    assert "unfinished" in as_written["what_broke"]
+
+    # The numbers are the journals': the engine's duplicated tokens are its checker's
+    # reruns; RabbitMQ only pays those and, on top, the reruns after completion.
+    def stats(folder: str) -> list[dict[str, Any]]:
+        journals = sorted((out / folder).glob("*/journal.json"))
+        assert len(journals) == 3
+        return [json.loads(j.read_text())["stats"] for j in journals]
+
+    tokens = sorted(s["rerun_tokens"] for s in stats("engine"))
+    assert engine["duplicated_tokens"]["p50"] == tokens[1]
+    assert all(s["completed_reruns"] > 0 for s in stats("no_redis_results"))
+    before_write = sum(s["rerun_tokens"] for s in stats("no_redis_results"))
+    paid_again = rabbit_only["finished_rules_paid_again_tokens"]
+    assert rabbit_only["duplicated_tokens"]["mean"] * 3 == pytest.approx(before_write + paid_again)
+    assert (out / "compare.md").read_text().count("\n| ") == 4  # the header and 3 designs
+    assert (out / "compare.png").stat().st_size > 10_000

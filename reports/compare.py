@@ -1,0 +1,138 @@
+"""The seed's argument, measured: the same scenarios run by the engine with both memories,
+with RabbitMQ only (`no_redis_results`: no stored results to resume from) and as the
+seed's design was written (`no_sweeper`: nothing resumes an evaluation whose worker died
+after the ACK), side by side. Read from the runs' journals and histories, so every
+number can be checked against them; over many seeds in the simulator, as distributions."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chaos.checker.cost import duplicated_cost
+from chaos.checker.latency import percentiles, recoveries, retry_latencies
+from reports import plots
+from reports.runs import Run
+
+#: (label, mutant, what it takes away): the three designs compared.
+VARIANTS: tuple[tuple[str, str | None, str], ...] = (
+    ("both memories", None, "the engine as shipped"),
+    ("RabbitMQ only", "no_redis_results", "no stored results to resume from"),
+    ("the seed as written", "no_sweeper", "no sweeper after the ACK"),
+)
+
+
+@dataclass
+class Row:
+    variant: str
+    mutant: str | None
+    runs: int = 0
+    duplicated_tokens: list[int] = field(default_factory=list)
+    duplicated_ratio: list[float] = field(default_factory=list)
+    finished_rerun_tokens: list[int] = field(default_factory=list)
+    unfinished: list[int] = field(default_factory=list)
+    retry_seconds: list[float] = field(default_factory=list)  # production seconds
+    recovery_seconds: list[float] = field(default_factory=list)
+    failed: Counter[str] = field(default_factory=Counter)  # invariant -> runs it failed
+
+    def add(self, run: Run) -> None:
+        self.runs += 1
+        cost = duplicated_cost(run.history, run.extra.get("mutant"))
+        self.duplicated_tokens.append(cost.duplicated_tokens)
+        reference = cost.reference_tokens
+        self.duplicated_ratio.append(cost.duplicated_tokens / reference if reference else 0.0)
+        after = ("mutant", "after_completion", "lost_state")
+        self.finished_rerun_tokens.append(sum(x.tokens for x in cost.reruns if x.cause in after))
+        submitted = {e.get("attempt_id") for e in run.history if e.get("ev") == "submitted"}
+        ended = {e.get("attempt_id") for e in run.history if e.get("ev") == "evaluation_terminal"}
+        self.unfinished.append(len(submitted - ended))
+        scale = run.settings.get("time_scale") or 1.0
+        self.retry_seconds += [x.seconds / scale for x in retry_latencies(run.history)]
+        self.recovery_seconds += [
+            r.next_start_s for r in recoveries(run.history) if r.next_start_s is not None
+        ]
+        verdicts = run.journal.get("verdicts") or {}
+        self.failed.update(name for name, v in verdicts.items() if v == "fail")
+
+    def sentence(self) -> str:
+        """What broke, in one sentence."""
+        if not self.runs:
+            return "not run"
+        if not self.failed:
+            return f"nothing broke: every invariant held in {self.runs} run(s)"
+        parts = []
+        if sum(self.finished_rerun_tokens):
+            parts.append(
+                f"paid {sum(self.finished_rerun_tokens):,} tokens again for rules already "
+                f"finished (mean {statistics.fmean(self.finished_rerun_tokens):,.0f} a run)"
+            )
+        if sum(self.unfinished):
+            stuck = sum(1 for u in self.unfinished if u)
+            parts.append(
+                f"left {sum(self.unfinished)} evaluation(s) unfinished in {stuck} of "
+                f"{self.runs} run(s)"
+            )
+        broke = ", ".join(f"{name} in {n}/{self.runs}" for name, n in self.failed.most_common())
+        return "; ".join([*parts, f"failed {broke}"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "variant": self.variant,
+            "mutant": self.mutant,
+            "runs": self.runs,
+            "duplicated_tokens": percentiles([float(t) for t in self.duplicated_tokens]),
+            "duplicated_ratio": percentiles(self.duplicated_ratio),
+            "finished_rules_paid_again_tokens": sum(self.finished_rerun_tokens),
+            "unfinished_evaluations": sum(self.unfinished),
+            "retry_latency_production_s": percentiles(self.retry_seconds),
+            "recovery_s": percentiles(self.recovery_seconds),
+            "failed": dict(self.failed),
+            "what_broke": self.sentence(),
+        }
+
+
+def compare(runs_by_variant: dict[str | None, list[Run]]) -> list[Row]:
+    rows = []
+    for label, mutant, _ in VARIANTS:
+        row = Row(label, mutant)
+        for run in runs_by_variant.get(mutant, []):
+            row.add(run)
+        rows.append(row)
+    return rows
+
+
+def _n(values: list[float] | list[int], p: str = "p50") -> str:
+    got = percentiles([float(v) for v in values])
+    if not got["n"]:
+        return "-"
+    value = got[p]
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def table_md(rows: list[Row]) -> str:
+    lines = [
+        "| design | runs | duplicated tokens (median / p95) | ratio to fault-free (median) "
+        "| unfinished evaluations | p99 retry latency (production s) | p99 recovery (s) "
+        "| what broke |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.variant} | {r.runs} | {_n(r.duplicated_tokens)} / "
+            f"{_n(r.duplicated_tokens, 'p95')} | {_n(r.duplicated_ratio)} | {sum(r.unfinished)} "
+            f"| {_n(r.retry_seconds, 'p99')} | {_n(r.recovery_seconds, 'p99')} | {r.sentence()} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_comparison(rows: list[Row], out: Path, scenarios: list[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    title = f"# The seed's argument, measured: {', '.join(scenarios)}\n\n"
+    (out / "compare.md").write_text(title + table_md(rows))
+    doc = {"scenarios": scenarios, "rows": [r.to_dict() for r in rows]}
+    (out / "compare.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "compare.png").write_bytes(plots.compare_boxes(rows))
