@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--mutant", help="explore a deliberately broken engine")
     sim.add_argument("--shrink", action="store_true", help="shrink the first failure found")
     sim.add_argument(
+        "--report",
+        type=Path,
+        metavar="DIR",
+        help="what the faults cost over the seeds: report.html, summary.md, metrics.json",
+    )
+    sim.add_argument(
         "--all-failpoints",
         action="store_true",
         help="instead of seeds: a crash at each failpoint hit of one run",

@@ -47,6 +47,7 @@ class SeedResult:
     message: str = ""
     crashed: int = 0  # `crash` events: did an armed failpoint fire?
     unknown: tuple[str, ...] = ()  # invariants that judged nothing (or a broken history)
+    measures: dict[str, Any] | None = None  # what faults cost (`reports.sweep.measure`)
 
 
 @dataclass
@@ -162,8 +163,8 @@ def concrete(data: dict[str, Any]) -> dict[str, Any]:
 Simulate = Callable[[dict[str, Any], str | None], SeedResult]
 
 
-def simulate(data: dict[str, Any], mutant: str | None = None) -> SeedResult:
-    """One simulated run of a scenario document."""
+def simulate(data: dict[str, Any], mutant: str | None = None, measure: bool = False) -> SeedResult:
+    """One simulated run of a scenario document (`measure`: with what its faults cost)."""
     from chaos.insim import run_scenario
 
     seed = int(data.get("seed", 0))
@@ -186,12 +187,19 @@ def simulate(data: dict[str, Any], mutant: str | None = None) -> SeedResult:
     )
     crashed = sum(1 for e in outcome.history if e["ev"] == "crash")
     unknown = tuple(k for k, v in result.verdicts.items() if v == "unknown")
-    return SeedResult(seed, result.ok, tuple(failed), outcome.history_hash, first, crashed, unknown)
+    measures = None
+    if measure:
+        from reports.sweep import measure as measured
+
+        measures = measured(outcome.history, loaded.spec.time_scale, mutant)
+    return SeedResult(
+        seed, result.ok, tuple(failed), outcome.history_hash, first, crashed, unknown, measures
+    )
 
 
-def _one(args: tuple[dict[str, Any], int, str | None]) -> SeedResult:
-    data, seed, mutant = args
-    return simulate(swarm(data, seed), mutant)
+def _one(args: tuple[dict[str, Any], int, str | None, bool]) -> SeedResult:
+    data, seed, mutant, measure = args
+    return simulate(swarm(data, seed), mutant, measure)
 
 
 def explore(
@@ -200,11 +208,13 @@ def explore(
     jobs: int = 0,
     mutant: str | None = None,
     on_result: Callable[[SeedResult], None] | None = None,
+    measure: bool = False,
 ) -> Exploration:
-    """Run every seed's swarm variant, on `jobs` processes (0: every core)."""
+    """Run every seed's swarm variant, on `jobs` processes (0: every core); `measure`:
+    each seed also says what its faults cost (for `chaos sim --report`)."""
     jobs = jobs or os.cpu_count() or 1
     exploration = Exploration()
-    work = ((data, seed, mutant) for seed in seeds)
+    work = ((data, seed, mutant, measure) for seed in seeds)
     results: Iterator[SeedResult]
     if jobs == 1:
         results = map(_one, work)

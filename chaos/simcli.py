@@ -98,7 +98,8 @@ def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: C
                 )
             )
 
-        exploration = explore(data, seeds, args.jobs, args.mutant, seen)
+        report = getattr(args, "report", None)
+        exploration = explore(data, seeds, args.jobs, args.mutant, seen, measure=bool(report))
     took = time.monotonic() - started
     n = len(exploration.results)
     console.print(
@@ -110,6 +111,12 @@ def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: C
     )
     for r in sorted(failures, key=lambda r: r.seed):
         console.print(f"  seed {r.seed}: {', '.join(r.failed)}: {r.message}", markup=False)
+    if report:
+        from reports.sweep import build_sweep_report
+
+        measures = [r.measures for r in exploration.results if r.measures is not None]
+        target = build_sweep_report(loaded.spec.name, measures, Path(report))
+        console.print(f"report: {target / 'report.html'} ({len(measures)} seeds)", markup=False)
     if failures and args.shrink:
         first = min(failures, key=lambda r: r.seed)
         _shrink_and_write(data, first, loaded, args, console)

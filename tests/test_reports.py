@@ -282,3 +282,17 @@ def test_chaos_compare_shows_what_each_memory_buys(tmp_path: Path) -> None:
     assert rabbit_only["duplicated_tokens"]["mean"] * 3 == pytest.approx(before_write + paid_again)
     assert (out / "compare.md").read_text().count("\n| ") == 4  # the header and 3 designs
     assert (out / "compare.png").stat().st_size > 10_000
+
+
+def test_chaos_sim_report_gathers_every_seed(tmp_path: Path) -> None:
+    scenario = str(ROOT / "scenarios" / "transient_llm_errors.yaml")
+    out = tmp_path / "sweep"
+    assert main(["sim", scenario, "--seeds", "12", "--jobs", "1", "--report", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["seeds"] == 12
+    levels = metrics["retry_latency_production_s"]
+    assert levels["level_1"]["n"] > 0 and levels["level_2"]["n"] > 0  # its errors retry
+    # Level 2 waits out a delay tier (30 s in production), level 1 does not.
+    assert levels["level_2"]["p50"] > 30 > levels["level_1"]["p50"]
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 2 and "http" not in page

@@ -1,0 +1,151 @@
+"""A report over many simulated seeds (`chaos sim SCENARIO --seeds N --report`): what faults
+cost as distributions, not single runs. Each seed is measured where it ran (`measure`,
+in the explorer's processes); the report gathers the measures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+from chaos.checker.cost import CAUSES, duplicated_cost
+from chaos.checker.latency import RetryLatency, percentiles, recoveries, retry_latencies
+from reports import plots
+
+
+def measure(history: list[dict[str, Any]], time_scale: float, mutant: str | None) -> dict:
+    """One seed's numbers, small enough to send back from a worker process."""
+    cost = duplicated_cost(history, mutant)
+    submitted = {e.get("attempt_id") for e in history if e.get("ev") == "submitted"}
+    ended = {e.get("attempt_id") for e in history if e.get("ev") == "evaluation_terminal"}
+    scale = time_scale or 1.0
+    return {
+        "tokens_total": cost.tokens_total,
+        "duplicated_tokens": cost.duplicated_tokens,
+        "reference_tokens": cost.reference_tokens,
+        "by_cause": cost.by_cause(),
+        "retries": [[x.level, x.seconds / scale] for x in retry_latencies(history)],
+        "recoveries": [r.next_start_s for r in recoveries(history) if r.next_start_s is not None],
+        "unfinished": len(submitted - ended),
+    }
+
+
+def build_sweep_report(name: str, measures: list[dict[str, Any]], out: Path) -> Path:
+    """report.html, summary.md, metrics.json and the plots of one sweep, in `out` (whole)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out.parent))
+    try:
+        ratios = [
+            m["duplicated_tokens"] / m["reference_tokens"]
+            for m in measures
+            if m["reference_tokens"]
+        ]
+        by_cause = {c: sum(m["by_cause"][c] for m in measures) for c in CAUSES}
+        latencies = [
+            RetryLatency("", "", int(level), None, seconds, "")
+            for m in measures
+            for level, seconds in m["retries"]
+        ]
+        levels = {
+            f"level_{n}": percentiles([x.seconds for x in latencies if x.level == n])
+            for n in (1, 2, 3)
+        }
+        metrics = {
+            "scenario": name,
+            "seeds": len(measures),
+            "duplicated_ratio": percentiles(ratios),
+            "duplicated_tokens": percentiles([float(m["duplicated_tokens"]) for m in measures]),
+            "duplicated_tokens_by_cause": by_cause,
+            "retry_latency_production_s": levels,
+            "recovery_s": percentiles([s for m in measures for s in m["recoveries"]]),
+            "seeds_with_unfinished_evaluations": sum(1 for m in measures if m["unfinished"]),
+        }
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        images = {
+            "latency.png": plots.latency_cdf(latencies, 1.0),
+            "duplicated.png": _ratio_histogram(ratios, name),
+        }
+        for file, data in images.items():
+            (tmp / file).write_bytes(data)
+        (tmp / "summary.md").write_text(_summary(metrics))
+        (tmp / "report.html").write_text(_html(metrics, images))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _ratio_histogram(ratios: list[float], name: str) -> bytes:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if ratios:
+        ax.hist(ratios, bins=min(40, max(5, len(ratios) // 10)), color="#e45756")
+    ax.set_xlabel("duplicated tokens / the fault-free bill, per seed")
+    ax.set_ylabel("seeds")
+    ax.set_title(f"{name}: what faults added to the LLM bill", fontsize=10)
+    ax.grid(alpha=0.3)
+    return plots.png(fig)
+
+
+def _fmt(p: dict[str, Any], key: str) -> str:
+    return "-" if not p.get("n") else f"{p[key]:.3g}"
+
+
+def _lines(metrics: dict[str, Any]) -> list[tuple[str, str]]:
+    ratio, levels = metrics["duplicated_ratio"], metrics["retry_latency_production_s"]
+    rows = [
+        ("seeds", str(metrics["seeds"])),
+        (
+            "duplicated ratio p50 / p95 / max",
+            " / ".join(_fmt(ratio, k) for k in ("p50", "p95", "max")),
+        ),
+        ("seeds with unfinished evaluations", str(metrics["seeds_with_unfinished_evaluations"])),
+        ("recovery p99 (run s)", _fmt(metrics["recovery_s"], "p99")),
+    ]
+    for n in (1, 2, 3):
+        p = levels[f"level_{n}"]
+        rows.append(
+            (
+                f"retry latency level {n} p50 / p99 (production s)",
+                f"{_fmt(p, 'p50')} / {_fmt(p, 'p99')}",
+            )
+        )
+    rows += [
+        (f"duplicated tokens: {c}", str(t))
+        for c, t in metrics["duplicated_tokens_by_cause"].items()
+    ]
+    return rows
+
+
+def _summary(metrics: dict[str, Any]) -> str:
+    lines = [f"# {metrics['scenario']}: what faults cost over {metrics['seeds']} seeds", ""]
+    lines += ["| measure | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in _lines(metrics)]
+    return "\n".join(lines) + "\n"
+
+
+def _html(metrics: dict[str, Any], images: dict[str, bytes]) -> str:
+    import base64
+    import html
+
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _lines(metrics)
+    )
+    figures = "".join(
+        f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,'
+        f'{base64.b64encode(data).decode()}"></figure>'
+        for name, data in images.items()
+    )
+    title = html.escape(f"{metrics['scenario']}: what faults cost over {metrics['seeds']} seeds")
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+        "<style>body{font:14px/1.4 system-ui,sans-serif;margin:2em}td{border:1px solid #ccc;"
+        "padding:4px 8px}table{border-collapse:collapse}img{max-width:100%}</style></head>"
+        f"<body><h1>{title}</h1><table>{rows}</table>{figures}</body></html>\n"
+    )
