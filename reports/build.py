@@ -8,8 +8,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ from chaos.checker.cost import CAUSES, Cost, duplicated_cost
 from chaos.checker.latency import percentiles, recoveries, retry_latencies
 from chaos.checker.records import BUDGETS
 from reports import plots
-from reports.runs import Run
+from reports.runs import Run, written_whole
 
 #: Money per 1,000 tokens when neither the command line nor the run says (USD).
 DEFAULT_PRICE_PER_1K = 0.01
@@ -92,9 +90,7 @@ def budgets(run: Run) -> list[dict[str, Any]]:
 def build_report(runs: list[Run], out: str | Path, price: float | None = None) -> Path:
     """Write the report of `runs` into the folder `out` (replaced whole); return it."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out.parent))
-    try:
+    with written_whole(out) as tmp:
         per_run, costs, images = [], [], []
         for i, run in enumerate(runs):
             numbers, cost, latencies = metrics(run, price)
@@ -115,12 +111,6 @@ def build_report(runs: list[Run], out: str | Path, price: float | None = None) -
         (tmp / "metrics.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
         (tmp / "summary.md").write_text(summary_md(per_run))
         (tmp / "report.html").write_text(report_html(per_run, images))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

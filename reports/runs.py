@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,3 +92,19 @@ def load_run(folder: Path) -> Run:
         raise ReportError(f"{history_path}: missing (the report reads each run's history)")
     history = sorted(read_history(history_path), key=sort_key)
     return Run(folder, journal, history)
+
+
+@contextlib.contextmanager
+def written_whole(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out` to write a report into; it replaces `out` whole once
+    the block ends, and is removed if the block fails: nothing is left half-written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

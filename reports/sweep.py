@@ -5,8 +5,6 @@ in the explorer's processes); the report gathers the measures."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +13,7 @@ import matplotlib.pyplot as plt
 from chaos.checker.cost import CAUSES, duplicated_cost
 from chaos.checker.latency import RetryLatency, percentiles, recoveries, retry_latencies
 from reports import plots
+from reports.runs import written_whole
 
 
 def measure(history: list[dict[str, Any]], time_scale: float, mutant: str | None) -> dict:
@@ -36,9 +35,7 @@ def measure(history: list[dict[str, Any]], time_scale: float, mutant: str | None
 
 def build_sweep_report(name: str, measures: list[dict[str, Any]], out: Path) -> Path:
     """report.html, summary.md, metrics.json and the plots of one sweep, in `out` (whole)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out.parent))
-    try:
+    with written_whole(out) as tmp:
         ratios = [
             m["duplicated_tokens"] / m["reference_tokens"]
             for m in measures
@@ -73,12 +70,6 @@ def build_sweep_report(name: str, measures: list[dict[str, Any]], out: Path) -> 
             (tmp / file).write_bytes(data)
         (tmp / "summary.md").write_text(_summary(metrics))
         (tmp / "report.html").write_text(_html(metrics, images))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
