@@ -143,6 +143,15 @@ def _rows(per_run: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+SETTINGS = ["time_scale", "heartbeat_ms", "stale_ms", "sweep_ms", "sweeper", "tiers_ms"]
+
+
+def _settings_rows(per_run: list[dict[str, Any]]) -> list[list[str]]:
+    """What bounds recovery (the lease a heartbeat renews, the sweeper's period) and scales
+    time, per run."""
+    return [[m["run"], *(_s(m["settings"].get(k)) for k in SETTINGS)] for m in per_run]
+
+
 def _budget_rows(per_run: list[dict[str, Any]]) -> list[list[str]]:
     verdict = {True: "yes", False: "EXCEEDED", None: "not measured"}
     return [
@@ -187,6 +196,9 @@ def summary_md(per_run: list[dict[str, Any]]) -> str:
             "|---|---|---|---|---|",
         ]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", "Settings that bound recovery and scale time:", ""]
+    lines += ["| run | " + " | ".join(SETTINGS) + " |", "|" + "---|" * (len(SETTINGS) + 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in _settings_rows(per_run)]
     lines += ["", "Duplicated tokens by cause:", ""]
     lines += ["| run | " + " | ".join(CAUSES) + " |", "|" + "---|" * (len(CAUSES) + 1)]
     for m in per_run:
@@ -230,6 +242,8 @@ figcaption {{ color: #666; font-size: 12px; }}
 stopping fault to the next rule start, in scenario seconds.</p>
 {table(HEADERS, _rows(per_run))}
 {budget_html}
+<h2>Settings that bound recovery and scale time</h2>
+{table(["run", *SETTINGS], _settings_rows(per_run))}
 <h2>Duplicated tokens by cause</h2>
 {table(["run", *CAUSES], causes)}
 <h2>Plots</h2>
