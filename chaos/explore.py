@@ -191,7 +191,8 @@ def simulate(data: dict[str, Any], mutant: str | None = None, measure: bool = Fa
     if measure:
         from reports.sweep import measure as measured
 
-        measures = measured(outcome.history, loaded.spec.time_scale, mutant)
+        bill = result.stats.get("reference_tokens")
+        measures = measured(outcome.history, loaded.spec.time_scale, mutant, bill)
     return SeedResult(
         seed, result.ok, tuple(failed), outcome.history_hash, first, crashed, unknown, measures
     )

@@ -72,6 +72,8 @@ class Outcome:
     verdicts: dict[str, str] = field(default_factory=dict)
     scores: dict[str, float] = field(default_factory=dict)
     passes: dict[str, PassOutcome] = field(default_factory=dict)
+    #: What its calls cost without faults (tokens); not part of the outcome compared.
+    tokens: int = field(default=0, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, sorted, for a journal or a test's comparison."""
@@ -189,11 +191,13 @@ def fault_free_outcome(
     failed: set[str] = set()
     passes: dict[str, PassOutcome] = {}
     status: str | None = None
+    tokens = 0
     todo: deque[act.Action] = deque(core.start())
     while todo:
         action = todo.popleft()
         if isinstance(action, act.RunRule):
             d = agent.draw(attempt_id, action.rule_id, action.attempt, action.try_no)
+            tokens += d.tokens
             if d.error is None:
                 assert d.result is not None
                 todo.extend(core.rule_succeeded(action.rule_id, d.result))
@@ -220,6 +224,7 @@ def fault_free_outcome(
         verdicts={r: res.verdict for r, res in results.items()},
         scores={r: round(float(res.score), 6) for r, res in results.items()},
         passes=passes,
+        tokens=tokens,
     )
 
 

@@ -39,7 +39,9 @@ def metrics(run: Run, price: float | None) -> tuple[dict[str, Any], Cost, list[A
             entry["production_s"] = percentiles([s / scale for s in seconds])
         by_level[f"level_{level}"] = entry
     recs = recoveries(run.history)
-    reference = cost.reference_tokens
+    stats = run.journal.get("stats")
+    known = stats.get("reference_tokens") if isinstance(stats, dict) else None
+    reference = known if isinstance(known, int) else cost.reference_tokens
     duplicated = cost.duplicated_tokens
     return (
         {
@@ -60,6 +62,7 @@ def metrics(run: Run, price: float | None) -> tuple[dict[str, Any], Cost, list[A
             "cost": {
                 "tokens_total": cost.tokens_total,
                 "reference_tokens": reference,
+                "reference_from": "the fault-free reference" if known else "first executions",
                 "duplicated_tokens": duplicated,
                 "duplicated_ratio": round(duplicated / reference, 6) if reference else None,
                 "duplicated_money": round(duplicated / 1000 * price_per_1k, 6),

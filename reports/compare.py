@@ -43,7 +43,8 @@ class Row:
         self.runs += 1
         cost = duplicated_cost(run.history, run.extra.get("mutant"))
         self.duplicated_tokens.append(cost.duplicated_tokens)
-        reference = cost.reference_tokens
+        stats = run.journal.get("stats") or {}
+        reference = stats.get("reference_tokens") or cost.reference_tokens  # fault-free bill
         self.duplicated_ratio.append(cost.duplicated_tokens / reference if reference else 0.0)
         after = ("mutant", "after_completion", "lost_state")
         self.finished_rerun_tokens.append(sum(x.tokens for x in cost.reruns if x.cause in after))

@@ -16,8 +16,14 @@ from reports import plots
 from reports.runs import written_whole
 
 
-def measure(history: list[dict[str, Any]], time_scale: float, mutant: str | None) -> dict:
-    """One seed's numbers, small enough to send back from a worker process."""
+def measure(
+    history: list[dict[str, Any]],
+    time_scale: float,
+    mutant: str | None,
+    reference_tokens: int | None = None,
+) -> dict:
+    """One seed's numbers, small enough to send back from a worker process;
+    `reference_tokens`: the fault-free reference's bill (None: the first executions')."""
     cost = duplicated_cost(history, mutant)
     submitted = {e.get("attempt_id") for e in history if e.get("ev") == "submitted"}
     ended = {e.get("attempt_id") for e in history if e.get("ev") == "evaluation_terminal"}
@@ -25,7 +31,7 @@ def measure(history: list[dict[str, Any]], time_scale: float, mutant: str | None
     return {
         "tokens_total": cost.tokens_total,
         "duplicated_tokens": cost.duplicated_tokens,
-        "reference_tokens": cost.reference_tokens,
+        "reference_tokens": cost.reference_tokens if reference_tokens is None else reference_tokens,
         "by_cause": cost.by_cause(),
         "retries": [[x.level, x.seconds / scale] for x in retry_latencies(history)],
         "recoveries": [r.next_start_s for r in recoveries(history) if r.next_start_s is not None],

@@ -136,6 +136,10 @@ def test_a_report_agrees_with_the_checker_and_renders_every_plot(name: str, tmp_
     assert run["cost"]["tokens_total"] == stats["tokens_total"]
     assert run["cost"]["duplicated_money"] == pytest.approx(stats["rerun_tokens"] / 1000 * 0.5)
     assert run["settings"]["time_scale"] == outcome_scale(name)
+    # The fault-free bill is the reference's (the core alone): a run without faults pays it.
+    assert run["cost"]["reference_tokens"] == stats["reference_tokens"] > 0
+    if name == "transient_llm_errors":
+        assert stats["reference_tokens"] == stats["tokens_total"]
     page = (report / "report.html").read_text()
     assert "http://" not in page and "https://" not in page  # nothing from the network
     assert page.count("data:image/png;base64,") == 3

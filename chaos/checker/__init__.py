@@ -149,7 +149,7 @@ def check(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckResul
     if limits:
         cx.stats["budgets"] = limits
     if any(b in COST_BUDGETS for b in limits):
-        cx.stats.update(cost_stats(cx.events, spec))
+        cx.stats.update(cost_stats(cx.events, spec, cx.stats.get("reference_tokens")))
     for budget, limit in sorted(spec.budgets.items()):
         stat = BUDGETS[budget]
         value = cx.stats.get(stat)

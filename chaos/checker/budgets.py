@@ -12,9 +12,12 @@ from chaos.checker.latency import percentiles, recoveries, retry_latencies
 from chaos.checker.records import CheckSpec
 
 
-def cost_stats(events: list[dict[str, Any]], spec: CheckSpec) -> dict[str, Any]:
+def cost_stats(
+    events: list[dict[str, Any]], spec: CheckSpec, reference_tokens: int | None
+) -> dict[str, Any]:
+    """`reference_tokens`: the fault-free reference's bill (None: the first executions')."""
     cost = duplicated_cost(events)
-    reference = cost.reference_tokens
+    reference = cost.reference_tokens if reference_tokens is None else reference_tokens
     duplicated = cost.duplicated_tokens
     stats: dict[str, Any] = {
         "duplicated_ratio": round(duplicated / reference, 6) if reference else 0.0,
