@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 from chaos import acts
+from chaos.acts import Step
 from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
 from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
 from engine.plan import Plan
@@ -39,8 +39,6 @@ DELIVERY_PATIENCE_S = 10.0
 #: SIGTERM to SIGKILL: a `restart_worker` fault's, and the end of the run's.
 RESTART_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 3.0
-
-Step = Generator[acts.Act, Any, Any]
 
 
 @dataclass

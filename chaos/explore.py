@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from chaos.checker.budgets import measure as measure_cost
 from chaos.scenario import LoadedScenario, ScenarioError, fault_schedule, scenario_from_dict
 from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
 
@@ -189,10 +190,8 @@ def simulate(data: dict[str, Any], mutant: str | None = None, measure: bool = Fa
     unknown = tuple(k for k, v in result.verdicts.items() if v == "unknown")
     measures = None
     if measure:
-        from reports.sweep import measure as measured
-
         bill = result.stats.get("reference_tokens")
-        measures = measured(outcome.history, loaded.spec.time_scale, mutant, bill)
+        measures = measure_cost(outcome.history, loaded.spec.time_scale, mutant, bill)
     return SeedResult(
         seed, result.ok, tuple(failed), outcome.history_hash, first, crashed, unknown, measures
     )

@@ -34,6 +34,7 @@ from aio_pika.abc import (
 )
 
 from chaos import acts
+from chaos.acts import Step
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
 from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
 from chaos.conductor import (
@@ -42,7 +43,6 @@ from chaos.conductor import (
     STOP_TIMEOUT_S,
     Conductor,
     Progress,
-    Step,
     delivered,
 )
 from chaos.scenario import LoadedScenario

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.checker.cost import duplicated_cost
-from chaos.checker.latency import percentiles, recoveries, retry_latencies
+from chaos.checker.budgets import measure
+from chaos.checker.latency import percentiles
 from reports import plots
 from reports.runs import Run
 
@@ -41,21 +41,21 @@ class Row:
 
     def add(self, run: Run) -> None:
         self.runs += 1
-        cost = duplicated_cost(run.history, run.extra.get("mutant"))
-        self.duplicated_tokens.append(cost.duplicated_tokens)
         stats = run.journal.get("stats") or {}
-        reference = stats.get("reference_tokens") or cost.reference_tokens  # fault-free bill
-        self.duplicated_ratio.append(cost.duplicated_tokens / reference if reference else 0.0)
+        m = measure(
+            run.history,
+            run.settings.get("time_scale") or 1.0,
+            run.extra.get("mutant"),
+            stats.get("reference_tokens"),  # the fault-free bill
+        )
+        duplicated, reference = m["duplicated_tokens"], m["reference_tokens"]
+        self.duplicated_tokens.append(duplicated)
+        self.duplicated_ratio.append(duplicated / reference if reference else 0.0)
         after = ("mutant", "after_completion", "lost_state")
-        self.finished_rerun_tokens.append(sum(x.tokens for x in cost.reruns if x.cause in after))
-        submitted = {e.get("attempt_id") for e in run.history if e.get("ev") == "submitted"}
-        ended = {e.get("attempt_id") for e in run.history if e.get("ev") == "evaluation_terminal"}
-        self.unfinished.append(len(submitted - ended))
-        scale = run.settings.get("time_scale") or 1.0
-        self.retry_seconds += [x.seconds / scale for x in retry_latencies(run.history)]
-        self.recovery_seconds += [
-            r.next_start_s for r in recoveries(run.history) if r.next_start_s is not None
-        ]
+        self.finished_rerun_tokens.append(sum(m["by_cause"][c] for c in after))
+        self.unfinished.append(m["unfinished"])
+        self.retry_seconds += [seconds for _, seconds in m["retries"]]
+        self.recovery_seconds += m["recoveries"]
         verdicts = run.journal.get("verdicts") or {}
         self.failed.update(name for name, v in verdicts.items() if v == "fail")
 

@@ -1,6 +1,6 @@
 """A report over many simulated seeds (`chaos sim SCENARIO --seeds N --report`): what faults
 cost as distributions, not single runs. Each seed is measured where it ran (`measure`,
-in the explorer's processes); the report gathers the measures."""
+in the explorer's processes: `chaos.checker.budgets.measure`); the report gathers them."""
 
 from __future__ import annotations
 
@@ -10,33 +10,10 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from chaos.checker.cost import CAUSES, duplicated_cost
-from chaos.checker.latency import RetryLatency, percentiles, recoveries, retry_latencies
+from chaos.checker.cost import CAUSES
+from chaos.checker.latency import RetryLatency, percentiles
 from reports import plots
 from reports.runs import written_whole
-
-
-def measure(
-    history: list[dict[str, Any]],
-    time_scale: float,
-    mutant: str | None,
-    reference_tokens: int | None = None,
-) -> dict:
-    """One seed's numbers, small enough to send back from a worker process;
-    `reference_tokens`: the fault-free reference's bill (None: the first executions')."""
-    cost = duplicated_cost(history, mutant)
-    submitted = {e.get("attempt_id") for e in history if e.get("ev") == "submitted"}
-    ended = {e.get("attempt_id") for e in history if e.get("ev") == "evaluation_terminal"}
-    scale = time_scale or 1.0
-    return {
-        "tokens_total": cost.tokens_total,
-        "duplicated_tokens": cost.duplicated_tokens,
-        "reference_tokens": cost.reference_tokens if reference_tokens is None else reference_tokens,
-        "by_cause": cost.by_cause(),
-        "retries": [[x.level, x.seconds / scale] for x in retry_latencies(history)],
-        "recoveries": [r.next_start_s for r in recoveries(history) if r.next_start_s is not None],
-        "unfinished": len(submitted - ended),
-    }
 
 
 def build_sweep_report(name: str, measures: list[dict[str, Any]], out: Path) -> Path:

@@ -32,8 +32,9 @@ import orjson
 import simpy
 
 from chaos import acts
+from chaos.acts import Step
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.conductor import COMPLETED_QUEUE, Conductor, Step, delivered
+from chaos.conductor import COMPLETED_QUEUE, Conductor, delivered
 from chaos.insim import mutants
 from chaos.scenario import LoadedScenario, Scenario
 from engine.agent import AgentProfile, FakeAgent
