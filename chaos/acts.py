@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from chaos.proxy.model import ToxicSpec
     from chaos.supervision import Slot
     from engine.plan import Plan
 
@@ -115,6 +116,54 @@ class RestartService:
 
 
 @dataclass(frozen=True, slots=True)
+class AddToxic:
+    """Add `toxic` to the proxy of each of `workers` to `link` ("redis" or "broker"):
+    live through the Toxiproxy API, in sim on the simulated link."""
+
+    link: str
+    workers: tuple[int, ...]
+    toxic: ToxicSpec
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateToxic:
+    """Set the toxicity and attributes of the toxic named `toxic.name` (none there: no-op)."""
+
+    link: str
+    workers: tuple[int, ...]
+    toxic: ToxicSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveToxic:
+    """Take the toxic `name` away (none there: no-op)."""
+
+    link: str
+    workers: tuple[int, ...]
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CutLink:
+    """Disable the proxies: their connections close, new ones are refused."""
+
+    link: str
+    workers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreLink:
+    link: str
+    workers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ResetLinks:
+    """Every proxy enabled, every toxic gone (Toxiproxy's `/reset`): the end of a run, so
+    that the workers stop as they would on a sound network."""
+
+
+@dataclass(frozen=True, slots=True)
 class Connect:
     """The runner's client of the engine (`engine.submit.EngineClient`), until
     `Disconnect`."""
@@ -198,6 +247,12 @@ Act = (
     | ResumeWorker
     | KillService
     | RestartService
+    | AddToxic
+    | UpdateToxic
+    | RemoveToxic
+    | CutLink
+    | RestoreLink
+    | ResetLinks
     | Connect
     | Disconnect
     | BindConsumer

@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
     sub.add_parser("clean", help="stop and delete what killed runs left (their runner is dead)")
+    prx = sub.add_parser("proxy", help="a seeded Toxiproxy-compatible server, until interrupted")
+    prx.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
+    prx.add_argument("--port", type=_within(0, 65535), default=8474, help="API port (8474)")
+    prx.add_argument("--seed", type=_within(0, MAX_SEED), default=0, help="draws' seed (0)")
     return p
 
 
@@ -171,6 +175,10 @@ def _main(argv: list[str] | None) -> int:
         return _list(console)
     if args.command == "report":
         return _report(args.runs, args.out, args.price_per_1k, console)
+    if args.command == "proxy":
+        from chaos.proxy.server import serve
+
+        return serve(args.host, args.port, args.seed)
     loaded, errors = _load_all(args.scenarios if args.command != "sim" else [args.scenario])
     for line in errors:  # every bad file, before anything runs
         print(line, file=sys.stderr)
@@ -261,7 +269,7 @@ def _report(paths: list[Path], out: Path | None, price: float | None, console: C
 # --- interrupts and leftovers -------------------------------------------------------------
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_COMMANDS = ("run", "sim", "report", "compare", "validate", "list", "clean")
+_COMMANDS = ("run", "sim", "report", "compare", "validate", "list", "clean", "proxy")
 
 
 class Interrupted(KeyboardInterrupt):

@@ -24,7 +24,13 @@ from typing import Any
 
 from chaos import acts
 from chaos.acts import Step
-from chaos.scenario import EventTriggers, LoadedScenario, PlannedFault, fault_schedule
+from chaos.scenario import (
+    EventTriggers,
+    LoadedScenario,
+    PlannedFault,
+    RunnerFault,
+    fault_schedule,
+)
 from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
 from engine.plan import Plan
 
@@ -94,6 +100,10 @@ class Conductor:
         self._timed_left = len(self._timed)  # not yet fired to the end
         self._fault_ids = itertools.count(1)  # fault_fired / worker_exited -> fault_healed
         self._later = 0  # steps spawned to run later (a resume, a restart) not yet done
+        # toxics and cuts on the links, each (link, worker, toxic name or "" for a cut) to
+        # the fault that put it there: that fault heals when the last of its is undone
+        self._on_links: dict[tuple[str, int, str], int] = {}
+        self._network = False  # a network fault fired: the links are reset at the end
         self._t0 = 0.0  # the first submit: faults' `at_s` and the deadline count from it
 
     # --- the run ------------------------------------------------------------------------
@@ -120,6 +130,9 @@ class Conductor:
         yield from self._wait_settled()
         yield from self._wait_delivered()
         yield acts.StopSpawned()
+        if self._network:
+            yield acts.ResetLinks()
+            yield acts.Record("links_reset", {})
         yield acts.Disconnect()
         for slot in self.slots:
             if slot.proc is not None:
@@ -249,6 +262,8 @@ class Conductor:
                 yield acts.Record("service_killed", {"service": name})
                 if fault.restart_after_s is not None:
                     yield from self._after(fault.restart_after_s, self._restart(name, fault_id))
+            case "add_toxic" | "update_toxic" | "remove_toxic" | "cut_link":
+                yield from self._on_link(fault, fault_id)
             case "cancel":
                 attempt_id = self.attempt_ids[fault.target]
                 self.cancelled.add(attempt_id)
@@ -256,6 +271,63 @@ class Conductor:
                 state = yield acts.Cancel(attempt_id)
                 yield acts.Record("cancel_written", {"attempt_id": attempt_id, "state": state})
                 yield from self._healed(fault_id)
+
+    def _on_link(self, fault: PlannedFault, fault_id: int) -> Step:
+        """A network fault: a toxic added (removed `for_s` later), changed or removed, or
+        the link cut (restored `for_s` later). Adding and cutting stay open until undone;
+        a change or a removal is an instant (a removal heals the fault that added)."""
+        spec = self.spec.faults[fault.fault]
+        assert isinstance(spec, RunnerFault) and spec.link is not None
+        link = spec.link
+        workers = tuple(range(self.spec.workers)) if spec.workers == "all" else spec.workers
+        where = {"link": link, "workers": list(workers)}
+        self._network = True
+        match fault.action:
+            case "add_toxic":
+                assert spec.toxic is not None
+                yield acts.AddToxic(link, workers, spec.toxic)
+                yield acts.Record("toxic_added", {**where, "toxic": spec.toxic.wire()})
+                self._put(link, workers, spec.toxic.name, fault_id)
+                if spec.for_s is not None:
+                    yield from self._after(
+                        spec.for_s, self._remove_toxic(link, workers, spec.toxic.name)
+                    )
+            case "update_toxic":
+                assert spec.toxic is not None
+                yield acts.UpdateToxic(link, workers, spec.toxic)
+                yield acts.Record("toxic_updated", {**where, "toxic": spec.toxic.wire()})
+                yield from self._healed(fault_id)
+            case "remove_toxic":
+                assert spec.toxic is not None
+                yield from self._remove_toxic(link, workers, spec.toxic.name)
+                yield from self._healed(fault_id)
+            case "cut_link":
+                yield acts.CutLink(link, workers)
+                yield acts.Record("link_cut", where)
+                self._put(link, workers, "", fault_id)
+                if spec.for_s is not None:
+                    yield from self._after(spec.for_s, self._restore_link(link, workers))
+
+    def _put(self, link: str, workers: tuple[int, ...], name: str, fault_id: int) -> None:
+        for w in workers:
+            self._on_links[(link, w, name)] = fault_id
+
+    def _taken(self, link: str, workers: tuple[int, ...], name: str) -> Step:
+        """Forget what `name` ("": the cut) held on these links; heal the faults of which
+        nothing is left."""
+        ids = {self._on_links.pop((link, w, name), None) for w in workers} - {None}
+        for fault_id in sorted(i for i in ids if i not in self._on_links.values()):
+            yield from self._healed(fault_id)
+
+    def _remove_toxic(self, link: str, workers: tuple[int, ...], name: str) -> Step:
+        yield acts.RemoveToxic(link, workers, name)
+        yield acts.Record("toxic_removed", {"link": link, "workers": list(workers), "name": name})
+        yield from self._taken(link, workers, name)
+
+    def _restore_link(self, link: str, workers: tuple[int, ...]) -> Step:
+        yield acts.RestoreLink(link, workers)
+        yield acts.Record("link_restored", {"link": link, "workers": list(workers)})
+        yield from self._taken(link, workers, "")
 
     def _kill(self, slot: Slot[Any], restart_after_s: float | None, fault_id: int) -> Step:
         """SIGKILL; the fault heals once a restarted worker is ready (never without one)."""

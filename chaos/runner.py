@@ -45,6 +45,7 @@ from chaos.conductor import (
     Progress,
     delivered,
 )
+from chaos.links import Network
 from chaos.scenario import LoadedScenario
 from chaos.services import Services
 from chaos.supervision import Slot
@@ -147,6 +148,14 @@ class ScenarioRun:
         self._events_queue: AbstractQueue | None = None
         self._received: set[str] = set()  # attemptIds whose evaluation.completed arrived
         self._spawned: list[asyncio.Task[Any]] = []  # the conductor's steps alongside
+        self.network = Network(
+            self.ns,
+            self.seed,
+            self.spec.workers,
+            services.redis_url,
+            services.amqp_url,
+            self.spec.engine.amqp_heartbeat_s,
+        )
         self._refuse_unsupported()
 
     # --- set-up -------------------------------------------------------------------------
@@ -174,6 +183,8 @@ class ScenarioRun:
             "--heartbeat-ms", str(e.heartbeat_ms),
             "--stale-ms", str(e.stale_ms),
             "--sweep-ms", str(e.sweep_ms),
+            "--connect-timeout-s", str(e.connect_timeout_s),
+            "--read-timeout-s", str(e.read_timeout_s),
             "--immediate-retries", str(r.immediate_retries),
             "--max-attempts", str(r.max_attempts),
             "--tiers-ms", ",".join(str(t) for t in r.tiers_ms),
@@ -240,7 +251,10 @@ class ScenarioRun:
         index = a.slot.index
         return WorkerProcess(
             self.worker_args([a.failpoints] if a.failpoints else []),
-            env={"REDIS_URL": self.services.redis_url, "AMQP_URL": self.services.amqp_url},
+            env={  # through the worker's own proxies (`chaos.links`)
+                "REDIS_URL": self.network.url(index, "redis"),
+                "AMQP_URL": self.network.url(index, "broker"),
+            },
             log_path=self.run_dir / f"worker{index}.log",
             name=f"worker{index}",
             module=module,
@@ -287,6 +301,24 @@ class ScenarioRun:
         return await asyncio.to_thread(
             self.services.lose_redis_writes, self.spec.redis.lose_last_writes
         )
+
+    async def on_add_toxic(self, a: acts.AddToxic) -> None:
+        await self.network.add_toxic(a.link, a.workers, a.toxic)
+
+    async def on_update_toxic(self, a: acts.UpdateToxic) -> None:
+        await self.network.update_toxic(a.link, a.workers, a.toxic)
+
+    async def on_remove_toxic(self, a: acts.RemoveToxic) -> None:
+        await self.network.remove_toxic(a.link, a.workers, a.name)
+
+    async def on_cut_link(self, a: acts.CutLink) -> None:
+        await self.network.set_enabled(a.link, a.workers, False)
+
+    async def on_restore_link(self, a: acts.RestoreLink) -> None:
+        await self.network.set_enabled(a.link, a.workers, True)
+
+    async def on_reset_links(self, a: acts.ResetLinks) -> None:
+        await self.network.reset()
 
     async def on_connect(self, a: acts.Connect) -> None:
         client = EngineClient(self.config())
@@ -390,13 +422,16 @@ class ScenarioRun:
         await asyncio.to_thread(self.services.configure, self.spec.broker.consumer_timeout_s)
         await self._clear_earlier_runs()
         try:
+            await self.network.start()
             final: FinalState = await self._drive(self.conductor.run())
         except BaseException:  # what the run left standing (a run that ends stops it all)
             await self.on_stop_spawned()
             await self.on_disconnect()
             await self._stop_workers()
             await self.on_close_consumer()
+            await self.network.close()
             raise
+        await self.network.close()
         self.history.close()
         history, final = self._as_seed_run(
             read_history(self.raw_history, keep_unreadable=True), final
@@ -404,6 +439,7 @@ class ScenarioRun:
         result = check(history, final, self.check_spec())
         extra: dict[str, Any] = {"seed": self.seed, "mutant": self.mutant, "namespace": self.ns}
         extra["settings"] = self.spec.settings()
+        extra["network"] = self.network.kind
         if self.run_prefix:
             extra["attempt_id_prefix"] = self.run_prefix
         return Outcome(

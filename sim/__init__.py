@@ -23,7 +23,12 @@ history events:
   once one queue holds several TTLs: the `per_message_ttl` mutant), exclusive queues and
   mandatory returns, broker kills with robust reconnection, optional `consumer_timeout`
   and dead-letter loss (a scenario's `broker:` and `redis:` sections set these and the
-  failover loss, `chaos.insim.run.scenario_options`).
+  failover loss, `chaos.insim.run.scenario_options`); AMQP heartbeats, which notice a
+  silent connection.
+- `sim/network.py`: each worker's proxies to Redis and to the broker, as the live run's
+  Toxiproxy gives it (`chaos.links`): latency, bandwidth, slicer, limit_data, timeout,
+  reset_peer and slow_close toxics per stream, with the live proxy's seeded draws, and
+  cut links; the runner's own clients go around them, as live.
 - `sim/worker.py`: the worker process (boot, death, freeze), its tasks simpy processes;
   `sim/failpoints.py`; `sim/world.py`, what a worker needs of the run (the services,
   the clock, the machines' latencies).
@@ -32,7 +37,7 @@ What is not, and why: message bodies are not serialised (the plan travels as the
 results as `RuleResult`s: the live code only round-trips them); Redis calls are not
 grouped into pipeline batches (batching changes neither order nor atomicity); metrics
 and logs (no invariant reads them); the events exchange has no consumer (none in a
-run); the network between processes is a latency, not Toxiproxy's toxics (later work);
+run); a message's size on the network is estimated, not serialised (`sim.network`);
 process start-up is a seeded delay; memory, CPU and clock skew do not exist. Known
 liberties: a request is "sent" when issued (live, autopipelining sends it on the next loop
 turn, so a crash in that same turn would drop it); a channel closed by `consumer_timeout`

@@ -21,6 +21,15 @@ its last frame, and a later frame never overtakes it. `BrokerClient` is one proc
 robust connection: publishes wait for a confirm, are retried with aio-pika's backoff
 while disconnected (60 attempts), and the connection comes back every
 `reconnect_interval_s` once the broker is up, with its private queue and consumers.
+
+A worker's connection goes through its proxy (`sim.network`; nothing changes while it is
+calm). A cut or reset connection is dropped by the broker at once (its unacked deliveries
+requeued) and the robust client reconnects every interval while the proxy refuses. A
+silent stream (a timeout toxic) is noticed only by AMQP heartbeats
+(`BrokerClient.silence`): the broker after 2 to 3 intervals without data from the client,
+the client after (H + 1) * 3 s without data from the broker; an ACK into the silence is
+lost (redelivered after the drop), a publish waits `read_timeout_s` for its confirm and
+is retried on the same channel, as the engine does (`engine.runtime.broker`).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from typing import Any
 import simpy
 
 from engine.shell.effects import Unroutable
+from sim.network import DOWN, UP, Conn, Link, size_of
 
 WORK_QUEUE = "evaluation.execute"
 SHARED_DELAY_QUEUE = "evaluation.retry.shared"
@@ -78,7 +88,7 @@ class Consumer:
 
 
 class Connection:
-    __slots__ = ("consumers", "in_at", "name", "on_lost", "open", "out_at", "unacked")
+    __slots__ = ("consumers", "in_at", "name", "net", "on_lost", "open", "out_at", "unacked")
 
     def __init__(self, name: str, on_lost: Callable[[Connection], None] | None) -> None:
         self.name = name
@@ -88,6 +98,7 @@ class Connection:
         self.unacked: dict[int, tuple[Message, Consumer]] = {}
         self.out_at = 0.0  # client -> broker: arrival of the last frame
         self.in_at = 0.0  # broker -> client
+        self.net: Conn | None = None  # through a worker's proxy (sim.network)
 
 
 class Delivery:
@@ -206,6 +217,8 @@ class SimBroker:
                 self._dispatch(q)
         if tell and conn.on_lost is not None:
             conn.on_lost(conn)
+        if conn.net is not None:  # the proxy sees the broker's side go, and closes
+            conn.net.close("server")
 
     def kill(self) -> None:
         """SIGKILL the node: every connection drops; durable queues and their messages stay."""
@@ -300,14 +313,19 @@ class SimBroker:
         conn.unacked[tag] = (msg, c)
         delivery = Delivery(conn, tag, msg)
         now = self.env.now
-        at = max(now + self.latency(), conn.in_at)
-        conn.in_at = at
+        at: float | None = now + self.latency()
+        net = conn.net
+        if net is not None and not net.link.calm:  # lost: unacked until the conn drops
+            at = net.pass_(DOWN, size_of(msg.body), at)  # type: ignore[arg-type]
+        if at is not None:
+            at = max(at, conn.in_at)
+            conn.in_at = at
 
-        def arrive(_: simpy.Event) -> None:
-            if conn.open and tag in conn.unacked:
-                c.handler(delivery)
+            def arrive(_: simpy.Event) -> None:
+                if conn.open and tag in conn.unacked:
+                    c.handler(delivery)
 
-        self.env.timeout(at - now).callbacks.append(arrive)
+            self.env.timeout(at - now).callbacks.append(arrive)
         if self.consumer_timeout_s is not None:
 
             def overdue(_: simpy.Event) -> None:
@@ -361,6 +379,10 @@ class BrokerClient:
         reconnect_interval_s: float = 0.5,
         on_reconnected: Callable[[], None] | None = None,
         spawn: Callable[[Generator], Any] | None = None,
+        link: Link | None = None,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 30.0,
+        heartbeat_s: float = 60.0,
     ) -> None:
         self.env = env
         self.broker = broker
@@ -368,7 +390,12 @@ class BrokerClient:
         self.reconnect_interval_s = reconnect_interval_s
         self.on_reconnected = on_reconnected
         self._spawn = spawn
+        self.link = link  # the worker's proxy to the broker (None: the runner's clients)
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s  # a publish's confirm
+        self.heartbeat_s = heartbeat_s  # negotiated: the client's (aiormq sets it)
         self.conn: Connection | None = None
+        self._reviving: Connection | None = None  # the lost connection being replaced
         self.closed = False
         self._private: str | None = None
         self._consumers: list[tuple[str, int, Callable[[Delivery], None]]] = []
@@ -377,11 +404,92 @@ class BrokerClient:
 
     def connect(self) -> Generator[simpy.Event, Any, bool]:
         """Open the connection (a few round trips); False when the broker is down."""
+        link = self.link
+        if link is not None and not link.calm:
+            return (yield from self._connect_through(link))
         yield self.env.timeout(3 * self.broker.latency())
         if not self.broker.up:
             return False
         self.conn = self.broker.connect(self.name, self._lost)
+        if link is not None:
+            self._attach(link.open(self))
         return True
+
+    def _attach(self, net: Conn | None) -> None:
+        assert self.conn is not None
+        self.conn.net = net
+        if net is not None:
+            net.tag = self.conn
+
+    def _connect_through(self, link: Link) -> Generator[simpy.Event, Any, bool]:
+        """The handshake's round trips through the proxy, within `connect_timeout_s`
+        (aio-pika's `timeout`); refused at once by a disabled proxy."""
+        env, broker = self.env, self.broker
+        start = env.now
+        net = link.open(self)
+        if net is None:
+            yield env.timeout(broker.latency())
+            return False
+        t: float | None = start
+        for _ in range(3):
+            t = net.pass_(UP, 64, t + broker.latency())  # type: ignore[operator]
+            if t is None:
+                break
+            t = net.pass_(DOWN, 64, t + broker.latency())
+            if t is None:
+                break
+        if t is None or t - start > self.connect_timeout_s:
+            yield env.timeout(self.connect_timeout_s)
+            net.close("client")
+            return False
+        yield env.timeout(t - start)
+        if not net.open or not broker.up:
+            net.close("client")
+            return False
+        self.conn = broker.connect(self.name, self._lost)
+        self._attach(net)
+        return True
+
+    # --- what the network does to the connection (sim.network.Ends) ------------------------
+
+    def client_lost(self, net: Conn) -> None:
+        """The client sees its connection closed: the robust connection reconnects."""
+        if isinstance(net.tag, Connection):
+            self._lost(net.tag)
+
+    def server_lost(self, net: Conn) -> None:
+        """The broker sees it closed: it requeues what was not acknowledged."""
+        if isinstance(net.tag, Connection):
+            self.broker.drop(net.tag)
+
+    def silence(self, net: Conn, stream: str, silent: bool) -> None:
+        """A stream passes nothing now: AMQP heartbeats notice it.
+
+        RabbitMQ (`rabbit_heartbeat`) checks the bytes it received every heartbeat
+        interval H and closes the connection after two checks in a row saw none: 2 to
+        3 H after the last data. aiormq 7 (`Connection.__heartbeat`) sends a heartbeat
+        every max(1, H // 2) s and, at each of those ticks, gives up once nothing came
+        for (H + 1) * 3 s. Either closing is seen by the other side through the proxy
+        (a close passes a timeout toxic). An upstream silence is the broker's to notice,
+        a downstream one the client's; the other direction's heartbeats keep flowing.
+        """
+        if not silent:
+            return
+        env, h = self.env, self.heartbeat_s
+        gen, now, opened = net.quiet[stream], env.now, net.opened_at
+        if stream == UP:
+            first = opened + (int((now - opened) // h) + 1) * h  # its next check
+            at, by = first + 2 * h, "server"
+        else:
+            step = max(1, int(h // 2))
+            bound = now + 3 * (h + 1)
+            at, by = opened + (int((bound - opened) // step) + 1) * step, "client"
+
+        def give_up(_: simpy.Event) -> None:
+            if net.open and net.silent[stream] and net.quiet[stream] == gen:
+                net.close(by)
+
+        env.timeout(at - now).callbacks.append(give_up)
 
     def consume_private(
         self, queue: str, prefetch: int, handler: Callable[[Delivery], None]
@@ -398,7 +506,13 @@ class BrokerClient:
         self.broker.consume(self.conn, queue, prefetch, handler)
 
     def _lost(self, conn: Connection) -> None:
-        if conn is self.conn and not self.closed and self._spawn is not None:
+        if (
+            conn is self.conn
+            and not self.closed
+            and self._spawn is not None
+            and self._reviving is not conn
+        ):
+            self._reviving = conn
             self._spawn(self._reconnect())
 
     def _reconnect(self) -> Generator[simpy.Event, Any, None]:
@@ -455,8 +569,24 @@ class BrokerClient:
             return False
         d.settled = True
         conn, broker = d.conn, self.broker
+        net = conn.net
+        if net is not None and not net.link.calm:
+            frame = self._frame_through(conn, net, 24)
+            if frame is not None:  # else lost: the broker redelivers once the conn drops
+                frame.callbacks.append(lambda _: broker.settle_arrive(conn, d.tag, ack))
+            return True
         self._frame(conn).callbacks.append(lambda _: broker.settle_arrive(conn, d.tag, ack))
         return True
+
+    def _frame_through(self, conn: Connection, net: Conn, size: int) -> simpy.Event | None:
+        """A frame to the broker through the proxy's toxics; None when it is lost."""
+        now = self.env.now
+        at = net.pass_(UP, size, now + self.broker.latency())
+        if at is None:
+            return None
+        at = max(at, conn.out_at)
+        conn.out_at = at
+        return self.env.timeout(at - now)
 
     def publish(
         self,
@@ -473,7 +603,15 @@ class BrokerClient:
         backoff = 0.05
         for attempt in range(self.ATTEMPTS):
             conn = self.conn
-            if conn is not None and conn.open:
+            net = conn.net if conn is not None else None
+            if conn is not None and net is not None and conn.open and not net.link.calm:
+                if (
+                    yield from self._publish_through(
+                        conn, net, exchange, key, body, message_id, mandatory, delay_route
+                    )
+                ):
+                    return
+            elif conn is not None and conn.open:
                 box: list[bool] = []
 
                 def arrive(_: simpy.Event, conn: Connection = conn, box: list[bool] = box) -> None:
@@ -496,6 +634,51 @@ class BrokerClient:
                 raise ConnectionError("broker unreachable (simulated)")
             yield env.timeout(backoff)
             backoff = min(backoff * 2, 1.0)
+
+    def _publish_through(
+        self,
+        conn: Connection,
+        net: Conn,
+        exchange: str,
+        key: str,
+        body: dict[str, Any],
+        message_id: str | None,
+        mandatory: bool,
+        delay_route: tuple[int, int] | None,
+    ) -> Generator[simpy.Event, Any, bool]:
+        """One attempt through the proxy: True once confirmed. A confirm that does not
+        come within `read_timeout_s` fails the attempt (the engine retries it on the same
+        channel); so does the connection closing."""
+        env, broker = self.env, self.broker
+        confirm = env.event()
+        frame = self._frame_through(conn, net, size_of(body))
+        if frame is not None:
+
+            def arrive(_: simpy.Event) -> None:
+                if not conn.open or not broker.up:
+                    return
+                if delay_route is not None:
+                    routed = broker.publish_delay(delay_route, body, message_id)
+                else:
+                    routed = broker.publish_arrive(exchange, key, body, message_id)
+                t = env.now
+                back = net.pass_(DOWN, 24, t + broker.latency())
+                if back is None:
+                    return  # published, its confirm lost: a retry publishes it again
+
+                def confirmed(_: simpy.Event) -> None:
+                    if conn.open and not confirm.triggered:
+                        confirm.succeed(routed)
+
+                env.timeout(back - t).callbacks.append(confirmed)
+
+            frame.callbacks.append(arrive)
+        yield confirm | net.closed() | env.timeout(self.read_timeout_s)
+        if not confirm.triggered:
+            return False
+        if mandatory and not confirm.value:
+            raise Unroutable(f"unroutable: routing key {key!r}")
+        return True
 
     def publish_work(self, body: dict[str, Any], message_id: str) -> Generator:
         return self.publish("", WORK_QUEUE, body, message_id, mandatory=True)

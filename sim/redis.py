@@ -13,6 +13,13 @@ or dies (the request was sent). While Redis is down, calls fail and are retried 
 redis-py's backoff (40 retries, then `ConnectionError`); a reply lost to a Redis kill is
 retried too, so a script can run twice, as with the live client's retry policy.
 
+A worker's client goes through its proxy (`sim.network`): while the proxy is calm (no
+toxic, not cut) nothing changes; else each request and reply passes the toxics. A request
+lost upstream is never applied; a reply lost downstream was (the write stands), and
+redis-py waits `read_timeout_s` (its `socket_timeout`), drops the connection and retries
+on a new one; a connection closed or reset, or refused by a cut proxy, fails at once and
+is retried with the backoff. A worker cut off keeps running its tasks meanwhile.
+
 Persistence is the scenario stack's: `appendfsync always`, so a kill loses nothing
 acknowledged, unless `failover_loss` > 0, which models a failover to a replica that
 lacked the last N writes (those writes are rolled back at the restart).
@@ -31,6 +38,7 @@ from engine.core import PERMANENTLY_FAILED, RuleResult, Snapshot, status_rank
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.keys import eval_key, result_key, retry_member, runs_key, split_member, status_key
 from engine.runtime.store import Begun, LeaseLost, StatusWritten
+from sim.network import DOWN, UP, Conn, Link, size_of
 
 TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
 
@@ -54,6 +62,7 @@ REFERENCES: dict[str, str] = {
     "_CLAIM_RETRY": "claim_retry",
 }
 _MISSING = object()
+_LOST = object()  # an attempt that got no reply
 
 
 class Fenced:
@@ -556,6 +565,9 @@ class RedisClient:
         redis: SimRedis,
         rng: random.Random,
         latency_s: tuple[float, float],
+        *,
+        link: Link | None = None,
+        read_timeout_s: float = 30.0,
     ) -> None:
         self.env = env
         self.redis = redis
@@ -563,11 +575,22 @@ class RedisClient:
         self._lo, self._hi = latency_s
         self._out_at = 0.0  # arrival of the last request: requests stay in order
         self._in_at = 0.0  # arrival of the last reply: replies too
+        self.link = link  # the worker's proxy to Redis (None: the runner's own client)
+        self.read_timeout_s = read_timeout_s  # redis-py's socket_timeout
+        self.conn = link.open(None) if link is not None else None
+
+    def hang_up(self) -> None:
+        """The process died: its socket goes, what it sent still lands."""
+        if self.conn is not None:
+            self.conn.discard()
 
     def now_ms(self) -> int:
         return int(self.env.now * 1000)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Generator[simpy.Event, Any, Any]:
+        link = self.link
+        if link is not None and not link.calm:  # toxics, or cut: through the proxy
+            return (yield from self._through(fn, args))
         env, redis = self.env, self.redis
         failures = 0
         while True:
@@ -601,3 +624,67 @@ class RedisClient:
             if failures > self.RETRIES:
                 raise ConnectionError("Redis unreachable (simulated)")
             yield env.timeout(min(1.0, 0.02 * 2**failures))
+
+    # --- through a proxy with toxics (sim.network) --------------------------------------
+
+    def _through(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Generator[Any, Any, Any]:
+        """`call` on a link that is not calm: a refused or closed connection fails at once,
+        a reply that does not come fails after `read_timeout_s` (redis-py then drops the
+        connection); either way the retry runs on a new connection, with the backoff."""
+        assert self.link is not None
+        failures = 0
+        while True:
+            conn = self.conn
+            if conn is None or not conn.open:
+                conn = self.conn = self.link.open(None)
+            if conn is not None:
+                got = yield from self._attempt(conn, fn, args)
+                if got is not _LOST:
+                    if isinstance(got, Fenced):
+                        raise LeaseLost(f"{got.attempt_id}: the lease is {got.other}'s now")
+                    return got
+            failures += 1
+            if failures > self.RETRIES:
+                raise ConnectionError("Redis unreachable (simulated)")
+            yield self.env.timeout(min(1.0, 0.02 * 2**failures))
+
+    def _attempt(self, conn: Conn, fn: Callable[..., Any], args: tuple[Any, ...]) -> Generator:
+        env, redis = self.env, self.redis
+        now = env.now
+        at = conn.pass_(UP, size_of(args), now + self._uniform(self._lo, self._hi))
+        reply = env.event()
+        if at is not None:
+            at = max(at, self._out_at)
+            self._out_at = at
+
+            def arrive(_: simpy.Event, at: float = at) -> None:
+                if conn.closed_at is not None and conn.closed_at < at:
+                    return  # dropped in the proxy with its connection
+                if not redis.up:  # the proxy's upstream is refused: it closes this one
+                    conn.close("server")
+                    return
+                epoch = redis.epoch
+                value = redis.apply(fn, args)  # applied, whatever becomes of the reply
+                t = env.now
+                back = conn.pass_(DOWN, size_of(value), t + self._uniform(self._lo, self._hi))
+                if back is None:
+                    return  # the reply is lost after the write was applied
+                back = max(back, self._in_at)
+                self._in_at = back
+
+                def deliver(_: simpy.Event) -> None:
+                    if redis.epoch != epoch:
+                        conn.close("server")
+                    elif (conn.closed_at is None or conn.closed_at >= back) and not (
+                        reply.triggered
+                    ):
+                        reply.succeed(value)
+
+                env.timeout(back - t).callbacks.append(deliver)
+
+            env.timeout(at - now).callbacks.append(arrive)
+        yield reply | conn.closed() | env.timeout(self.read_timeout_s)
+        if reply.triggered:
+            return reply.value
+        conn.close("client")  # a timeout: redis-py disconnects; a close: already gone
+        return _LOST

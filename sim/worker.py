@@ -67,13 +67,24 @@ class SimWorker:
         self.history = Source(env, run.events, self.worker_id, self.pid)
         self.record = self.history.record
         self.redis = run.redis
-        self.store = RedisClient(env, run.redis, run.net_rng, run.options.redis_latency_s)
+        self.store = RedisClient(
+            env,
+            run.redis,
+            run.net_rng,
+            run.options.redis_latency_s,
+            link=run.network.link(index, "redis"),
+            read_timeout_s=config.read_timeout_s,
+        )
         self.broker = BrokerClient(
             env,
             run.broker,
             self.worker_id,
             reconnect_interval_s=run.options.reconnect_interval_s,
             spawn=self.spawn,
+            link=run.network.link(index, "broker"),
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.read_timeout_s,
+            heartbeat_s=run.options.amqp_heartbeat_s,
         )
         self.fp = (
             SimFailpoints(env, failpoints, self.crash, self.freeze, self._failpoint_fired)
@@ -203,6 +214,7 @@ class SimWorker:
         self.history.alive = False
         self.exit_code = code
         self.broker.close_now()
+        self.store.hang_up()
         active = self.env.active_process
         for proc in list(self._procs):
             if proc is not active and proc.is_alive:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import simpy
 
 from sim.broker import SimBroker
+from sim.network import Network
 from sim.redis import SimRedis
 
 
@@ -30,6 +31,7 @@ class SimOptions:
     consumer_timeout_s: float | None = None  # RabbitMQ's consumer_timeout; None: off
     dead_letter_loss: float = 0.0  # probability that a dead-lettered retry is lost
     redis_failover_loss: int = 0  # writes a Redis restart loses (a lagging replica)
+    amqp_heartbeat_s: float = 60.0  # the workers' AMQP heartbeat (RabbitMQ's default)
 
 
 class World(Protocol):
@@ -38,6 +40,7 @@ class World(Protocol):
     env: simpy.Environment
     redis: SimRedis
     broker: SimBroker
+    network: Network  # each worker's proxies to Redis and to the broker
     options: SimOptions
     events: list[dict[str, Any]]  # every history event, in the order they happened
     net_rng: random.Random  # network latencies

@@ -181,3 +181,64 @@ def test_a_timed_fault_still_to_come_holds_a_settled_run_open() -> None:
     toy.run()
     times = {e: t for t, e, _ in toy.records}
     assert times["fault_fired"] == 3.0 and times["run_finished"] >= 3.0
+
+
+LATENCY = {"type": "latency", "attributes": {"latency": 200}}
+
+
+def test_a_toxic_is_added_to_the_chosen_links_removed_after_for_s_and_healed_then() -> None:
+    c = conductor(
+        faults=[
+            {"at_s": 0.5, "action": "add_toxic", "link": "redis", "workers": [1]}
+            | {"toxic": LATENCY, "for_s": 1.0}
+        ]
+    )
+    toy = Toy(c, settles_at=0.1)  # settled long before: the pending removal holds it open
+    toy.run()
+    net = [a for a in toy.acts if isinstance(a, acts.AddToxic | acts.RemoveToxic)]
+    assert [(type(a).__name__, a.link, a.workers) for a in net] == [
+        ("AddToxic", "redis", (1,)),
+        ("RemoveToxic", "redis", (1,)),
+    ]
+    assert net[1].name == "latency_downstream"
+    [(t_fired, _, fired)] = [r for r in toy.records if r[1] == "fault_fired"]
+    [(t_removed, _, removed)] = [r for r in toy.records if r[1] == "toxic_removed"]
+    [(t_healed, _, healed)] = [r for r in toy.records if r[1] == "fault_healed"]
+    assert (t_fired, t_removed, t_healed) == (0.5, 1.5, 1.5)
+    assert healed == {"fault_id": fired["fault_id"]} and fired["action"] == "add_toxic"
+    assert removed == {"link": "redis", "workers": [1], "name": "latency_downstream"}
+    end = [type(a).__name__ for a in toy.acts if isinstance(a, acts.ResetLinks | acts.Disconnect)]
+    assert end == ["ResetLinks", "Disconnect"]  # the workers stop on a sound network
+
+
+def test_a_cut_for_all_workers_is_restored_and_a_removal_heals_the_fault_that_added() -> None:
+    c = conductor(
+        faults=[
+            {"at_s": 0.2, "action": "cut_link", "link": "broker", "for_s": 0.5},
+            {"at_s": 0.3, "action": "add_toxic", "link": "redis", "toxic": LATENCY},
+            {"at_s": 0.4, "action": "update_toxic", "link": "redis", "workers": [0]}
+            | {"toxic": {**LATENCY, "attributes": {"latency": 500}}},
+            {"at_s": 0.9, "action": "remove_toxic", "link": "redis", "workers": [0]}
+            | {"toxic": LATENCY},
+            {"at_s": 1.2, "action": "remove_toxic", "link": "redis", "workers": [1]}
+            | {"toxic": LATENCY},
+        ]
+    )
+    toy = Toy(c, settles_at=0.0)
+    toy.run()
+    cut = [a for a in toy.acts if isinstance(a, acts.CutLink | acts.RestoreLink)]
+    assert [(type(a).__name__, a.workers) for a in cut] == [
+        ("CutLink", (0, 1)),
+        ("RestoreLink", (0, 1)),
+    ]
+    ids = {r[2]["fault"]: r[2]["fault_id"] for r in toy.records if r[1] == "fault_fired"}
+    healed = [(t, r["fault_id"]) for t, e, r in toy.records if e == "fault_healed"]
+    # the change and each removal are instants; the toxic on both workers heals only once
+    # its last copy is gone, the cut when it is restored
+    assert healed == [
+        (0.4, ids["faults[2]"]),
+        (0.7, ids["faults[0]"]),
+        (0.9, ids["faults[3]"]),
+        (1.2, ids["faults[1]"]),
+        (1.2, ids["faults[4]"]),
+    ]

@@ -36,6 +36,7 @@ from chaos.acts import Step
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
 from chaos.conductor import COMPLETED_QUEUE, Conductor, delivered
 from chaos.insim import mutants
+from chaos.proxy import model as proxy_model
 from chaos.scenario import LoadedScenario, Scenario
 from engine.agent import AgentProfile, FakeAgent
 from engine.config import EngineConfig
@@ -46,6 +47,7 @@ from engine.runtime.store import eval_key
 from engine.shell.effects import Stepper
 from sim.broker import BrokerClient, Delivery, SimBroker
 from sim.history import Source, history_hash
+from sim.network import Network
 from sim.redis import RedisClient, SimRedis
 from sim.worker import EXIT_KILLED, SimWorker
 from sim.world import SimOptions
@@ -64,6 +66,8 @@ def scenario_options(spec: Scenario, options: SimOptions) -> SimOptions:
         changes["dead_letter_loss"] = spec.broker.dead_letter_loss
     if spec.redis.lose_last_writes:
         changes["redis_failover_loss"] = spec.redis.lose_last_writes
+    if spec.engine.amqp_heartbeat_s is not None:
+        changes["amqp_heartbeat_s"] = float(spec.engine.amqp_heartbeat_s)
     return dataclasses.replace(options, **changes) if changes else options
 
 
@@ -143,6 +147,8 @@ class SimRun:
             on_lost=self._retry_lost,
         )
         self.store = RedisClient(self.env, self.redis, self.net_rng, self.options.redis_latency_s)
+        # the workers' proxies (the runner's own clients go around them, as live)
+        self.network = Network(self.env, self.seed, proxy_model)
         self._spawned: list[simpy.Process] = []  # the conductor's steps alongside
         self._client: BrokerClient | None = None  # the runner's, as `EngineClient`
         self._events: BrokerClient | None = None  # the consumer of evaluation.completed
@@ -250,6 +256,29 @@ class SimRun:
             return self.redis.restart()
         self.broker.restart()
         return None
+
+    def on_add_toxic(self, a: acts.AddToxic) -> None:
+        for w in a.workers:
+            self.network.link(w, a.link).add(_api(a.toxic))
+
+    def on_update_toxic(self, a: acts.UpdateToxic) -> None:
+        for w in a.workers:
+            self.network.link(w, a.link).update(_api(a.toxic))
+
+    def on_remove_toxic(self, a: acts.RemoveToxic) -> None:
+        for w in a.workers:
+            self.network.link(w, a.link).remove(a.name)
+
+    def on_cut_link(self, a: acts.CutLink) -> None:
+        for w in a.workers:
+            self.network.link(w, a.link).cut()
+
+    def on_restore_link(self, a: acts.RestoreLink) -> None:
+        for w in a.workers:
+            self.network.link(w, a.link).restore()
+
+    def on_reset_links(self, a: acts.ResetLinks) -> None:
+        self.network.reset()
 
     def on_connect(self, a: acts.Connect) -> Generator[Any, Any, None]:
         client = BrokerClient(self.env, self.broker, "runner")
@@ -405,6 +434,12 @@ class SimRun:
                 "settings": self.spec.settings(),
             },
         )
+
+
+def _api(toxic: Any) -> dict[str, Any]:
+    """A toxic as Toxiproxy's API dict (`ToxicSpec.as_api`, or its `wire` shape)."""
+    as_api = getattr(toxic, "as_api", None) or toxic.wire
+    return as_api()
 
 
 def _quiet(gen: Generator) -> Generator[Any, Any, None]:

@@ -51,6 +51,8 @@ from chaos.scenario.loading import load_scenario, scenario_from_dict
 from chaos.scenario.published import SCHEMA_PATH, schema_text, write_schema
 from chaos.scenario.schema import (
     INVARIANT_NAMES,
+    LINK_ACTIONS,
+    LINKS,
     RULELESS_FAILPOINTS,
     RUNNER_ACTIONS,
     WORKER_ACTIONS,
@@ -62,6 +64,8 @@ from chaos.scenario.schema import (
 
 __all__ = [
     "INVARIANT_NAMES",
+    "LINKS",
+    "LINK_ACTIONS",
     "RULELESS_FAILPOINTS",
     "RUNNER_ACTIONS",
     "SCHEMA_PATH",

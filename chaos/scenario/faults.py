@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from chaos.scenario.schema import WORKER_ACTIONS, AfterEvent, Scenario
+from chaos.scenario.schema import LINK_ACTIONS, WORKER_ACTIONS, AfterEvent, Scenario
 
 if TYPE_CHECKING:
     from chaos.scenario.loaded import LoadedScenario
@@ -81,7 +81,11 @@ def fault_schedule(
                     at_s=at,
                     after=fault.after,
                     delay_s=delay,
-                    restart_after_s=None if fault.action == "cancel" else fault.restart_after_s,
+                    restart_after_s=(
+                        None
+                        if fault.action == "cancel" or fault.action in LINK_ACTIONS
+                        else fault.restart_after_s
+                    ),
                     pause_s=pause,
                 )
             )

@@ -20,6 +20,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from chaos.checker import INVARIANTS
+from chaos.proxy.model import ToxicSpec
 from engine.agent import AgentProfile, AgentProfileError
 from engine.config import EngineConfig
 from engine.failpoints import FAILPOINTS, RULELESS_FAILPOINTS
@@ -49,8 +50,17 @@ RUNNER_ACTIONS: tuple[str, ...] = (
     "kill_redis",  # SIGKILL the scenario's throwaway redis-server
     "kill_broker",  # SIGKILL the scenario's throwaway RabbitMQ node
     "cancel",  # cancel one submitted evaluation
+    "add_toxic",  # a Toxiproxy toxic on the workers' link to a service (for_s: removed after)
+    "update_toxic",  # change the attributes or toxicity of a toxic added before
+    "remove_toxic",  # take a toxic added before away
+    "cut_link",  # disable the workers' proxy to a service: connections drop, new ones fail
 )
 WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pause_worker"})
+#: Runner actions on the network between the workers and a service (`link`, `workers`).
+LINK_ACTIONS: frozenset[str] = frozenset({"add_toxic", "update_toxic", "remove_toxic", "cut_link"})
+_LINK_LIST = "add_toxic, update_toxic, remove_toxic, cut_link"
+#: The links a network fault acts on: each worker's connections to Redis and to RabbitMQ.
+LINKS: tuple[str, ...] = ("redis", "broker")
 
 
 MAX_EVALUATIONS_PER_PLAN = 10_000
@@ -227,6 +237,23 @@ class EngineSpec(_Model):
     sweep_ms: int = Field(default=100, **_bounds("sweep_ms"))
     retry_grace_ms: int | None = Field(default=None, **_bounds("retry_grace_ms"))
     sweeper: bool = True
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0, le=600, description="a worker's connection to Redis or RabbitMQ"
+    )
+    read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=600,
+        description="a worker's Redis command or broker call: a reply lost on the network "
+        "is noticed this late",
+    )
+    amqp_heartbeat_s: int | None = Field(
+        default=None,
+        ge=1,
+        le=600,
+        description="the workers' AMQP heartbeat (the URL's heartbeat=): a silent broker "
+        "link is given up after about two of them; null: the broker's (60 s)",
+    )
 
     @model_validator(mode="after")
     def _stale_after_heartbeat(self) -> EngineSpec:
@@ -401,7 +428,8 @@ class AfterEvent(_Model):
 
 
 class RunnerFault(_Model):
-    """A fault the runner injects from outside: kill, restart or cancel."""
+    """A fault the runner injects from outside: kill, restart, pause, cancel, or a network
+    fault on the workers' links (through the Toxiproxy API, `chaos.proxy`)."""
 
     at_s: float | None = Field(default=None, ge=0, le=MAX_RUN_S)
     random_at_s: Annotated[
@@ -434,9 +462,54 @@ class RunnerFault(_Model):
         description="pause_worker: how long it stays stopped; [lo, hi]: drawn from the seed "
         "at each firing, so many short pauses make a lagging event loop",
     )
+    link: Literal[LINKS] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="add_toxic, update_toxic, remove_toxic, cut_link: the workers' link to "
+        "redis or to broker (each worker has its own proxy to each service)",
+    )
+    workers: Annotated[
+        Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(min_length=1)] | Literal["all"],
+        BeforeValidator(_check_worker_list),
+    ] = Field(default="all", description="network faults: worker indices, or all")
+    toxic: ToxicSpec | None = Field(
+        default=None,
+        description="add_toxic, update_toxic, remove_toxic: the toxic, as Toxiproxy's API "
+        "takes it (type, stream, toxicity, attributes; name defaults to <type>_<stream>)",
+    )
+    for_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_RUN_S,
+        description="add_toxic, cut_link: undone this long after (null: left until a "
+        "remove_toxic, or the end of the run)",
+    )
     count: int = Field(default=1, ge=1, le=100)
     every_s: float | None = Field(default=None, gt=0, le=MAX_RUN_S)
     name: str | None = Field(default=None, pattern=ID_PATTERN)
+
+    @model_validator(mode="after")
+    def _check_link(self) -> RunnerFault:
+        on_link = self.action in LINK_ACTIONS
+        if on_link and self.link is None:
+            _fail("link", f"required field is missing (action is {self.action})")
+        for field in ("link", "workers"):
+            if not on_link and field in self.model_fields_set:
+                _fail(field, f"only with a network action ({_LINK_LIST}); action is {self.action}")
+        needs_toxic = self.action in ("add_toxic", "update_toxic", "remove_toxic")
+        if needs_toxic and self.toxic is None:
+            _fail("toxic", f"required field is missing (action is {self.action})")
+        if not needs_toxic and self.toxic is not None:
+            _fail(
+                "toxic", f"only with add_toxic, update_toxic, remove_toxic; action is {self.action}"
+            )
+        if self.for_s is not None and self.action not in ("add_toxic", "cut_link"):
+            _fail("for_s", f"only with add_toxic and cut_link; action is {self.action}")
+        if on_link and "restart_after_s" in self.model_fields_set:
+            _fail(
+                "restart_after_s",
+                f"not with a network action (use for_s); action is {self.action}",
+            )
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> RunnerFault:
@@ -673,6 +746,10 @@ class Scenario(_Model):
                         _index_message("evaluation", fault.evaluation, total),
                     )
                 continue
+            if fault.workers != "all":
+                for j, w in enumerate(fault.workers):
+                    if w >= self.workers:
+                        _fail(f"{where}.workers[{j}]", _index_message("worker", w, self.workers))
             if fault.target != "random":
                 if fault.action in WORKER_ACTIONS and fault.target >= self.workers:
                     _fail(
@@ -735,7 +812,7 @@ class Scenario(_Model):
         values: dict[str, Any] = {
             "time_scale": self.time_scale,
             "policy": self.retry_policy(),
-            **self.engine.model_dump(),
+            **self.engine.model_dump(exclude={"amqp_heartbeat_s"}),  # the URL carries it
         }
         values.update(overrides)
         return EngineConfig(**values)

@@ -1,0 +1,215 @@
+"""The workers' network, live: each worker reaches Redis and RabbitMQ through proxies of its
+own, driven through Toxiproxy's HTTP API, so that a scenario can slow, poison or cut one
+worker's link and leave the others' (and the runner's own clients) alone.
+
+The server is the project's own (`chaos.proxy`), in the runner's event loop and seeded by
+the run, so a run's toxicity and jitter draws replay. With `TOXIPROXY_URL` set, or
+`toxiproxy-server` on PATH, a real Toxiproxy is used instead, through the same client;
+its draws are its own (Toxiproxy ignores seeds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from chaos.proxy.client import ToxiproxyClient, ToxiproxyError
+
+if TYPE_CHECKING:
+    from chaos.proxy.model import ToxicSpec
+    from chaos.proxy.server import ProxyServer
+
+#: How long a real toxiproxy-server gets to answer `/version` once started.
+SERVER_START_S = 10.0
+
+
+def upstream_of(url: str) -> str:
+    """`host:port` of a service URL (Toxiproxy's `upstream`)."""
+    parts = urlsplit(url)
+    default = 6379 if parts.scheme.startswith("redis") else 5672
+    return f"{parts.hostname or '127.0.0.1'}:{parts.port or default}"
+
+
+def through(url: str, listen: str, **query: str) -> str:
+    """`url` with its host and port replaced by a proxy's `listen` (credentials, path and
+    query kept; `query` added)."""
+    parts = urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@{listen}" if userinfo else listen
+    pairs = [(k, v) for k, v in parse_qsl(parts.query) if k not in query] + list(query.items())
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(pairs)))
+
+
+class Network:
+    """One run's proxies: `{ns}w{i}.redis` and `{ns}w{i}.broker` for each worker `i`."""
+
+    def __init__(
+        self,
+        namespace: str,
+        seed: int,
+        workers: int,
+        redis_url: str,
+        amqp_url: str,
+        amqp_heartbeat_s: int | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.seed = seed
+        self.workers = workers
+        self.upstreams = {"redis": redis_url, "broker": amqp_url}
+        self.amqp_heartbeat_s = amqp_heartbeat_s
+        self.server: ProxyServer | None = None  # ours, in this event loop
+        self.process: subprocess.Popen[bytes] | None = None  # a real toxiproxy-server
+        self.client: ToxiproxyClient | None = None
+        self.kind = ""  # "chaos.proxy", "toxiproxy-server" or "TOXIPROXY_URL"
+        self.urls: dict[tuple[int, str], str] = {}  # (worker, link) -> the URL it uses
+
+    def proxy(self, worker: int, link: str) -> str:
+        return f"{self.namespace}w{worker}.{link}"
+
+    async def start(self) -> None:
+        """Start (or reach) the server and create every worker's proxies."""
+        try:
+            url = await self._server()
+            self.client = ToxiproxyClient(url)
+            for w in range(self.workers):
+                for link, service_url in self.upstreams.items():
+                    made = await self.client.create_proxy(
+                        self.proxy(w, link), upstream=upstream_of(service_url)
+                    )
+                    query = {}
+                    if link == "broker" and self.amqp_heartbeat_s is not None:
+                        query["heartbeat"] = str(self.amqp_heartbeat_s)
+                    self.urls[(w, link)] = through(service_url, made["listen"], **query)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _server(self) -> str:
+        given = os.environ.get("TOXIPROXY_URL")
+        if given:
+            self.kind = "TOXIPROXY_URL"
+            return given.rstrip("/")
+        binary = shutil.which("toxiproxy-server")
+        if binary is not None:
+            self.kind = "toxiproxy-server"
+            return await self._spawn(binary)
+        from chaos.proxy.server import ProxyServer
+
+        self.kind = "chaos.proxy"
+        self.server = ProxyServer(seed=self.seed, port=0)
+        await self.server.start()
+        return self.server.url
+
+    async def _spawn(self, binary: str) -> str:
+        """A real toxiproxy-server on a free loopback port, marked for `chaos clean`."""
+        from chaos.stack import MARKER_ENV, OWNER_ENV, free_port, owner_token
+
+        port = free_port()
+        env = {**os.environ, MARKER_ENV: f"toxiproxy-{self.namespace}", OWNER_ENV: owner_token()}
+        self.process = subprocess.Popen(
+            [binary, "-host", "127.0.0.1", "-port", str(port)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + SERVER_START_S
+        async with ToxiproxyClient(url) as probe:
+            while True:
+                try:
+                    await probe.version()
+                    return url
+                except (TimeoutError, OSError, ToxiproxyError):
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"{binary} did not answer on 127.0.0.1:{port} "
+                            f"within {SERVER_START_S:g} s"
+                        ) from None
+                    await asyncio.sleep(0.05)
+
+    def url(self, worker: int, link: str) -> str:
+        return self.urls[(worker, link)]
+
+    # --- the acts -----------------------------------------------------------------------
+
+    def _c(self) -> ToxiproxyClient:
+        assert self.client is not None, "the network is not started"
+        return self.client
+
+    async def add_toxic(self, link: str, workers: tuple[int, ...], toxic: ToxicSpec) -> None:
+        """Add it; a toxic of that name already there is changed instead."""
+        for w in workers:
+            try:
+                await self._c().add_toxic(self.proxy(w, link), toxic)
+            except ToxiproxyError as exc:
+                if exc.status != 409:
+                    raise
+                await self.update_toxic(link, (w,), toxic)
+
+    async def update_toxic(self, link: str, workers: tuple[int, ...], toxic: ToxicSpec) -> None:
+        fields = toxic.wire()
+        for w in workers:
+            with _absent_ok():
+                await self._c().update_toxic(
+                    self.proxy(w, link),
+                    toxic.name,
+                    toxicity=fields["toxicity"],
+                    attributes=fields["attributes"],
+                )
+
+    async def remove_toxic(self, link: str, workers: tuple[int, ...], name: str) -> None:
+        for w in workers:
+            with _absent_ok():
+                await self._c().remove_toxic(self.proxy(w, link), name)
+
+    async def set_enabled(self, link: str, workers: tuple[int, ...], enabled: bool) -> None:
+        for w in workers:
+            await self._c().update_proxy(self.proxy(w, link), enabled=enabled)
+
+    async def reset(self) -> None:
+        """Every proxy of this run enabled, its toxics gone (not `/reset`: a shared
+        Toxiproxy may hold other runs' proxies)."""
+        client = self._c()
+        for w in range(self.workers):
+            for link in self.upstreams:
+                name = self.proxy(w, link)
+                for toxic in await client.toxics(name):
+                    with _absent_ok():
+                        await client.remove_toxic(name, toxic["name"])
+                await client.update_proxy(name, enabled=True)
+
+    async def close(self) -> None:
+        """Delete the run's proxies and stop the server this run started."""
+        client, self.client = self.client, None
+        if client is not None:
+            if self.server is None:  # a server that outlives the run keeps nothing of it
+                for w, link in list(self.urls):
+                    with contextlib.suppress(Exception):
+                        await client.delete_proxy(self.proxy(w, link))
+            await client.close()
+        server, self.server = self.server, None
+        if server is not None:
+            await server.close()
+        proc, self.process = self.process, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            await asyncio.to_thread(proc.wait)
+
+
+@contextlib.contextmanager
+def _absent_ok():  # type: ignore[no-untyped-def]
+    """A toxic or proxy that is not there (404) has nothing to undo."""
+    try:
+        yield
+    except ToxiproxyError as exc:
+        if exc.status != 404:
+            raise
