@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from chaos import acts
 from chaos.acts import Step
+from chaos.checker.holding import CLOSING
 from chaos.scenario import (
     EventTriggers,
     LoadedScenario,
@@ -45,6 +48,31 @@ DELIVERY_PATIENCE_S = 10.0
 #: SIGTERM to SIGKILL: a `restart_worker` fault's, and the end of the run's.
 RESTART_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 3.0
+
+
+@dataclass
+class Holdings:
+    """Which evaluations each worker process holds in memory, by pid, as its history says:
+    from its `evaluation_started` to the event that ends the hold (`holding.CLOSING`).
+
+    A run that stopped while a live worker still held an evaluation would never see what
+    that worker does next: the old owner of a taken-over evaluation, cut off or slowed
+    down, acts when its link comes back, and that is the moment a scenario is about."""
+
+    def __init__(self) -> None:
+        self._held: dict[Any, set[str]] = defaultdict(set)
+
+    def feed(self, events: Iterable[dict[str, Any]]) -> None:
+        for e in events:
+            ev = e.get("ev")
+            if ev == "evaluation_started":
+                self._held[e.get("pid")].add(str(e.get("attempt_id")))
+            elif ev in CLOSING:
+                self._held[e.get("pid")].discard(str(e.get("attempt_id")))
+
+    def held(self, pids: Iterable[Any]) -> int:
+        """How many evaluations the processes `pids` hold."""
+        return sum(len(self._held.get(pid, ())) for pid in pids)
 
 
 @dataclass
@@ -145,13 +173,17 @@ class Conductor:
 
     def _wait_settled(self) -> Step:
         """Until every evaluation is terminal and announced (stopping a worker between the
-        two would cut the history short, not break the engine), with no timed fault or
-        restart pending; or the deadline."""
+        two would cut the history short, not break the engine), no live worker holds one
+        in memory any more (`Holdings`), and no timed fault or restart is pending; or the
+        deadline."""
         deadline = self._t0 + self.spec.deadline_s
         progress = self.progress
+        holdings, cursor = Holdings(), None
         while True:
             yield from self._supervise()
             progress.terminal = yield acts.Settled(self.attempt_ids)
+            events, cursor = yield acts.Tail(cursor)
+            holdings.feed(events)
             now = yield acts.Now()
             progress.elapsed_s = now - self._t0
             yield acts.Show()
@@ -159,7 +191,10 @@ class Conductor:
                 f.at_s is not None and f.at_s > progress.elapsed_s for f in self._timed
             )
             restarting = self._later > 0 or any(s.restart_at is not None for s in self.slots)
-            if progress.terminal == len(self.attempt_ids) and not (pending_faults or restarting):
+            alive = [s.proc.pid for s in self.slots if s.proc is not None and s.proc.alive]
+            holding = holdings.held(alive)
+            settled = progress.terminal == len(self.attempt_ids)
+            if settled and not (pending_faults or restarting or holding):
                 return
             if now >= deadline:
                 progress.note = "deadline passed"

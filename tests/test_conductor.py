@@ -41,6 +41,7 @@ class Toy:
     _queue: list[tuple[float, int, Stepper]] = field(default_factory=list)
     _seq: Any = field(default_factory=itertools.count)
     _pids: Any = field(default_factory=lambda: itertools.count(100))
+    history: list[tuple[float, dict[str, Any]]] = field(default_factory=list)  # (t, event)
 
     def run(self) -> Any:
         main = Stepper(self.conductor.run())
@@ -82,8 +83,9 @@ class Toy:
                 return len(ids) if settled else 0
             case acts.Announced() | acts.Received():
                 return ids if settled else set()
-            case acts.Tail():
-                return [], None
+            case acts.Tail(cursor=cursor):
+                seen = [e for t, e in self.history if t <= self.now]
+                return seen[cursor or 0 :], len(seen)
             case acts.ReadFinal():
                 return "final"
         return None
@@ -242,3 +244,25 @@ def test_a_cut_for_all_workers_is_restored_and_a_removal_heals_the_fault_that_ad
         (1.2, ids["faults[1]"]),
         (1.2, ids["faults[4]"]),
     ]
+
+
+def test_a_live_worker_still_holding_an_evaluation_holds_the_run_open_until_it_lets_go() -> None:
+    """Every evaluation settled at 0.1 s, but the process with pid 100 (worker 0) still
+    holds one in memory (an old owner cut off from Redis) until 1.0 s: the run waits for
+    what it does then; a dead worker's holdings do not count."""
+    c = conductor(faults=[{"at_s": 0.2, "action": "kill_worker", "target": 1}])
+    aid = c.attempt_ids[0]
+    toy = Toy(c, settles_at=0.1)
+    toy.history = [
+        (0.05, {"ev": "evaluation_started", "pid": 100, "attempt_id": aid}),
+        (0.05, {"ev": "evaluation_started", "pid": 101, "attempt_id": aid}),
+        (1.0, {"ev": "evaluation_abandoned", "pid": 100, "attempt_id": aid}),
+    ]
+    toy.run()
+    [(t_end, _, _)] = [r for r in toy.records if r[1] == "run_finished"]
+    assert 1.0 <= t_end < 1.0 + 2 * POLL_S  # not 0.1, when everything had settled
+
+    toy = Toy(conductor(), settles_at=0.1)
+    toy.history = [(0.05, {"ev": "evaluation_started", "pid": 555, "attempt_id": aid})]
+    toy.run()  # a process that is no slot's: nothing to wait for
+    assert toy.records[-1][0] < 0.1 + 2 * POLL_S
