@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import chaos.scenario as scenario_module
 from chaos.checker.records import COST_BUDGETS
+from chaos.proxy.model import TOXIC_TYPES
 from chaos.scenario import (
     INVARIANT_NAMES,
     RULELESS_FAILPOINTS,
@@ -106,6 +107,9 @@ def test_full_example_loads_with_every_value(monkeypatch: pytest.MonkeyPatch) ->
         "sweep_ms": 50,
         "retry_grace_ms": 1000,
         "sweeper": False,
+        "connect_timeout_s": 3.0,
+        "read_timeout_s": 10.0,
+        "amqp_heartbeat_s": 5,
     }
     config = s.engine_config(namespace="ns-")
     assert (config.namespace, config.time_scale, config.stale_ms) == ("ns-", 0.01, 300)
@@ -129,7 +133,7 @@ def test_full_example_loads_with_every_value(monkeypatch: pytest.MonkeyPatch) ->
         "max_p99_retry_l3_s": None,
         "max_p99_recovery_s": None,
     }
-    fp, fp_all, kill, restart, redis, cancel = s.faults
+    fp, fp_all, kill, restart, redis, cancel, toxic, cut = s.faults
     assert isinstance(fp, FailpointFault) and isinstance(fp_all, FailpointFault)
     assert (fp.failpoint, fp.action, fp.stall_ms, fp.hit, fp.times) == (
         "rule_after_call_before_write",
@@ -176,8 +180,30 @@ def test_full_example_loads_with_every_value(monkeypatch: pytest.MonkeyPatch) ->
         "cancel",
         2,
     )
+    assert isinstance(toxic, RunnerFault) and isinstance(cut, RunnerFault)
+    assert (toxic.action, toxic.link, toxic.workers, toxic.for_s, toxic.trigger) == (
+        "add_toxic",
+        "redis",
+        (1,),
+        2.0,
+        "after",
+    )
+    assert toxic.toxic is not None and toxic.toxic.wire() == {
+        "attributes": {"latency": 100, "jitter": 0},
+        "name": "latency_upstream",
+        "type": "latency",
+        "stream": "upstream",
+        "toxicity": 0.5,
+    }
+    assert (cut.action, cut.link, cut.workers, cut.for_s, cut.toxic) == (
+        "cut_link",
+        "broker",
+        "all",
+        None,
+        None,
+    )
     assert [i for i, _ in s.failpoint_faults] == [0, 1]
-    assert [i for i, _ in s.runner_faults] == [2, 3, 4, 5]
+    assert [i for i, _ in s.runner_faults] == [2, 3, 4, 5, 6, 7]
 
 
 def test_defaults_are_the_documented_ones() -> None:
@@ -201,6 +227,9 @@ def test_defaults_are_the_documented_ones() -> None:
         "sweep_ms": 100,
         "retry_grace_ms": None,
         "sweeper": True,
+        "connect_timeout_s": 5.0,
+        "read_timeout_s": 30.0,
+        "amqp_heartbeat_s": None,
     }
     assert (s.restart_crashed_workers, s.restart_delay_s, s.deadline_s) == (True, 0.2, 30.0)
     assert s.faults == () and s.invariants == INVARIANT_NAMES
@@ -300,6 +329,11 @@ Mutation = Callable[[dict[str, Any]], None]
 
 def _fault(i: int, **values: Any) -> Mutation:
     return lambda d: d["faults"][i].update(values)
+
+
+def _net(**values: Any) -> Mutation:
+    """Fault 1 replaced by a network fault at 1 s with these fields."""
+    return lambda d: d["faults"].__setitem__(1, {"at_s": 1, **values})
 
 
 def _drop(i: int, key: str) -> Mutation:
@@ -581,9 +615,79 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         "runner_action",
         _fault(1, action="explode"),
         "faults[1].action: expected one of kill_worker, restart_worker, pause_worker, kill_redis, "
-        "kill_broker, cancel; got 'explode'",
+        "kill_broker, cancel, add_toxic, update_toxic, remove_toxic, cut_link; got 'explode'",
     ),
     ("runner_no_action", _drop(1, "action"), "faults[1].action: required field is missing"),
+    # network faults: the link, the toxic (Toxiproxy's fields), which workers, for how long
+    (
+        "toxic_without_link",
+        _net(action="add_toxic", toxic={"type": "latency"}),
+        "faults[1].link: required field is missing (action is add_toxic)",
+    ),
+    (
+        "link_on_a_kill",
+        _fault(1, link="redis"),
+        "faults[1].link: only with a network action (add_toxic, update_toxic, remove_toxic, "
+        "cut_link); action is kill_worker",
+    ),
+    (
+        "unknown_link",
+        _net(action="cut_link", link="postgres"),
+        "faults[1].link: expected one of redis, broker; got 'postgres'",
+    ),
+    (
+        "toxic_missing",
+        _net(action="add_toxic", link="redis"),
+        "faults[1].toxic: required field is missing (action is add_toxic)",
+    ),
+    (
+        "unknown_toxic_type",
+        _net(action="add_toxic", link="redis", toxic={"type": "lag"}),
+        "faults[1].toxic.type: expected one of latency, bandwidth, slow_close, timeout, "
+        "reset_peer, slicer, limit_data; got 'lag'",
+    ),
+    (
+        "toxic_attribute_type",
+        _net(
+            action="add_toxic",
+            link="redis",
+            toxic={"type": "latency", "attributes": {"latency": "5"}},
+        ),
+        "faults[1].toxic.attributes.latency: expected an integer; got '5'",
+    ),
+    (
+        "toxic_attribute_of_another_type",
+        _net(
+            action="add_toxic", link="redis", toxic={"type": "latency", "attributes": {"rate": 5}}
+        ),
+        "faults[1].toxic.attributes.rate: unknown attribute for a latency toxic; expected one of "
+        "latency, jitter",
+    ),
+    (
+        "toxicity_above_one",
+        _net(action="add_toxic", link="redis", toxic={"type": "latency", "toxicity": 2}),
+        "faults[1].toxic.toxicity: expected a value <= 1; got 2",
+    ),
+    (
+        "for_s_on_an_update",
+        _net(action="update_toxic", link="redis", toxic={"type": "latency"}, for_s=1),
+        "faults[1].for_s: only with add_toxic and cut_link; action is update_toxic",
+    ),
+    (
+        "link_of_a_missing_worker",
+        _net(action="cut_link", link="redis", workers=[7]),
+        "faults[1].workers[0]: expected an index below 2 (the scenario has 2 workers); got 7",
+    ),
+    (
+        "restart_after_s_on_a_cut",
+        _net(action="cut_link", link="redis", restart_after_s=1),
+        "faults[1].restart_after_s: not with a network action (use for_s); action is cut_link",
+    ),
+    (
+        "toxic_on_a_cut",
+        _net(action="cut_link", link="broker", toxic={"type": "latency"}),
+        "faults[1].toxic: only with add_toxic, update_toxic, remove_toxic; action is cut_link",
+    ),
     (
         "runner_no_trigger",
         _drop(1, "at_s"),
@@ -1234,7 +1338,12 @@ def test_committed_schema_is_current() -> None:
         "kill_redis",
         "kill_broker",
         "cancel",
+        "add_toxic",
+        "update_toxic",
+        "remove_toxic",
+        "cut_link",
     ]
+    assert schema["$defs"]["ToxicSpec"]["properties"]["type"]["enum"] == list(TOXIC_TYPES)
     assert schema["properties"]["invariants"]["items"]["enum"] == list(INVARIANT_NAMES)
 
 
