@@ -246,6 +246,19 @@ def test_toxiproxy_python_drives_every_call() -> None:
             proxy.add_toxic(type="latency")
         assert proxy.destroy_toxic("latency_downstream")
         assert proxy.toxics() == {}
+        proxy.add_toxic(
+            type="timeout",
+            name="stall",
+            stream="upstream",
+            toxicity=0.0,
+            attributes={"timeout": 0},
+        )
+        stall = proxy.get_toxic("stall")
+        assert (stall.type, stall.stream, stall.toxicity) == ("timeout", "upstream", 0.0)
+        assert stall.attributes == {"timeout": 0}
+        sync_roundtrip(address)  # toxicity 0: it never applies, the data goes through
+        assert proxy.destroy_toxic("stall")
+        assert proxy.toxics() == {}
         with pytest.raises(NotFound):
             proxy.destroy_toxic("latency_downstream")
 
@@ -265,8 +278,19 @@ def test_toxiproxy_python_drives_every_call() -> None:
             ]
         )
         assert [p.name for p in made] == ["two"]
-        two = split(tp.get_proxy("two").listen)
+        two_listen = tp.get_proxy("two").listen
+        two = split(two_listen)
         sync_roundtrip(two)
+        # a new upstream replaces it (the client destroys, then creates it disabled)
+        moved = {"name": "two", "upstream": "127.0.0.1:9", "listen": two_listen}
+        made = tp.populate([{**moved, "enabled": False}])
+        assert [(p.name, p.upstream, p.listen, p.enabled) for p in made] == [
+            ("two", "127.0.0.1:9", two_listen, False)
+        ]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(two, timeout=10)
+        assert tp.get_proxy("two").enabled is False
+        assert tp.destroy("two") is False  # not a Proxy: the client sends nothing
 
         assert tp.destroy(tp.get_proxy("two"))
         assert set(tp.proxies()) == {"echo"}
