@@ -320,7 +320,7 @@ class ProxyServer:
             if not isinstance(data, dict):
                 raise _bad_body("expected a JSON object")
             current = {"name": name, "listen": proxy.listen, "upstream": proxy.upstream}
-            known = {k: v for k, v in data.items() if k in ("listen", "upstream", "enabled")}
+            known = {k: v for k, v in _set(data).items() if k in ("listen", "upstream", "enabled")}
             spec = _proxy_spec({**current, "enabled": proxy.enabled, **known})
             if (spec.listen, spec.upstream) != (proxy.listen, proxy.upstream):
                 await proxy.stop()
@@ -380,7 +380,7 @@ class ProxyServer:
             if not isinstance(data, dict):
                 raise _bad_body("expected a JSON object")
             try:
-                new = spec.updated(data)
+                new = spec.updated(_set(data))
             except ValidationError as exc:
                 raise _bad_body(describe_error(exc, data)) from None
             await proxy.update_toxic(new)
@@ -439,7 +439,7 @@ def _toxic_spec(data: Any, proxy: Proxy) -> ToxicSpec:
     taken (409), then the attributes."""
     if not isinstance(data, dict):
         raise _bad_body("expected a JSON object")
-    known = {k: v for k, v in data.items() if k in ToxicSpec.model_fields and v is not None}
+    known = {k: v for k, v in _set(data).items() if k in ToxicSpec.model_fields}
     stream = known.get("stream", "downstream")
     if stream not in STREAMS:
         raise ApiError("stream was invalid, can be either upstream or downstream", 400)
@@ -452,6 +452,17 @@ def _toxic_spec(data: Any, proxy: Proxy) -> ToxicSpec:
         return ToxicSpec.model_validate(known)
     except ValidationError as exc:
         raise _bad_body(describe_error(exc, known)) from None
+
+
+def _set(data: Any) -> Any:
+    """What a request body sets: a JSON null sets nothing, at the top or in `attributes`,
+    as Go's `encoding/json` leaves a field it decodes a null into unchanged."""
+    if not isinstance(data, dict):
+        return data
+    out = {k: v for k, v in data.items() if v is not None}
+    if isinstance(out.get("attributes"), dict):
+        out["attributes"] = {k: v for k, v in out["attributes"].items() if v is not None}
+    return out
 
 
 # --- HTTP -----------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""`chaos.proxy` against Toxiproxy's own source, where a review found them apart.
+
+Each test names the Toxiproxy file that shows the behaviour. Real TCP on 127.0.0.1, the
+server in-process (`tests.test_proxy.Env`); time only bounded from below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.test_proxy import Env, aio, roundtrip
+
+SLACK = 0.005  # timer rounding: the lower bounds allow this much
+
+
+# --- encoding/json: a null leaves the field it is decoded into as it was ---------------------
+# api.go's ProxyUpdate decodes the body over the proxy's current fields, and
+# toxic_collection.go's UpdateToxicJson over the toxic's current attributes and toxicity;
+# AddToxicJson over the defaults.
+
+
+@aio
+async def test_a_null_in_a_proxy_update_changes_nothing() -> None:
+    async with Env() as env:
+        host, port = await env.proxy("p")
+        reader, writer = await asyncio.open_connection(host, port)
+        await roundtrip(reader, writer, b"before")
+        _, before = await env.call("GET", "/proxies/p")
+
+        nulls = {"listen": None, "upstream": None, "enabled": None}
+        assert await env.call("PATCH", "/proxies/p", nulls) == (200, before)
+        await roundtrip(reader, writer, b"after")  # not restarted: the connection lives
+
+        status, off = await env.call("PATCH", "/proxies/p", {"enabled": False})
+        assert status == 200 and off["enabled"] is False
+        assert await env.call("POST", "/proxies/p", nulls) == (200, off)  # still disabled
+        writer.close()
+
+
+@aio
+async def test_a_null_in_a_toxic_update_or_create_sets_nothing() -> None:
+    async with Env() as env:
+        await env.proxy("p")
+        await env.toxic(
+            "p", type="latency", name="lat", toxicity=0.5, attributes={"latency": 10, "jitter": 2}
+        )
+        status, body = await env.call(
+            "PATCH", "/proxies/p/toxics/lat", {"toxicity": None, "attributes": None}
+        )
+        assert status == 200
+        assert (body["toxicity"], body["attributes"]) == (0.5, {"latency": 10, "jitter": 2})
+        status, body = await env.call(
+            "PATCH", "/proxies/p/toxics/lat", {"attributes": {"latency": None, "jitter": 3}}
+        )
+        assert status == 200 and body["attributes"] == {"latency": 10, "jitter": 3}
+
+        status, body = await env.call(
+            "POST", "/proxies/p/toxics",
+            {"type": "slicer", "name": None, "stream": None, "toxicity": None,
+             "attributes": {"average_size": 64, "size_variation": None, "delay": None}},
+        )  # fmt: skip
+        assert status == 200
+        assert body == {
+            "attributes": {"average_size": 64, "size_variation": 0, "delay": 0},
+            "name": "slicer_downstream",
+            "type": "slicer",
+            "stream": "downstream",
+            "toxicity": 1.0,
+        }
