@@ -13,6 +13,40 @@ from tests.test_proxy import Env, aio, roundtrip
 SLACK = 0.005  # timer rounding: the lower bounds allow this much
 
 
+# --- stream/direction.go: ParseDirection lower-cases what it is given -----------------------
+
+
+@aio
+async def test_a_toxics_stream_is_read_in_any_case() -> None:
+    async with Env() as env:
+        reader, writer = await asyncio.open_connection(*await env.proxy("p"))
+        up = {"type": "latency", "stream": "UpStream", "attributes": {"latency": 150}}
+        status, body = await env.call("POST", "/proxies/p/toxics", up)
+        assert status == 200
+        # the default name keeps the spelling, as Toxiproxy's `<type>_<stream>` does
+        assert (body["name"], body["stream"]) == ("latency_UpStream", "upstream")
+        assert await roundtrip(reader, writer, b"up") >= 0.150 - SLACK  # on the upstream chain
+        records = {r.stream: r.decisions for r in env.server.links("p")}
+        assert records == {"upstream": {"latency_UpStream": True}, "downstream": {}}
+
+        down = {"type": "timeout", "stream": "DOWNSTREAM"}
+        status, body = await env.call("POST", "/proxies/p/toxics", down)
+        assert (status, body["name"], body["stream"]) == (200, "timeout_DOWNSTREAM", "downstream")
+        status, body = await env.call(
+            "POST", "/proxies/p/toxics", {"type": "latency", "stream": "UpStream"}
+        )
+        assert (status, body) == (409, {"error": "toxic already exists", "status": 409})
+        for wrong in ("", "up", 5):
+            status, body = await env.call(
+                "POST", "/proxies/p/toxics", {"type": "latency", "name": "x", "stream": wrong}
+            )
+            assert (status, body["error"]) == (
+                400,
+                "stream was invalid, can be either upstream or downstream",
+            )
+        writer.close()
+
+
 # --- encoding/json: a null leaves the field it is decoded into as it was ---------------------
 # api.go's ProxyUpdate decodes the body over the proxy's current fields, and
 # toxic_collection.go's UpdateToxicJson over the toxic's current attributes and toxicity;

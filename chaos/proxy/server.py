@@ -436,12 +436,14 @@ def _proxy_spec(data: Any, where: str = "") -> ProxySpec:
 
 def _toxic_spec(data: Any, proxy: Proxy) -> ToxicSpec:
     """A new toxic from a request, refused in Toxiproxy's order: stream, type, a name
-    taken (409), then the attributes."""
+    taken (409), then the attributes. The stream is read in any case, as Toxiproxy's
+    `stream.ParseDirection` does (`Upstream` is upstream), and the default name keeps
+    the spelling given, as Toxiproxy's does; the stream is shown in lower case."""
     if not isinstance(data, dict):
         raise _bad_body("expected a JSON object")
     known = {k: v for k, v in _set(data).items() if k in ToxicSpec.model_fields}
     stream = known.get("stream", "downstream")
-    if stream not in STREAMS:
+    if not isinstance(stream, str) or stream.lower() not in STREAMS:
         raise ApiError("stream was invalid, can be either upstream or downstream", 400)
     if known.get("type") not in TOXIC_TYPES:
         raise ApiError("invalid toxic type", 400)
@@ -449,7 +451,7 @@ def _toxic_spec(data: Any, proxy: Proxy) -> ToxicSpec:
     if name in proxy.toxics:
         raise ApiError("toxic already exists", 409)
     try:
-        return ToxicSpec.model_validate(known)
+        return ToxicSpec.model_validate({**known, "name": name, "stream": stream.lower()})
     except ValidationError as exc:
         raise _bad_body(describe_error(exc, known)) from None
 
