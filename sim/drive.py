@@ -22,6 +22,7 @@ from engine.core import ProtocolError
 from engine.failpoints import InjectedFault
 from engine.runtime.store import LeaseLost
 from engine.shell import effects as fx
+from sim.redis import SCRIPTS
 from sim.sync import Lock, Semaphore
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def _log(e: fx.Log, w: SimWorker) -> None:
 
 def _store(e: fx.Store, w: SimWorker) -> Generator[Any, Any, Any]:
     clock = (w.store.now_ms(),) if e.op in _CLOCKED else ()
-    return w.store.call(getattr(w.redis, e.op), *e.args, *clock)
+    return w.store.call(getattr(w.redis, e.op), *e.args, *clock, batched=e.op in SCRIPTS)
 
 
 def _call_agent(e: fx.CallAgent, w: SimWorker) -> Generator[Any, Any, Any]:

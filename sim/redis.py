@@ -61,6 +61,9 @@ REFERENCES: dict[str, str] = {
     "_CLAIM_STALE": "claim_stale",
     "_CLAIM_RETRY": "claim_retry",
 }
+#: The operations the live store runs as scripts, through its `AutoPipeline` (one batch in
+#: flight); the others (reads, `SET NX` of a plan) are plain commands on a pooled connection.
+SCRIPTS: frozenset[str] = frozenset(REFERENCES.values())
 _MISSING = object()
 _LOST = object()  # an attempt that got no reply
 
@@ -554,6 +557,17 @@ class SimRedis:
         return self.get(status_key(a, rule_id))
 
 
+class _Batch:
+    """Scripts that travel together: `sent` fires when they may go (None: at once)."""
+
+    __slots__ = ("at", "calls", "sent")
+
+    def __init__(self, sent: simpy.Event | None, at: float) -> None:
+        self.sent = sent
+        self.at = at
+        self.calls = 0
+
+
 class RedisClient:
     """One process's connection to `SimRedis` (see the module docstring)."""
 
@@ -578,6 +592,8 @@ class RedisClient:
         self.link = link  # the worker's proxy to Redis (None: the runner's own client)
         self.read_timeout_s = read_timeout_s  # redis-py's socket_timeout
         self.conn = link.open(None) if link is not None else None
+        self._flying: _Batch | None = None  # the scripts' batch in flight (`call`)
+        self._next: _Batch | None = None  # the scripts waiting for it to land
 
     def hang_up(self) -> None:
         """The process died: its socket goes, what it sent still lands."""
@@ -587,7 +603,54 @@ class RedisClient:
     def now_ms(self) -> int:
         return int(self.env.now * 1000)
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Generator[simpy.Event, Any, Any]:
+    def call(
+        self, fn: Callable[..., Any], *args: Any, batched: bool = False
+    ) -> Generator[simpy.Event, Any, Any]:
+        """`fn(*args)` applied in Redis, its reply back. `batched`: one of the store's
+        scripts, which the live store sends through its `AutoPipeline`: one batch in
+        flight at a time, so a script called while one travels waits for it and goes out
+        with the next (a reply slowed down holds back every script after it, as live);
+        plain commands go on a connection of their own."""
+        if not batched:
+            return (yield from self._call(fn, args))
+        batch = self._board()
+        try:
+            if batch is not self._flying:
+                yield batch.sent
+            return (yield from self._call(fn, args))
+        finally:
+            self._alight(batch)
+
+    def _board(self) -> _Batch:
+        """The batch a script call rides: the one in flight if it left at this very instant
+        (the same event-loop turn, live), else the next one."""
+        now, flying = self.env.now, self._flying
+        if flying is None:
+            batch = self._flying = _Batch(None, now)
+        elif flying.at == now:
+            batch = flying
+        else:
+            batch = self._next
+            if batch is None:
+                batch = self._next = _Batch(self.env.event(), now)
+        batch.calls += 1
+        return batch
+
+    def _alight(self, batch: _Batch) -> None:
+        """A call of `batch` is over; the last one lands the batch and sends the next."""
+        batch.calls -= 1
+        if batch is not self._flying or batch.calls > 0:
+            return
+        nxt, self._next = self._next, None
+        if nxt is not None and nxt.calls == 0:  # every call in it was cancelled
+            nxt = None
+        self._flying = nxt
+        if nxt is not None:
+            nxt.at = self.env.now
+            assert nxt.sent is not None
+            nxt.sent.succeed()
+
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Generator[Any, Any, Any]:
         link = self.link
         if link is not None and not link.calm:  # toxics, or cut: through the proxy
             return (yield from self._through(fn, args))
