@@ -408,6 +408,17 @@ def _load_all(paths: list[str]) -> tuple[list[Any], list[str]]:
     return out, errors
 
 
+def _toxics() -> list[tuple[str, str]]:
+    """Each Toxiproxy toxic type with its attributes, from the one table of them."""
+    from chaos.proxy.model import ATTRIBUTES
+
+    rows = []
+    for name, model in ATTRIBUTES.items():
+        doc = " ".join((model.__doc__ or "").split())
+        rows.append((name, f"{doc} (attributes: {', '.join(model.model_fields)})"))
+    return rows
+
+
 def _list(console: Console) -> int:
     from chaos.checker import INVARIANTS
     from chaos.mutants import MUTANTS
@@ -430,6 +441,7 @@ def _list(console: Console) -> int:
         ("invariants", INVARIANTS.items()),
         ("failpoints", FAILPOINTS.items()),
         ("mutants", ((m.name, f"{m.description} (breaks {m.breaks})") for m in MUTANTS.values())),
+        ("toxics (add_toxic, update_toxic, remove_toxic on link redis or broker)", _toxics()),
     ):
         t = Table(title=title, **_table_style(console))
         t.add_column("name")

@@ -32,8 +32,31 @@ def test_every_mutant_is_found_within_1000_seeds(mutant: str) -> None:
     pytest.fail(f"{mutant} not found in 1000 seeds of {CATCHES[mutant]}")
 
 
+#: Network scenarios with teeth: the mutant each must also find (not only its own scenario).
+NETWORK_CATCHES = {"no_fencing": "split_brain"}  # slow replies: a start allowed seconds ago
+
+
+@pytest.mark.parametrize("mutant", sorted(NETWORK_CATCHES))
+def test_a_network_scenario_finds_its_mutant_within_1000_seeds(mutant: str) -> None:
+    data = data_of(NETWORK_CATCHES[mutant])
+    breaks = MUTANTS[mutant].breaks
+    for seed in range(1000):
+        if breaks in simulate(swarm(data, seed), mutant).failed:
+            return
+    pytest.fail(f"{mutant} not found in 1000 seeds of {NETWORK_CATCHES[mutant]}")
+
+
 @pytest.mark.parametrize(
-    "name", ["crash_after_ack", "worker_kill_storm", "delay_tiers", "crash_in_write_window"]
+    "name",
+    [
+        "crash_after_ack",
+        "worker_kill_storm",
+        "delay_tiers",
+        "crash_in_write_window",
+        "split_brain",
+        "redis_partition",
+        "amqp_blackhole",
+    ],
 )
 def test_the_real_engine_survives_its_swarm(name: str) -> None:
     data = data_of(name)

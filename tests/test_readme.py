@@ -46,3 +46,15 @@ def test_readme_scenario_example_passes_from_the_command_line(tmp_path: Path) ->
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         code = main(["run", str(path), "--mode", "sim", "--quiet", "--out", str(tmp_path / "o")])
     assert code == 0, out.getvalue()
+
+
+def test_readme_network_faults_example_is_valid() -> None:
+    """The network faults the README shows load as a scenario's faults, as they read."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("shows each toxic's attributes):\n\n")[1].split("\n\n")[0]
+    faults = yaml.safe_load("\n".join(line[4:] for line in block.splitlines()))["faults"]
+    doc = {"name": "net", "plan": "../plans/tiny.yaml", "workers": 2, "faults": faults}
+    loaded = scenario_from_dict(doc, source="README.md", base_dir=ROOT / "scenarios")
+    cut, toxic = loaded.spec.faults
+    assert (cut.action, cut.link, cut.workers, cut.for_s) == ("cut_link", "redis", (0,), 3.0)
+    assert toxic.toxic is not None and toxic.toxic.name == "latency_downstream"
