@@ -174,8 +174,9 @@ class Conductor:
     def _wait_settled(self) -> Step:
         """Until every evaluation is terminal and announced (stopping a worker between the
         two would cut the history short, not break the engine), no live worker holds one
-        in memory any more (`Holdings`), and no timed fault or restart is pending; or the
-        deadline."""
+        in memory any more (`Holdings`), and no timed fault, restart or heal is pending (a
+        restarted worker not ready yet would leave its fault's window open to the end);
+        or the deadline."""
         deadline = self._t0 + self.spec.deadline_s
         progress = self.progress
         holdings, cursor = Holdings(), None
@@ -190,8 +191,13 @@ class Conductor:
             pending_faults = self._timed_left > 0 and any(
                 f.at_s is not None and f.at_s > progress.elapsed_s for f in self._timed
             )
-            restarting = self._later > 0 or any(s.restart_at is not None for s in self.slots)
-            alive = [s.proc.pid for s in self.slots if s.proc is not None and s.proc.alive]
+            alive_slots = [s for s in self.slots if s.proc is not None and s.proc.alive]
+            restarting = (
+                self._later > 0
+                or any(s.restart_at is not None for s in self.slots)
+                or any(s.heals for s in alive_slots)  # restarted, not ready yet: not healed
+            )
+            alive = [s.proc.pid for s in alive_slots]
             holding = holdings.held(alive)
             settled = progress.terminal == len(self.attempt_ids)
             if settled and not (pending_faults or restarting or holding):

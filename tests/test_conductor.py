@@ -23,9 +23,10 @@ class Proc:
     pid: int
     alive: bool = True
     returncode: int | None = None
+    ready: Any = lambda: True  # whether it has booted, by the toy's clock
 
     def is_ready(self) -> bool:
-        return self.alive
+        return self.alive and self.ready()
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Toy:
     _seq: Any = field(default_factory=itertools.count)
     _pids: Any = field(default_factory=lambda: itertools.count(100))
     history: list[tuple[float, dict[str, Any]]] = field(default_factory=list)  # (t, event)
+    boot_s: float = 0.0  # how long a restarted worker takes to be ready
 
     def run(self) -> Any:
         main = Stepper(self.conductor.run())
@@ -73,8 +75,9 @@ class Toy:
                 self._at(self.now, Stepper(step))
             case acts.StopSpawned():
                 self._queue.clear()  # the main step is running, not queued
-            case acts.StartWorker():
-                return Proc(next(self._pids))
+            case acts.StartWorker(slot=slot):
+                ready_at = self.now + (self.boot_s if slot.incarnation else 0.0)
+                return Proc(next(self._pids), ready=lambda: self.now >= ready_at)
             case acts.KillWorker(slot=slot) | acts.TerminateWorker(slot=slot):
                 slot.proc.alive, slot.proc.returncode = False, -9
             case acts.Cancel():
@@ -266,3 +269,17 @@ def test_a_live_worker_still_holding_an_evaluation_holds_the_run_open_until_it_l
     toy.history = [(0.05, {"ev": "evaluation_started", "pid": 555, "attempt_id": aid})]
     toy.run()  # a process that is no slot's: nothing to wait for
     assert toy.records[-1][0] < 0.1 + 2 * POLL_S
+
+
+def test_a_run_waits_for_a_restarted_worker_to_be_ready_before_it_ends() -> None:
+    """Everything settled at 1.6 s, but the worker restarted at 1.5 s is ready only at
+    2.5 s: the run waits, so the kill's window closes (`fault_healed`) instead of staying
+    open to the end and excusing whatever came after it."""
+    c = conductor(
+        faults=[{"at_s": 1.0, "action": "kill_worker", "target": 1, "restart_after_s": 0.5}]
+    )
+    toy = Toy(c, settles_at=1.6, boot_s=1.0)
+    toy.run()
+    [(t_healed, _, _)] = [r for r in toy.records if r[1] == "fault_healed"]
+    assert 2.5 <= t_healed < 2.5 + POLL_S + 1e-9
+    assert toy.records[-1][1] == "run_finished" and toy.records[-1][0] >= t_healed
