@@ -321,7 +321,8 @@ class Conductor:
         assert isinstance(spec, RunnerFault) and spec.link is not None
         link = spec.link
         workers = tuple(range(self.spec.workers)) if spec.workers == "all" else spec.workers
-        where = {"link": link, "workers": list(workers)}
+        pids = [p.pid for w in workers if (p := self.slots[w].proc) is not None]
+        where = {"link": link, "workers": list(workers), "pids": pids}
         self._network = True
         match fault.action:
             case "add_toxic":

@@ -15,6 +15,12 @@ from typing import NoReturn
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from engine.policy import DEFAULT_TIERS_MS, RetryPolicy, check_engine_settings
+from engine.runtime.sentinel import (
+    is_sentinel_url,
+    parse_sentinel_url,
+    redacted_sentinel_url,
+    sentinel_secrets,
+)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -98,7 +104,7 @@ def env_config(**overrides: object) -> EngineConfig:
 def check_urls(config: EngineConfig) -> None:
     """A URL of the wrong kind is bad input (a ValueError, one line), not an outage."""
     for name, url, schemes in (
-        ("REDIS_URL", config.redis_url, ("redis", "rediss", "unix")),
+        ("REDIS_URL", config.redis_url, ("redis", "rediss", "unix", "redis+sentinel")),
         ("AMQP_URL", config.amqp_url, ("amqp", "amqps")),
     ):
         scheme = url.partition("://")[0] if "://" in url else ""
@@ -106,6 +112,8 @@ def check_urls(config: EngineConfig) -> None:
             expected = ", ".join(f"{s}://" for s in schemes)
             got = redacted(url) if scheme else "a value without scheme://"  # never echo it
             raise ValueError(f"{name}: expected a URL starting {expected}; got {got}")
+    if is_sentinel_url(config.redis_url):
+        parse_sentinel_url(config.redis_url)  # the sentinels and the master's name
     for name in ("connect_timeout_s", "read_timeout_s"):
         value = getattr(config, name)
         if not value > 0:
@@ -134,6 +142,11 @@ def policy_from(
 def redacted(url: str) -> str:
     """The URL with its password replaced (also a `password=` query parameter), for logs and
     error lines."""
+    if is_sentinel_url(url):
+        try:
+            return redacted_sentinel_url(url)
+        except ValueError:
+            return "<unparsable URL>"
     try:
         parts = urlsplit(url)
         password, port = parts.password, parts.port
@@ -158,6 +171,11 @@ def redacted(url: str) -> str:
 
 def secrets_of(url: str) -> list[str]:
     """The URL's password(s), so an error text quoting one can be scrubbed."""
+    if is_sentinel_url(url):
+        try:
+            return sentinel_secrets(url)
+        except ValueError:
+            return [url]
     try:
         parts = urlsplit(url)
         found = [parts.password] if parts.password else []

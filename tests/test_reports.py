@@ -123,6 +123,19 @@ def test_recovery_is_timed_for_the_evaluations_the_killed_worker_held() -> None:
     assert rec.next_start_s == pytest.approx(0.4) and rec.end_s == pytest.approx(1.0)
 
 
+def test_recovery_is_timed_for_the_evaluations_held_behind_a_cut_link() -> None:
+    history = [
+        ev(0.0, "evaluation_started", "w1", 11, attempt_id="a"),
+        ev(0.0, "evaluation_started", "w2", 12, attempt_id="b"),
+        ev(1.0, "link_cut", "runner", None, link="redis", workers=[0], pids=[11]),
+        ev(1.7, "rule_started", "w2", 12, attempt_id="a", rule_id="r"),
+        ev(2.5, "evaluation_terminal", "w2", 12, attempt_id="a"),
+    ]
+    [rec] = recoveries(history)  # b's worker kept its link: not caught
+    assert (rec.fault, rec.attempt_id) == ("link_cut redis of workers [0]", "a")
+    assert rec.next_start_s == pytest.approx(0.7) and rec.end_s == pytest.approx(1.5)
+
+
 @pytest.mark.parametrize("name", ["crash_after_ack", "transient_llm_errors", "worker_kill_storm"])
 def test_a_report_agrees_with_the_checker_and_renders_every_plot(name: str, tmp_path: Path) -> None:
     outcome = run_scenario(load_scenario(ROOT / "scenarios" / f"{name}.yaml"))

@@ -8,8 +8,9 @@ went: 1 (immediate retries were enough), 2 (a delayed retry, on the tier of its 
 time by the scenario's `time_scale` (the engine and the agent scale their delays by it).
 
 Recovery time: for each fault that stops work (a worker killed, crashed, stopped or
-paused; Redis or the broker killed), the evaluations it caught unfinished, and how long
-each took to start a rule again and to end, counted from the fault.
+paused; Redis or the broker killed; a worker's link to one of them cut), the evaluations it
+caught unfinished, and how long each took to start a rule again and to end, counted from
+the fault.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from chaos.checker.context import event_time
 
 PERMANENT = "permanently_failed"
 #: Faults after which the report measures recovery, and how each names what it stopped.
-STOPPING = ("worker_killed", "worker_exited", "worker_paused", "service_killed")
+STOPPING = ("worker_killed", "worker_exited", "worker_paused", "service_killed", "link_cut")
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ def recoveries(history: list[dict[str, Any]]) -> list[Recovery]:
             if ev == "service_killed":
                 caught = [x for x in holder if x not in terminal]
                 name = f"{ev} {e.get('service')}"
+            elif ev == "link_cut":  # the workers behind the cut proxies, by their pids
+                cut = {src_of_pid.get(pid) for pid in e.get("pids") or ()}
+                caught = [x for x, s in holder.items() if s in cut and x not in terminal]
+                name = f"{ev} {e.get('link')} of workers {e.get('workers')}"
             else:
                 src = src_of_pid.get(e.get("pid"))
                 caught = [x for x, s in holder.items() if s == src and x not in terminal]

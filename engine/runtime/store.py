@@ -51,6 +51,7 @@ from engine.keys import (
 )
 from engine.plan import Plan
 from engine.runtime.autopipeline import AutoPipeline
+from engine.runtime.sentinel import is_sentinel_url, sentinel_client
 
 
 def now_ms() -> int:
@@ -81,17 +82,20 @@ def redis_unavailable(exc: BaseException, url: str, timeout_s: float) -> Service
 
 
 def redis_client(config: EngineConfig, *, retries: int = 40) -> aioredis.Redis:
-    """A client with the config's timeouts; `retries` > 0 rides out a Redis restart."""
+    """A client with the config's timeouts; `retries` > 0 rides out a Redis restart (and,
+    through Sentinel, a failover: `engine.runtime.sentinel`)."""
     retry = Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=retries)
-    return aioredis.Redis.from_url(
-        config.redis_url,
-        decode_responses=True,
-        retry=retry if retries > 0 else Retry(NoBackoff(), 0),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError] if retries > 0 else [],
-        socket_connect_timeout=config.connect_timeout_s,
-        socket_timeout=config.read_timeout_s,
-        health_check_interval=0,
-    )
+    settings = {
+        "decode_responses": True,
+        "retry": retry if retries > 0 else Retry(NoBackoff(), 0),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError] if retries > 0 else [],
+        "socket_connect_timeout": config.connect_timeout_s,
+        "socket_timeout": config.read_timeout_s,
+        "health_check_interval": 0,
+    }
+    if is_sentinel_url(config.redis_url):
+        return sentinel_client(config.redis_url, **settings)
+    return aioredis.Redis.from_url(config.redis_url, **settings)
 
 
 async def probe_redis(config: EngineConfig) -> None:
