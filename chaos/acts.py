@@ -116,6 +116,13 @@ class RestartService:
 
 
 @dataclass(frozen=True, slots=True)
+class AwaitFailover:
+    """Redis behind Sentinel, its primary killed: wait until a primary serves again, the
+    replica promoted by the sentinels or the old primary back first; whether the replica
+    was promoted is sent back."""
+
+
+@dataclass(frozen=True, slots=True)
 class AddToxic:
     """Add `toxic` to the proxy of each of `workers` to `link` ("redis" or "broker"):
     live through the Toxiproxy API, in sim on the simulated link."""
@@ -247,6 +254,7 @@ Act = (
     | ResumeWorker
     | KillService
     | RestartService
+    | AwaitFailover
     | AddToxic
     | UpdateToxic
     | RemoveToxic

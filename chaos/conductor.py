@@ -301,7 +301,13 @@ class Conductor:
                 name = "redis" if fault.action == "kill_redis" else "broker"
                 yield acts.KillService(name)
                 yield acts.Record("service_killed", {"service": name})
-                if fault.restart_after_s is not None:
+                if name == "redis" and self.spec.redis.topology == "sentinel":
+                    # Sentinel promotes the replica by itself: the fault heals then; the
+                    # killed primary, restarted later, rejoins as a replica
+                    yield from self._after(0.0, self._failover(fault_id))
+                    if fault.restart_after_s is not None:
+                        yield from self._after(fault.restart_after_s, self._restart(name, None))
+                elif fault.restart_after_s is not None:
                     yield from self._after(fault.restart_after_s, self._restart(name, fault_id))
             case "add_toxic" | "update_toxic" | "remove_toxic" | "cut_link":
                 yield from self._on_link(fault, fault_id)
@@ -397,10 +403,17 @@ class Conductor:
 
         yield from self._after(pause_s, resume())
 
-    def _restart(self, name: str, fault_id: int) -> Step:
+    def _restart(self, name: str, fault_id: int | None) -> Step:
+        """Bring a killed service back; it heals `fault_id` (None: a failover healed it)."""
         lost = yield acts.RestartService(name)
         extra = (
             {"lost_writes": lost} if name == "redis" and self.spec.redis.lose_last_writes else {}
         )
         yield acts.Record("service_restarted", {"service": name, **extra})
+        if fault_id is not None:
+            yield from self._healed(fault_id)
+
+    def _failover(self, fault_id: int) -> Step:
+        promoted = yield acts.AwaitFailover()
+        yield acts.Record("redis_failover", {"promoted": promoted})
         yield from self._healed(fault_id)

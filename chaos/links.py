@@ -54,14 +54,17 @@ class Network:
         namespace: str,
         seed: int,
         workers: int,
-        redis_url: str,
+        redis_url: str | None,
         amqp_url: str,
         amqp_heartbeat_s: int | None = None,
     ) -> None:
         self.namespace = namespace
         self.seed = seed
         self.workers = workers
-        self.upstreams = {"redis": redis_url, "broker": amqp_url}
+        # None: that service is not proxied (Redis behind Sentinel: the workers are told
+        # where the primary is, and a proxy in front of the sentinels would not be in the way)
+        ups = {"redis": redis_url, "broker": amqp_url}
+        self.upstreams = {k: v for k, v in ups.items() if v is not None}
         self.amqp_heartbeat_s = amqp_heartbeat_s
         self.server: ProxyServer | None = None  # ours, in this event loop
         self.process: subprocess.Popen[bytes] | None = None  # a real toxiproxy-server

@@ -47,7 +47,7 @@ from chaos.conductor import (
 )
 from chaos.links import Network
 from chaos.scenario import LoadedScenario
-from chaos.services import Services
+from chaos.services import SentinelRedis, Services
 from chaos.supervision import Slot
 from chaos.workers import WorkerProcess
 from engine.config import EngineConfig
@@ -60,6 +60,8 @@ from engine.submit import EngineClient
 
 TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
 READY_TIMEOUT_S = 30.0
+#: How often the end of a Redis failover is looked for (Sentinel tells no one).
+FAILOVER_POLL_S = 0.05
 
 
 def run_prefix(namespace: str, *, shared_redis: bool) -> str:
@@ -135,7 +137,14 @@ class ScenarioRun:
         # attemptIds are the seed's (as the simulator's are), and leftovers of an earlier run
         # of the same ids are cleared first; on a shared one (REDIS_URL) they carry `ns` too,
         # so two runs of one seed never read, overwrite or delete each other's keys.
-        self.run_prefix = run_prefix(self.ns, shared_redis=services.redis is None)
+        # Behind Sentinel the run has a topology of its own, whatever REDIS_URL says
+        self.sentinel = (
+            SentinelRedis(self.spec.redis.down_after_ms)
+            if self.spec.redis.topology == "sentinel"
+            else None
+        )
+        own_redis = services.redis is not None or self.sentinel is not None
+        self.run_prefix = run_prefix(self.ns, shared_redis=not own_redis)
         self.id_prefix = self.run_prefix + loaded.id_prefix(self.seed)
         self.seed_plans: dict[str, Plan] = loaded.evaluations(self.seed)
         self.plans: dict[str, Plan] = {self.run_prefix + a: p for a, p in self.seed_plans.items()}
@@ -148,11 +157,11 @@ class ScenarioRun:
         self._events_queue: AbstractQueue | None = None
         self._received: set[str] = set()  # attemptIds whose evaluation.completed arrived
         self._spawned: list[asyncio.Task[Any]] = []  # the conductor's steps alongside
-        self.network = Network(
+        self.network = Network(  # behind Sentinel the workers reach the primary directly
             self.ns,
             self.seed,
             self.spec.workers,
-            services.redis_url,
+            None if self.sentinel is not None else services.redis_url,
             services.amqp_url,
             self.spec.engine.amqp_heartbeat_s,
         )
@@ -160,14 +169,24 @@ class ScenarioRun:
 
     # --- set-up -------------------------------------------------------------------------
 
+    @property
+    def redis_url(self) -> str:
+        """The workers' and the runner's Redis: the topology's sentinels, or the service."""
+        return self.sentinel.url if self.sentinel is not None else self.services.redis_url
+
+    def _worker_redis_url(self, index: int) -> str:
+        """Through the worker's own proxy; behind Sentinel, the sentinels themselves."""
+        return self.redis_url if self.sentinel is not None else self.network.url(index, "redis")
+
     def _refuse_unsupported(self) -> None:
-        problem = refusal(self.loaded, self.services.killable)
+        killable = self.services.killable | ({"redis"} if self.sentinel is not None else set())
+        problem = refusal(self.loaded, killable)
         if problem:
             raise RunRefused(problem)
 
     def config(self) -> EngineConfig:
         return self.spec.engine_config(
-            redis_url=self.services.redis_url,
+            redis_url=self.redis_url,
             amqp_url=self.services.amqp_url,
             namespace=self.ns,
             policy=self.spec.retry.policy(self.seed),
@@ -185,6 +204,8 @@ class ScenarioRun:
             "--sweep-ms", str(e.sweep_ms),
             "--connect-timeout-s", str(e.connect_timeout_s),
             "--read-timeout-s", str(e.read_timeout_s),
+            "--wait-replicas", str(e.wait_replicas),
+            "--wait-timeout-ms", str(e.wait_timeout_ms),
             "--immediate-retries", str(r.immediate_retries),
             "--max-attempts", str(r.max_attempts),
             "--tiers-ms", ",".join(str(t) for t in r.tiers_ms),
@@ -252,7 +273,7 @@ class ScenarioRun:
         return WorkerProcess(
             self.worker_args([a.failpoints] if a.failpoints else []),
             env={  # through the worker's own proxies (`chaos.links`)
-                "REDIS_URL": self.network.url(index, "redis"),
+                "REDIS_URL": self._worker_redis_url(index),
                 "AMQP_URL": self.network.url(index, "broker"),
             },
             log_path=self.run_dir / f"worker{index}.log",
@@ -286,14 +307,28 @@ class ScenarioRun:
         a.slot.proc.resume()
 
     async def on_kill_service(self, a: acts.KillService) -> None:
+        if a.name == "redis" and self.sentinel is not None:
+            await asyncio.to_thread(self.sentinel.kill)
+            return
         await asyncio.to_thread(self.services.service(a.name).kill)
 
     async def on_restart_service(self, a: acts.RestartService) -> int | None:
+        if a.name == "redis" and self.sentinel is not None:
+            await asyncio.to_thread(self.sentinel.restart)
+            return None
         lost = None
         if a.name == "redis" and self.spec.redis.lose_last_writes:
             lost = await self._lose_redis_writes()
         await asyncio.to_thread(self.services.service(a.name).restart)
         return lost
+
+    async def on_await_failover(self, a: acts.AwaitFailover) -> bool:
+        """Until the sentinels name a primary that answers as one (polled: Sentinel tells
+        nobody); whether it is the promoted replica."""
+        assert self.sentinel is not None, "a failover without Sentinel"
+        while (promoted := await asyncio.to_thread(self.sentinel.serving)) is None:
+            await asyncio.sleep(FAILOVER_POLL_S)
+        return promoted
 
     async def _lose_redis_writes(self) -> int:
         """`redis.lose_last_writes`: the stopped server's append-only file loses its last
@@ -420,8 +455,10 @@ class ScenarioRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         await asyncio.to_thread(self.services.configure, self.spec.broker.consumer_timeout_s)
-        await self._clear_earlier_runs()
         try:
+            if self.sentinel is not None:
+                await asyncio.to_thread(self.sentinel.start)
+            await self._clear_earlier_runs()
             await self.network.start()
             final: FinalState = await self._drive(self.conductor.run())
         except BaseException:  # what the run left standing (a run that ends stops it all)
@@ -430,8 +467,10 @@ class ScenarioRun:
             await self._stop_workers()
             await self.on_close_consumer()
             await self.network.close()
+            await self._stop_sentinel()
             raise
         await self.network.close()
+        await self._stop_sentinel()
         self.history.close()
         history, final = self._as_seed_run(
             read_history(self.raw_history, keep_unreadable=True), final
@@ -493,6 +532,10 @@ class ScenarioRun:
             final, evaluations=evaluations, key_ttls=key_ttls, indexes=indexes
         )
         return [event(ev) for ev in history], seed_final
+
+    async def _stop_sentinel(self) -> None:
+        if self.sentinel is not None:
+            await asyncio.to_thread(self.sentinel.stop)
 
     async def _clear_earlier_runs(self) -> None:
         """Leftovers of an earlier run of the same seed on the run's own Redis. On a shared
@@ -563,7 +606,9 @@ class ScenarioRun:
                 await asyncio.wait_for(conn.close(), 5.0)
 
     async def on_read_final(self, a: acts.ReadFinal) -> FinalState:
-        redis = self.services.redis
+        redis = self.services.redis if self.sentinel is None else None
+        if self.sentinel is not None and await asyncio.to_thread(self.sentinel.serving) is None:
+            await asyncio.to_thread(self.sentinel.restart)  # no failover: the primary back
         if redis is not None and not redis.alive:  # the final state needs Redis up
             if self.spec.redis.lose_last_writes:
                 await self._lose_redis_writes()

@@ -138,3 +138,64 @@ class Services:
             if svc is not None:
                 svc.stop(graceful=False)
         self.redis = self.broker = None
+
+
+class SentinelRedis:
+    """A scenario's Redis as the seed deploys it (`redis: {topology: sentinel}`): a primary,
+    a replica and three sentinels of its own (`chaos.sentinel`), whatever REDIS_URL says.
+    `kill` kills whichever server is the primary now; `restart` brings the killed one back
+    (Sentinel makes it a replica of the new primary, or, nobody promoted yet, it serves
+    again); `serving` says whether a primary answers again, and whether it is another."""
+
+    def __init__(self, down_after_ms: int) -> None:
+        from chaos.sentinel import SentinelTopology
+
+        self.topology = SentinelTopology(down_after_ms=down_after_ms)
+        self.killed: object | None = None  # the server `kill` stopped, until restarted
+        self._killed_at: tuple[str, int] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.topology.url
+
+    def start(self) -> SentinelRedis:
+        try:
+            self.topology.start()
+        except StackError as exc:
+            raise ServicesUnavailable(f"Redis Sentinel: {exc}") from None
+        return self
+
+    def stop(self) -> None:
+        self.topology.stop()
+
+    def kill(self) -> None:
+        server = self.topology.kill_primary()
+        self.killed, self._killed_at = server, server.address
+
+    def restart(self) -> None:
+        """The killed server back on its port and data. A replica was promoted meanwhile:
+        it is restarted as a replica of the new primary, as an operator (or a Kubernetes
+        operator) would, rather than left to the sentinels' next look, up to 10 s away."""
+        from chaos.sentinel import redis_call
+
+        server, self.killed = self.killed, None
+        if server is None:
+            return
+        promoted = self.serving()
+        self.topology.restart(server)  # type: ignore[arg-type]
+        if promoted:
+            host, port = self.topology.primary_address()
+            redis_call(server.address, "REPLICAOF", host, str(port))  # type: ignore[attr-defined]
+
+    def serving(self) -> bool | None:
+        """None while no primary answers; else whether it is another than the one killed."""
+        from chaos.sentinel import RedisReplyError, redis_call
+
+        try:
+            address = self.topology.primary_address()
+            role = redis_call(address, "ROLE")
+        except (OSError, StackError, RedisReplyError):
+            return None
+        if not role or role[0] != "master":
+            return None
+        return address != self._killed_at

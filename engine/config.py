@@ -49,6 +49,12 @@ class EngineConfig:
     # (generous: a false timeout makes a retry, and CI runs on a busy machine).
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
+    # Redis behind Sentinel replicates asynchronously: a primary that dies loses the writes
+    # its replica had not received, acknowledged or not. With `wait_replicas` > 0 each batch
+    # of the store's scripts ends with `WAIT wait_replicas wait_timeout_ms`, and a write is
+    # taken as done only once that many replicas hold it (`NotReplicated` otherwise).
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
 
     def scaled(self, ms: int) -> float:
         """Policy milliseconds to real seconds."""
@@ -88,6 +94,8 @@ def env_config(**overrides: object) -> EngineConfig:
         ("retry_grace_ms", int),
         ("connect_timeout_s", float),
         ("read_timeout_s", float),
+        ("wait_replicas", int),
+        ("wait_timeout_ms", int),
     ):
         raw = env.get(f"ENGINE_{key.upper()}")
         if raw is not None:
@@ -114,6 +122,11 @@ def check_urls(config: EngineConfig) -> None:
             raise ValueError(f"{name}: expected a URL starting {expected}; got {got}")
     if is_sentinel_url(config.redis_url):
         parse_sentinel_url(config.redis_url)  # the sentinels and the master's name
+    if config.wait_replicas < 0 or config.wait_timeout_ms < 1:
+        raise ValueError(
+            "wait_replicas: expected a count >= 0 with wait_timeout_ms >= 1; got "
+            f"{config.wait_replicas} and {config.wait_timeout_ms}"
+        )
     for name in ("connect_timeout_s", "read_timeout_s"):
         value = getattr(config, name)
         if not value > 0:

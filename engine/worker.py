@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-grace-ms", type=int)
     p.add_argument("--connect-timeout-s", type=float, help="per connection (default 5)")
     p.add_argument("--read-timeout-s", type=float, help="per command or broker call (default 30)")
+    p.add_argument(
+        "--wait-replicas",
+        type=int,
+        help="replicas that must hold each batch of writes before it counts (Redis WAIT; 0)",
+    )
+    p.add_argument("--wait-timeout-ms", type=int, help="how long WAIT waits (default 1000)")
     p.add_argument("--no-sweeper", action="store_true", help="leave the hole after the ACK open")
     p.add_argument("--immediate-retries", type=int, help="level 1 (default 2)")
     p.add_argument("--max-attempts", type=int, help="level 2 attempts before level 3 (default 3)")
@@ -254,6 +260,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         retry_grace_ms=args.retry_grace_ms,
         connect_timeout_s=args.connect_timeout_s,
         read_timeout_s=args.read_timeout_s,
+        wait_replicas=args.wait_replicas,
+        wait_timeout_ms=args.wait_timeout_ms,
         sweeper=False if args.no_sweeper else None,
         policy=policy,
     )

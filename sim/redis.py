@@ -110,20 +110,40 @@ class SimRedis:
             deque(maxlen=failover_loss) if failover_loss > 0 else None
         )
         self._op: dict[str, tuple[Any, float | None]] | None = None
+        # Behind Sentinel (`sim.sentinel`): how long a write takes to reach the replica, and
+        # the writes of that last stretch, which a failover loses
+        self.lag_s: float | None = None
+        self._recent: deque[tuple[float, dict[str, tuple[Any, float | None]]]] = deque()
 
     # --- the server -------------------------------------------------------------------
 
     def apply(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """Run one command or script atomically (journaled when failovers may lose it)."""
-        if self._journal is None:
+        if self._journal is None and self.lag_s is None:
             return fn(*args)
         self._op = {}
         try:
             return fn(*args)
         finally:
             if self._op:
-                self._journal.append(self._op)
+                if self._journal is not None:
+                    self._journal.append(self._op)
+                if self.lag_s is not None:
+                    now, recent = self.env.now, self._recent
+                    recent.append((now, self._op))
+                    while recent and recent[0][0] < now - self.lag_s:
+                        recent.popleft()
             self._op = None
+
+    def lose_unreplicated(self, died_at: float) -> int:
+        """A failover: the replica promoted lacks what the primary applied in its last
+        `lag_s` before it died; those writes are undone (newest first); how many."""
+        lost = [op for t, op in self._recent if self.lag_s is not None and t > died_at - self.lag_s]
+        for op in reversed(lost):
+            for key, (value, exp) in op.items():
+                self._restore(key, value, exp)
+        self._recent.clear()
+        return len(lost)
 
     def kill(self) -> None:
         self.up = False
@@ -582,9 +602,11 @@ class RedisClient:
         *,
         link: Link | None = None,
         read_timeout_s: float = 30.0,
+        wait_replicas: int = 0,
     ) -> None:
         self.env = env
         self.redis = redis
+        self.wait_replicas = wait_replicas  # the live store's WAIT after each batch
         self._uniform = rng.uniform
         self._lo, self._hi = latency_s
         self._out_at = 0.0  # arrival of the last request: requests stay in order
@@ -617,7 +639,7 @@ class RedisClient:
         try:
             if batch is not self._flying:
                 yield batch.sent
-            return (yield from self._call(fn, args))
+            return (yield from self._call(fn, args, self.wait_replicas > 0))
         finally:
             self._alight(batch)
 
@@ -650,7 +672,12 @@ class RedisClient:
             assert nxt.sent is not None
             nxt.sent.succeed()
 
-    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Generator[Any, Any, Any]:
+    def _call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], replicated: bool = False
+    ) -> Generator[Any, Any, Any]:
+        """`replicated`: its batch ends with `WAIT`, so the reply comes once the replica
+        holds the write (`SimRedis.lag_s` after it was applied); a primary that dies before
+        loses the write and the reply both, and the client tries again."""
         link = self.link
         if link is not None and not link.calm:  # toxics, or cut: through the proxy
             return (yield from self._through(fn, args))
@@ -675,6 +702,8 @@ class RedisClient:
             if box:
                 now = env.now
                 back = now + self._uniform(self._lo, self._hi)
+                if replicated and redis.lag_s:
+                    back += redis.lag_s
                 if back < self._in_at:
                     back = self._in_at
                 self._in_at = back

@@ -74,6 +74,7 @@ class SimWorker:
             run.options.redis_latency_s,
             link=run.network.link(index, "redis"),
             read_timeout_s=config.read_timeout_s,
+            wait_replicas=config.wait_replicas,
         )
         self.broker = BrokerClient(
             env,

@@ -109,6 +109,8 @@ def test_full_example_loads_with_every_value(monkeypatch: pytest.MonkeyPatch) ->
         "sweeper": False,
         "connect_timeout_s": 3.0,
         "read_timeout_s": 10.0,
+        "wait_replicas": 0,
+        "wait_timeout_ms": 1000,
         "amqp_heartbeat_s": 5,
     }
     config = s.engine_config(namespace="ns-")
@@ -229,6 +231,8 @@ def test_defaults_are_the_documented_ones() -> None:
         "sweeper": True,
         "connect_timeout_s": 5.0,
         "read_timeout_s": 30.0,
+        "wait_replicas": 0,
+        "wait_timeout_ms": 1000,
         "amqp_heartbeat_s": None,
     }
     assert (s.restart_crashed_workers, s.restart_delay_s, s.deadline_s) == (True, 0.2, 30.0)
@@ -682,6 +686,29 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         "restart_after_s_on_a_cut",
         _net(action="cut_link", link="redis", restart_after_s=1),
         "faults[1].restart_after_s: not with a network action (use for_s); action is cut_link",
+    ),
+    (
+        "wait_replicas_without_sentinel",
+        lambda d: d.update(engine={"wait_replicas": 1}),
+        "engine.wait_replicas: only with redis.topology sentinel",
+    ),
+    (
+        "sentinel_losing_writes_by_count",
+        lambda d: d.update(redis={"topology": "sentinel", "lose_last_writes": 2}),
+        "redis.lose_last_writes: only with topology single",
+    ),
+    (
+        "unknown_topology",
+        lambda d: d.update(redis={"topology": "cluster"}),
+        "redis.topology: expected one of single, sentinel; got 'cluster'",
+    ),
+    (
+        "redis_link_behind_sentinel",
+        lambda d: (
+            d.update(redis={"topology": "sentinel"})
+            or d["faults"].__setitem__(1, {"at_s": 1, "action": "cut_link", "link": "redis"})
+        ),
+        "faults[1].link: redis only with redis.topology single",
     ),
     (
         "toxic_on_a_cut",

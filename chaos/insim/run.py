@@ -49,6 +49,7 @@ from sim.broker import BrokerClient, Delivery, SimBroker
 from sim.history import Source, history_hash
 from sim.network import Network
 from sim.redis import RedisClient, SimRedis
+from sim.sentinel import SimSentinel
 from sim.worker import EXIT_KILLED, SimWorker
 from sim.world import SimOptions
 
@@ -145,6 +146,17 @@ class SimRun:
             consumer_timeout_s=self.options.consumer_timeout_s,
             loses=self._loses if spec.broker.dead_letter_loss else None,
             on_lost=self._retry_lost,
+        )
+        self.sentinel = (  # the seed's deployment: a replica the sentinels promote
+            SimSentinel(
+                self.env,
+                self.redis,
+                random.Random(f"{tag}:sentinel"),
+                spec.redis.down_after_ms / 1000,
+                self.options.redis_boot_s,
+            )
+            if spec.redis.topology == "sentinel"
+            else None
         )
         self.store = RedisClient(self.env, self.redis, self.net_rng, self.options.redis_latency_s)
         # the workers' proxies (the runner's own clients go around them, as live)
@@ -247,15 +259,25 @@ class SimRun:
         pass  # its freeze has ended
 
     def on_kill_service(self, a: acts.KillService) -> None:
+        if a.name == "redis" and self.sentinel is not None:
+            self.sentinel.kill_primary()
+            return
         (self.redis if a.name == "redis" else self.broker).kill()
 
     def on_restart_service(self, a: acts.RestartService) -> Generator[Any, Any, int | None]:
         o = self.options
+        if a.name == "redis" and self.sentinel is not None:
+            yield from self.sentinel.restart_killed()
+            return None
         yield self.env.timeout(o.redis_boot_s if a.name == "redis" else o.broker_boot_s)
         if a.name == "redis":
             return self.redis.restart()
         self.broker.restart()
         return None
+
+    def on_await_failover(self, a: acts.AwaitFailover) -> Generator[Any, Any, bool]:
+        assert self.sentinel is not None, "a failover without Sentinel"
+        return (yield from self.sentinel.wait_back())
 
     def on_add_toxic(self, a: acts.AddToxic) -> None:
         for w in a.workers:

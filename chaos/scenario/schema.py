@@ -247,6 +247,15 @@ class EngineSpec(_Model):
         description="a worker's Redis command or broker call: a reply lost on the network "
         "is noticed this late",
     )
+    wait_replicas: int = Field(
+        default=0,
+        ge=0,
+        le=1,
+        description="replicas that must hold each batch of the store's writes before it "
+        "counts (Redis WAIT after each batch): behind Sentinel, a failover then loses "
+        "nothing the engine took as written",
+    )
+    wait_timeout_ms: int = Field(default=1000, ge=1, le=60_000, description="WAIT's timeout")
     amqp_heartbeat_s: int | None = Field(
         default=None,
         ge=1,
@@ -340,7 +349,23 @@ class BrokerSpec(_Model):
 
 
 class RedisSpec(_Model):
-    """How the scenario's Redis fails beyond a kill (both modes)."""
+    """The scenario's Redis: one server, or the seed's Sentinel deployment; and how it
+    fails beyond a kill (both modes)."""
+
+    topology: Literal["single", "sentinel"] = Field(
+        default="single",
+        description="single: one redis-server; sentinel: a primary, a replica and three "
+        "sentinels, the workers connecting through Sentinel: kill_redis kills the primary and "
+        "the sentinels promote the replica (restart_after_s brings the old primary back as a "
+        "replica)",
+    )
+    down_after_ms: int = Field(
+        default=500,
+        ge=100,
+        le=60_000,
+        description="sentinel: how long the primary stays silent before the sentinels "
+        "declare it down (their down-after-milliseconds); real time, not scaled",
+    )
 
     lose_last_writes: int = Field(
         default=0,
@@ -350,6 +375,16 @@ class RedisSpec(_Model):
         "failover to a replica that lacked them); live, the append-only file is cut back "
         "by N writes before the restart",
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_lose(self) -> RedisSpec:
+        if self.topology == "sentinel" and self.lose_last_writes:
+            _fail(
+                "lose_last_writes",
+                "only with topology single (behind Sentinel, what a failover loses is what "
+                "the replica had not received)",
+            )
+        return self
 
 
 class FailpointFault(_Model):
@@ -721,6 +756,11 @@ class Scenario(_Model):
 
     @model_validator(mode="after")
     def _check_faults(self) -> Scenario:
+        if self.engine.wait_replicas and self.redis.topology != "sentinel":
+            _fail(
+                "engine.wait_replicas",
+                "only with redis.topology sentinel (a single Redis has no replica to wait for)",
+            )
         total = self.total_evaluations
         names: dict[str, int] = {}
         for i, fault in enumerate(self.faults):
@@ -746,6 +786,12 @@ class Scenario(_Model):
                         _index_message("evaluation", fault.evaluation, total),
                     )
                 continue
+            if fault.link == "redis" and self.redis.topology == "sentinel":
+                _fail(
+                    f"{where}.link",
+                    "redis only with redis.topology single (behind Sentinel the workers "
+                    "reach the primary they are told of, not a proxy)",
+                )
             if fault.workers != "all":
                 for j, w in enumerate(fault.workers):
                     if w >= self.workers:

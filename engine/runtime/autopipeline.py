@@ -21,14 +21,29 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 
+class NotReplicated(ConnectionError):
+    """A batch's writes are on the primary but fewer replicas than asked acknowledged them
+    within the WAIT timeout: a failover now could lose them, so they do not count as done
+    (the caller sees a store failure, as if the connection had dropped)."""
+
+
 class AutoPipeline:
     """At most `max_in_flight` batches travel at once (one by default: measured best on a
     busy worker); calls made meanwhile wait for the next batch, which is what makes
-    batches grow under load."""
+    batches grow under load. With `wait_replicas` > 0 a batch ends with `WAIT`: one more
+    command per batch, not per write (group commit for replication too)."""
 
-    def __init__(self, client: aioredis.Redis, max_in_flight: int = 1) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        max_in_flight: int = 1,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> None:
         self.client = client
         self.max_in_flight = max_in_flight
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
         self.scripts: dict[str, str] = {}  # sha -> source
         self._queue: list[tuple[str, tuple[Any, ...], asyncio.Future[Any]]] = []
         self._flush_scheduled = False
@@ -86,6 +101,8 @@ class AutoPipeline:
                 fut.set_result(reply)
 
     async def _send(self, batch: list[tuple[str, tuple[Any, ...], asyncio.Future[Any]]]) -> list:
+        if self.wait_replicas > 0:
+            return await self._send_replicated(batch)
         if len(batch) == 1:
             sha, args, _ = batch[0]
             try:
@@ -96,3 +113,22 @@ class AutoPipeline:
             for sha, args, _ in batch:
                 pipe.execute_command("EVALSHA", sha, *args)
             return list(await pipe.execute(raise_on_error=False))
+
+    async def _send_replicated(self, batch: list[tuple[str, tuple[Any, ...], Any]]) -> list:
+        """The batch, then `WAIT`: its replies only once `wait_replicas` replicas hold it."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for sha, args, _ in batch:
+                pipe.execute_command("EVALSHA", sha, *args)
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            *replies, acked = await pipe.execute(raise_on_error=False)
+        if isinstance(acked, Exception):
+            if "replica" in str(acked).lower():  # talking to a demoted primary: find the new
+                await self.client.connection_pool.disconnect()
+                raise NotReplicated(f"WAIT reached a replica ({acked})")
+            raise acked
+        if int(acked) < self.wait_replicas:
+            raise NotReplicated(
+                f"{acked} of {self.wait_replicas} replica(s) acknowledged within "
+                f"{self.wait_timeout_ms} ms"
+            )
+        return list(replies)

@@ -536,7 +536,9 @@ class RedisStore:
         self.topology_key = config.name("engine:topology")
         self.redis = client or redis_client(config)
         r = self.redis
-        self.batch = AutoPipeline(r)
+        self.batch = AutoPipeline(
+            r, wait_replicas=config.wait_replicas, wait_timeout_ms=config.wait_timeout_ms
+        )
         self._write_result = self.batch.register(_WRITE_RESULT)
         self._write_status = self.batch.register(_WRITE_STATUS)
         self._renew = self.batch.register(_RENEW)
