@@ -46,8 +46,14 @@ def through(url: str, listen: str, **query: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc, query=urlencode(pairs)))
 
 
+#: The link between Redis's primary and its replica (behind Sentinel): one for the run, not
+#: one per worker.
+REPLICATION = "replication"
+
+
 class Network:
-    """One run's proxies: `{ns}w{i}.redis` and `{ns}w{i}.broker` for each worker `i`."""
+    """One run's proxies: `{ns}w{i}.redis` and `{ns}w{i}.broker` for each worker `i`, and
+    behind Sentinel `{ns}replication`, the replica's link to the primary."""
 
     def __init__(
         self,
@@ -57,8 +63,11 @@ class Network:
         redis_url: str | None,
         amqp_url: str,
         amqp_heartbeat_s: int | None = None,
+        replication_upstream: str | None = None,
     ) -> None:
         self.namespace = namespace
+        self.replication_upstream = replication_upstream  # the primary's host:port
+        self.replication_listen = ""  # where the replica replicates from, once started
         self.seed = seed
         self.workers = workers
         # None: that service is not proxied (Redis behind Sentinel: the workers are told
@@ -73,7 +82,17 @@ class Network:
         self.urls: dict[tuple[int, str], str] = {}  # (worker, link) -> the URL it uses
 
     def proxy(self, worker: int, link: str) -> str:
+        if link == REPLICATION:
+            return f"{self.namespace}{REPLICATION}"
         return f"{self.namespace}w{worker}.{link}"
+
+    def _names(self, link: str, workers: tuple[int, ...]) -> list[str]:
+        """The proxies of `link` for these workers (the replication link's, once)."""
+        return list(dict.fromkeys(self.proxy(w, link) for w in workers))
+
+    def _all(self) -> list[str]:
+        names = [self.proxy(w, link) for w in range(self.workers) for link in self.upstreams]
+        return names + ([self.proxy(0, REPLICATION)] if self.replication_listen else [])
 
     async def start(self) -> None:
         """Start (or reach) the server and create every worker's proxies."""
@@ -89,6 +108,11 @@ class Network:
                     if link == "broker" and self.amqp_heartbeat_s is not None:
                         query["heartbeat"] = str(self.amqp_heartbeat_s)
                     self.urls[(w, link)] = through(service_url, made["listen"], **query)
+            if self.replication_upstream is not None:
+                made = await self.client.create_proxy(
+                    self.proxy(0, REPLICATION), upstream=self.replication_upstream
+                )
+                self.replication_listen = made["listen"]
         except BaseException:
             await self.close()
             raise
@@ -149,54 +173,52 @@ class Network:
 
     async def add_toxic(self, link: str, workers: tuple[int, ...], toxic: ToxicSpec) -> None:
         """Add it; a toxic of that name already there is changed instead."""
-        for w in workers:
+        for name in self._names(link, workers):
             try:
-                await self._c().add_toxic(self.proxy(w, link), toxic)
+                await self._c().add_toxic(name, toxic)
             except ToxiproxyError as exc:
                 if exc.status != 409:
                     raise
-                await self.update_toxic(link, (w,), toxic)
+                await self._update(name, toxic)
 
     async def update_toxic(self, link: str, workers: tuple[int, ...], toxic: ToxicSpec) -> None:
+        for name in self._names(link, workers):
+            await self._update(name, toxic)
+
+    async def _update(self, proxy: str, toxic: ToxicSpec) -> None:
         fields = toxic.wire()
-        for w in workers:
-            with _absent_ok():
-                await self._c().update_toxic(
-                    self.proxy(w, link),
-                    toxic.name,
-                    toxicity=fields["toxicity"],
-                    attributes=fields["attributes"],
-                )
+        with _absent_ok():
+            await self._c().update_toxic(
+                proxy, toxic.name, toxicity=fields["toxicity"], attributes=fields["attributes"]
+            )
 
     async def remove_toxic(self, link: str, workers: tuple[int, ...], name: str) -> None:
-        for w in workers:
+        for proxy in self._names(link, workers):
             with _absent_ok():
-                await self._c().remove_toxic(self.proxy(w, link), name)
+                await self._c().remove_toxic(proxy, name)
 
     async def set_enabled(self, link: str, workers: tuple[int, ...], enabled: bool) -> None:
-        for w in workers:
-            await self._c().update_proxy(self.proxy(w, link), enabled=enabled)
+        for proxy in self._names(link, workers):
+            await self._c().update_proxy(proxy, enabled=enabled)
 
     async def reset(self) -> None:
         """Every proxy of this run enabled, its toxics gone (not `/reset`: a shared
         Toxiproxy may hold other runs' proxies)."""
         client = self._c()
-        for w in range(self.workers):
-            for link in self.upstreams:
-                name = self.proxy(w, link)
-                for toxic in await client.toxics(name):
-                    with _absent_ok():
-                        await client.remove_toxic(name, toxic["name"])
-                await client.update_proxy(name, enabled=True)
+        for name in self._all():
+            for toxic in await client.toxics(name):
+                with _absent_ok():
+                    await client.remove_toxic(name, toxic["name"])
+            await client.update_proxy(name, enabled=True)
 
     async def close(self) -> None:
         """Delete the run's proxies and stop the server this run started."""
         client, self.client = self.client, None
         if client is not None:
             if self.server is None:  # a server that outlives the run keeps nothing of it
-                for w, link in list(self.urls):
+                for name in self._all():
                     with contextlib.suppress(Exception):
-                        await client.delete_proxy(self.proxy(w, link))
+                        await client.delete_proxy(name)
             await client.close()
         server, self.server = self.server, None
         if server is not None:

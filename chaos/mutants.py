@@ -174,6 +174,20 @@ def no_sweeper() -> None:
     EngineConfig.__init__ = without_sweeper  # type: ignore[method-assign]
 
 
+def no_wait() -> None:
+    """no_completed_rerun: Redis behind Sentinel without the engine's answer to its
+    asynchronous replication. Every `EngineConfig` has `wait_replicas=0`, so a write the
+    primary acknowledged counts as done before the replica holds it, and a failover that
+    loses it makes a resumed evaluation run the finished rule again."""
+    init = EngineConfig.__init__
+
+    def without_wait(self: EngineConfig, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        object.__setattr__(self, "wait_replicas", 0)
+
+    EngineConfig.__init__ = without_wait  # type: ignore[method-assign]
+
+
 # --- the shared shell (engine.shell): one patch, live and in the simulator ---------------------
 
 
@@ -638,6 +652,11 @@ MUTANTS: dict[str, Mutant] = {
             ignore_lease,
             "reruns_explained",
             "begin ignores the lease: a second worker runs the evaluation beside its owner",
+        ),
+        _mutant(
+            no_wait,
+            "no_completed_rerun",
+            "behind Sentinel, writes count before the replica holds them (no WAIT)",
         ),
         _mutant(
             no_fencing,

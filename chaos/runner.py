@@ -45,7 +45,7 @@ from chaos.conductor import (
     Progress,
     delivered,
 )
-from chaos.links import Network
+from chaos.links import REPLICATION, Network
 from chaos.scenario import LoadedScenario
 from chaos.services import SentinelRedis, Services
 from chaos.supervision import Slot
@@ -138,8 +138,13 @@ class ScenarioRun:
         # of the same ids are cleared first; on a shared one (REDIS_URL) they carry `ns` too,
         # so two runs of one seed never read, overwrite or delete each other's keys.
         # Behind Sentinel the run has a topology of its own, whatever REDIS_URL says
+        # a replication link to fault goes through the run's proxies (`chaos.links`)
+        replication = any(getattr(f, "link", None) == REPLICATION for f in self.spec.faults)
         self.sentinel = (
-            SentinelRedis(self.spec.redis.down_after_ms)
+            SentinelRedis(
+                self.spec.redis.down_after_ms,
+                replication_via=self._replication_via if replication else None,
+            )
             if self.spec.redis.topology == "sentinel"
             else None
         )
@@ -164,6 +169,11 @@ class ScenarioRun:
             None if self.sentinel is not None else services.redis_url,
             services.amqp_url,
             self.spec.engine.amqp_heartbeat_s,
+            replication_upstream=(
+                f"127.0.0.1:{self.sentinel.primary_port}"
+                if self.sentinel is not None and replication
+                else None
+            ),
         )
         self._refuse_unsupported()
 
@@ -173,6 +183,11 @@ class ScenarioRun:
     def redis_url(self) -> str:
         """The workers' and the runner's Redis: the topology's sentinels, or the service."""
         return self.sentinel.url if self.sentinel is not None else self.services.redis_url
+
+    def _replication_via(self, host: str, port: int) -> tuple[str, int]:
+        """Where the replica replicates from: the run's replication proxy."""
+        listen_host, _, listen_port = self.network.replication_listen.rpartition(":")
+        return listen_host or host, int(listen_port)
 
     def _worker_redis_url(self, index: int) -> str:
         """Through the worker's own proxy; behind Sentinel, the sentinels themselves."""
@@ -456,10 +471,10 @@ class ScenarioRun:
         started = time.monotonic()
         await asyncio.to_thread(self.services.configure, self.spec.broker.consumer_timeout_s)
         try:
+            await self.network.start()  # first: the replica may replicate through it
             if self.sentinel is not None:
                 await asyncio.to_thread(self.sentinel.start)
             await self._clear_earlier_runs()
-            await self.network.start()
             final: FinalState = await self._drive(self.conductor.run())
         except BaseException:  # what the run left standing (a run that ends stops it all)
             await self.on_stop_spawned()

@@ -57,6 +57,8 @@ Address = tuple[str, int]
 
 #: How long `start()` waits for the whole topology to agree (a busy 2-core CI machine).
 START_TIMEOUT_S = 60.0
+#: See SentinelTopology: below this, failovers ping-pong between the servers.
+MIN_DOWN_AFTER_MS = 1500
 #: How long a single probe of one instance may take before it counts as no answer.
 PROBE_TIMEOUT_S = 1.0
 
@@ -304,23 +306,29 @@ class SentinelTopology:
     replica should replicate from (a proxy whose upstream is the primary); it is called once
     the primary runs, before the replica starts.
 
-    `down_after_ms` defaults to 1000, not lower: Sentinel pings every second at most and
-    drops a link whose ping waits half of `down-after-milliseconds`, and a promotion kills
-    every client link of the promoted server (`CLIENT KILL TYPE normal|pubsub`). At 500 ms a
-    short stall of the new primary on a busy machine made two sentinels see it down and the
-    failovers ping-pong between the servers (7 epochs for 3 kills here; 3 at 1000 ms).
+    `down_after_ms` is 2000 by default and must be at least 1500: Sentinel creates a fresh
+    link to an instance on every `+switch-master` and sends its first PING only a ping
+    period (1 s, or down-after if shorter) later, while it counts the silence from the link's
+    creation. At down-after <= 1 s every new primary is briefly SDOWN right after a failover,
+    and when two sentinels catch it at once it is ODOWN: a second failover, then a third
+    (seen here at 500 ms: 7 epochs for 3 kills; at 1000 ms: now and then).
     """
 
     def __init__(
         self,
         master_name: str = "chaos",
-        down_after_ms: int = 1000,
+        down_after_ms: int = 2000,
         failover_timeout_ms: int = 3000,
         persistence: bool = True,
         replication_via: Callable[[str, int], Address] | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         tmp_root: str | os.PathLike[str] | None = None,
     ) -> None:
+        if down_after_ms < MIN_DOWN_AFTER_MS:
+            raise ValueError(
+                f"down_after_ms must be >= {MIN_DOWN_AFTER_MS} (Sentinel's 1 s ping period: "
+                f"below it a new primary looks down right after a failover); got {down_after_ms}"
+            )
         self.master_name = master_name
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms

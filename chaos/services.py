@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from chaos.stack import (
@@ -147,16 +148,27 @@ class SentinelRedis:
     (Sentinel makes it a replica of the new primary, or, nobody promoted yet, it serves
     again); `serving` says whether a primary answers again, and whether it is another."""
 
-    def __init__(self, down_after_ms: int) -> None:
+    def __init__(
+        self,
+        down_after_ms: int,
+        replication_via: Callable[[str, int], tuple[str, int]] | None = None,
+    ) -> None:
         from chaos.sentinel import SentinelTopology
 
-        self.topology = SentinelTopology(down_after_ms=down_after_ms)
+        self.topology = SentinelTopology(
+            down_after_ms=down_after_ms, replication_via=replication_via
+        )
         self.killed: object | None = None  # the server `kill` stopped, until restarted
         self._killed_at: tuple[str, int] | None = None
 
     @property
     def url(self) -> str:
         return self.topology.url
+
+    @property
+    def primary_port(self) -> int:
+        """The first primary's port, known before `start` (a proxy can be put in front)."""
+        return self.topology.servers[0].port
 
     def start(self) -> SentinelRedis:
         try:

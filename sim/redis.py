@@ -113,6 +113,9 @@ class SimRedis:
         # Behind Sentinel (`sim.sentinel`): how long a write takes to reach the replica, and
         # the writes of that last stretch, which a failover loses
         self.lag_s: float | None = None
+        # since when no replica receives the writes (a cut link, or none there): None while
+        # one does; a `WAIT` then times out
+        self.unreplicated_since: float | None = None
         self._recent: deque[tuple[float, dict[str, tuple[Any, float | None]]]] = deque()
 
     # --- the server -------------------------------------------------------------------
@@ -131,14 +134,19 @@ class SimRedis:
                 if self.lag_s is not None:
                     now, recent = self.env.now, self._recent
                     recent.append((now, self._op))
-                    while recent and recent[0][0] < now - self.lag_s:
+                    since = self.unreplicated_since
+                    cutoff = (now if since is None else since) - self.lag_s
+                    while recent and recent[0][0] < cutoff:  # the replica has those
                         recent.popleft()
             self._op = None
 
     def lose_unreplicated(self, died_at: float) -> int:
         """A failover: the replica promoted lacks what the primary applied in its last
-        `lag_s` before it died; those writes are undone (newest first); how many."""
-        lost = [op for t, op in self._recent if self.lag_s is not None and t > died_at - self.lag_s]
+        `lag_s` before it died, or before its link to the replica was cut; those writes are
+        undone (newest first); how many."""
+        since = self.unreplicated_since
+        cutoff = (died_at if since is None else min(since, died_at)) - (self.lag_s or 0.0)
+        lost = [op for t, op in self._recent if t > cutoff]
         for op in reversed(lost):
             for key, (value, exp) in op.items():
                 self._restore(key, value, exp)
@@ -603,10 +611,12 @@ class RedisClient:
         link: Link | None = None,
         read_timeout_s: float = 30.0,
         wait_replicas: int = 0,
+        wait_timeout_s: float = 1.0,
     ) -> None:
         self.env = env
         self.redis = redis
         self.wait_replicas = wait_replicas  # the live store's WAIT after each batch
+        self.wait_timeout_s = wait_timeout_s
         self._uniform = rng.uniform
         self._lo, self._hi = latency_s
         self._out_at = 0.0  # arrival of the last request: requests stay in order
@@ -642,6 +652,15 @@ class RedisClient:
             return (yield from self._call(fn, args, self.wait_replicas > 0))
         finally:
             self._alight(batch)
+
+    def _replicated(self, applied_at: float) -> bool:
+        """Whether the replica received a write applied at `applied_at`: replication ran
+        from then until `lag_s` later (a `WAIT` it answers)."""
+        redis = self.redis
+        if redis.lag_s is None:
+            return True
+        since = redis.unreplicated_since
+        return since is None or since > applied_at + redis.lag_s
 
     def _board(self) -> _Batch:
         """The batch a script call rides: the one in flight if it left at this very instant
@@ -702,12 +721,15 @@ class RedisClient:
             if box:
                 now = env.now
                 back = now + self._uniform(self._lo, self._hi)
-                if replicated and redis.lag_s:
-                    back += redis.lag_s
+                if replicated and redis.lag_s is not None:
+                    back += redis.lag_s  # WAIT: until the replica holds it
                 if back < self._in_at:
                     back = self._in_at
                 self._in_at = back
                 yield env.timeout(back - now)
+                if replicated and not self._replicated(now):
+                    yield env.timeout(max(0.0, now + self.wait_timeout_s - env.now))
+                    raise ConnectionError("not replicated (simulated WAIT timed out)")
                 if redis.epoch == box[0]:
                     if isinstance(box[1], Fenced):
                         raise LeaseLost(f"{box[1].attempt_id}: the lease is {box[1].other}'s now")

@@ -4,9 +4,11 @@ The data is one `SimRedis`. Replication is asynchronous: a write reaches the rep
 `lag_s` after the primary applied it (a draw of the seed, up to `MAX_LAG_S`: a busy
 machine, a replica fsyncing each write), and a failover loses what the primary applied in
 its last `lag_s`, acknowledged or not; a client whose store waits for the replica
-(`WAIT`, `sim.redis.RedisClient`) gets its reply only once the write is there. (A
-partition between the two, which would stretch the loss, is later work.) Availability
-is modelled as a live failover has it: the primary killed,
+(`WAIT`, `sim.redis.RedisClient`) gets its reply only once the write is there. A partition
+between the two (`partition`) stops replication: a failover then loses everything since
+the cut, and a `WAIT` times out. A replica cut off for longer than Sentinel's validity
+(ten times `down_after_s`) is not promoted. Availability is modelled as a live failover
+has it: the primary killed,
 every client fails and retries until the sentinels, `down_after_s` after its last answer
 plus an election drawn from the seed, promote the replica; the killed server, restarted,
 rejoins as a replica, so a second kill can fail over again. Restarted before the sentinels
@@ -30,6 +32,9 @@ ELECTION_S = (0.8, 1.6)
 #: The longest replication lag drawn: live, under a loaded 2-core machine, a promoted
 #: replica was seen to lack the primary's last 0.2 s of writes.
 MAX_LAG_S = 0.3
+#: Sentinel's replica-validity-factor: a replica cut off longer than this many
+#: down-after periods is not promoted.
+VALIDITY_FACTOR = 10
 
 
 class SimSentinel:
@@ -51,6 +56,8 @@ class SimSentinel:
         self.lost_writes = 0  # what the last promotion lost
         self._back: simpy.Event | None = None  # fires when a primary serves again
         self._died_at = 0.0
+        self._cut = False  # the replication proxy is disabled
+        self._via_proxy = True  # the first replica replicates through it
         redis.lag_s = rng.uniform(0.0, MAX_LAG_S)
 
     def kill_primary(self) -> None:
@@ -63,12 +70,33 @@ class SimSentinel:
             delay = self.down_after_s + self.rng.uniform(*ELECTION_S)
             self.env.timeout(delay).callbacks.append(self._promote)
 
+    def partition(self, cut: bool) -> None:
+        """Cut (or restore) the link between the first primary and its replica (the run's
+        replication proxy); restored, the replica catches up. After a promotion that link
+        is gone: the killed server rejoins the new primary directly."""
+        self._cut = cut
+        if self._via_proxy:
+            self._replication_changed()
+
+    def _replication_changed(self) -> None:
+        replicating = self.replicas > 0 and not (self._cut and self._via_proxy)
+        if replicating:
+            self.redis.unreplicated_since = None
+        elif self.redis.unreplicated_since is None:
+            self.redis.unreplicated_since = self.env.now
+
     def _promote(self, _: simpy.Event) -> None:
         if self.redis.up:  # the old primary came back first: no failover
             return
+        since = self.redis.unreplicated_since
+        if since is not None and self.env.now - since > VALIDITY_FACTOR * self.down_after_s:
+            return  # too long cut off to be trusted: nobody is promoted
         self.replicas -= 1
         self.promoted = True
         self.lost_writes = self.redis.lose_unreplicated(self._died_at)
+        self._via_proxy = False
+        self.redis.unreplicated_since = None
+        self._replication_changed()  # no replica now: nothing it writes is replicated
         self._serve()
 
     def restart_killed(self) -> Generator[simpy.Event, Any, None]:
@@ -76,7 +104,8 @@ class SimSentinel:
         yet) the primary again."""
         yield self.env.timeout(self.boot_s)
         if self.redis.up:
-            self.replicas += 1
+            self.replicas += 1  # a full sync: it holds everything from now on
+            self._replication_changed()
         else:
             self._serve()
 

@@ -75,6 +75,7 @@ class SimWorker:
             link=run.network.link(index, "redis"),
             read_timeout_s=config.read_timeout_s,
             wait_replicas=config.wait_replicas,
+            wait_timeout_s=config.wait_timeout_ms / 1000,
         )
         self.broker = BrokerClient(
             env,

@@ -55,6 +55,7 @@ CATCHES = {
     "needless_rerun": "permanent_failure_prunes",  # no fault at all: no rerun is owed
     "ignore_lease": "consumer_timeout",  # retries delivered to the worker not owning them
     "no_fencing": "paused_owner",  # the paused owner wakes and starts what was finished
+    "no_wait": "sentinel_failover_with_partition",  # the promoted replica never got them
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
 }
 

@@ -555,6 +555,20 @@ def test_nondeterministic_agent(tmp_path: Path) -> None:
         assert differ[mut]
 
 
+def probe_wait_replicas() -> int:
+    """What a worker asked to wait for one replica gets."""
+    from engine.config import EngineConfig
+
+    return EngineConfig(wait_replicas=1).wait_replicas
+
+
+def test_no_wait() -> None:
+    # Every config waits for no replica, whatever it was given (the worker's own included):
+    # sentinel_failover_with_partition then loses what the cut replica never got
+    # (tests/test_sim_sentinel.py, tests/test_chaos_runs.py).
+    assert _probe("probe_wait_replicas", "no_wait") == (1, 0)
+
+
 @live
 def test_no_sweeper(tmp_path: Path) -> None:
     # What a worker that died right after the ACK leaves behind: an evaluation begun (its

@@ -637,7 +637,7 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     (
         "unknown_link",
         _net(action="cut_link", link="postgres"),
-        "faults[1].link: expected one of redis, broker; got 'postgres'",
+        "faults[1].link: expected one of redis, broker, replication; got 'postgres'",
     ),
     (
         "toxic_missing",

@@ -10,7 +10,7 @@ from pathlib import Path
 import simpy
 
 from chaos.insim import run_scenario
-from chaos.scenario import scenario_from_dict
+from chaos.scenario import load_scenario
 from sim.redis import SimRedis
 from sim.sentinel import ELECTION_S, SimSentinel
 
@@ -72,36 +72,12 @@ def test_a_failover_loses_what_the_primary_applied_in_its_last_lag() -> None:
     assert "old" in redis.data and "recent" not in redis.data and sentinel.lost_writes == 1
 
 
-def scenario(wait_replicas: int):  # type: ignore[no-untyped-def]
-    return scenario_from_dict(
-        {
-            "name": "sentinel_failover",
-            "seed": 12,
-            "plan": str(ROOT / "plans" / "code_review.yaml"),
-            "evaluations": 4,
-            "workers": 2,
-            "agent": {"latency_ms": 200000},
-            "engine": {"wait_replicas": wait_replicas},
-            "redis": {"topology": "sentinel", "down_after_ms": 500},
-            "faults": [
-                {"after": {"event": "rule_finished", "count": 12}}
-                | {"action": "kill_redis", "restart_after_s": 3.0}
-            ],
-            "not_checked": ["retry_delays_respected"],
-            "deadline_s": 60,
-        },
-        "sentinel_failover.yaml",
-    )
-
-
-def test_without_wait_a_failover_reruns_finished_rules_and_wait_prevents_it() -> None:
-    """The loss live runs showed (a promoted replica 0.2 s behind: every evaluation
-    resumed, finished rules run again): found within 300 seeds without `WAIT`, and
-    never on the same seeds with it."""
-    bare, waiting = scenario(0), scenario(1)
-    failing = [s for s in range(300) if not run_scenario(bare, seed=s).result.ok]
-    assert failing, "no seed lost a finished result"
-    for seed in failing:
-        broken = run_scenario(bare, seed=seed).result
-        assert broken.verdicts["no_completed_rerun"] == "fail"
-        assert run_scenario(waiting, seed=seed).result.ok, seed
+def test_a_partition_then_a_failover_loses_acknowledged_writes_unless_the_engine_waits() -> None:
+    """sentinel_failover_with_partition: the replica cut off, the primary acknowledging, then
+    killed. Without WAIT (mutant no_wait) the writes of the cut are gone and finished rules
+    run again; with it none of them counted, and nothing finished reruns."""
+    loaded = load_scenario(ROOT / "scenarios" / "sentinel_failover_with_partition.yaml")
+    assert loaded.spec.engine.wait_replicas == 1
+    assert run_scenario(loaded).result.ok
+    broken = run_scenario(loaded, mutant="no_wait").result
+    assert broken.verdicts["no_completed_rerun"] == "fail"

@@ -35,6 +35,7 @@ from sim.redis import SimRedis
 #: agent, applied with `patched`: chaos.mutants' own patch, exactly as live.
 CORE: tuple[str, ...] = (
     "no_sweeper",
+    "no_wait",
     "nondeterministic_agent",
     "sweep_wrong_attempt",
     "no_redis_results",

@@ -292,15 +292,25 @@ class SimRun:
             self.network.link(w, a.link).remove(a.name)
 
     def on_cut_link(self, a: acts.CutLink) -> None:
+        if a.link == "replication":  # the replica's link to the primary: one, not per worker
+            assert self.sentinel is not None, "a replication link without Sentinel"
+            self.sentinel.partition(True)
+            return
         for w in a.workers:
             self.network.link(w, a.link).cut()
 
     def on_restore_link(self, a: acts.RestoreLink) -> None:
+        if a.link == "replication":
+            assert self.sentinel is not None, "a replication link without Sentinel"
+            self.sentinel.partition(False)
+            return
         for w in a.workers:
             self.network.link(w, a.link).restore()
 
     def on_reset_links(self, a: acts.ResetLinks) -> None:
         self.network.reset()
+        if self.sentinel is not None:
+            self.sentinel.partition(False)
 
     def on_connect(self, a: acts.Connect) -> Generator[Any, Any, None]:
         client = BrokerClient(self.env, self.broker, "runner")

@@ -60,7 +60,7 @@ WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pa
 LINK_ACTIONS: frozenset[str] = frozenset({"add_toxic", "update_toxic", "remove_toxic", "cut_link"})
 _LINK_LIST = "add_toxic, update_toxic, remove_toxic, cut_link"
 #: The links a network fault acts on: each worker's connections to Redis and to RabbitMQ.
-LINKS: tuple[str, ...] = ("redis", "broker")
+LINKS: tuple[str, ...] = ("redis", "broker", "replication")
 
 
 MAX_EVALUATIONS_PER_PLAN = 10_000
@@ -360,11 +360,12 @@ class RedisSpec(_Model):
         "replica)",
     )
     down_after_ms: int = Field(
-        default=500,
-        ge=100,
+        default=2000,
+        ge=1500,  # below, a new primary looks down before its first ping (chaos.sentinel)
         le=60_000,
         description="sentinel: how long the primary stays silent before the sentinels "
-        "declare it down (their down-after-milliseconds); real time, not scaled",
+        "declare it down (their down-after-milliseconds); real time, not scaled; at least "
+        "1500, or Sentinel's 1 s ping period makes every new primary look down at once",
     )
 
     lose_last_writes: int = Field(
@@ -500,7 +501,8 @@ class RunnerFault(_Model):
     link: Literal[LINKS] | None = Field(  # type: ignore[valid-type]
         default=None,
         description="add_toxic, update_toxic, remove_toxic, cut_link: the workers' link to "
-        "redis or to broker (each worker has its own proxy to each service)",
+        "redis or to broker (each worker has its own proxy to each service); replication "
+        "(redis.topology sentinel, cut_link only): the replica's link to the primary",
     )
     workers: Annotated[
         Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(min_length=1)] | Literal["all"],
@@ -786,6 +788,17 @@ class Scenario(_Model):
                         _index_message("evaluation", fault.evaluation, total),
                     )
                 continue
+            if fault.link == "replication":
+                if self.redis.topology != "sentinel":
+                    _fail(f"{where}.link", "replication only with redis.topology sentinel")
+                if fault.action != "cut_link":
+                    _fail(
+                        f"{where}.action",
+                        "only cut_link on the replication link (a partition between the "
+                        f"primary and its replica); got {fault.action}",
+                    )
+                if fault.workers != "all":
+                    _fail(f"{where}.workers", "not with the replication link (there is one)")
             if fault.link == "redis" and self.redis.topology == "sentinel":
                 _fail(
                     f"{where}.link",

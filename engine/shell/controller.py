@@ -95,8 +95,8 @@ class EvaluationController:
             orch = self.evaluations.get(attempt_id)
             if orch is not None:
                 yield from orch.abandon("delivery failed")
-            else:
-                yield Store("release", (attempt_id, self.worker_id))
+            else:  # the store may be what failed: the delivery goes back whatever it says
+                yield from shell.release(attempt_id, self.worker_id)
             yield Settle(delivery, ack=False)
 
     def _on_work(

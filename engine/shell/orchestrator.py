@@ -134,7 +134,7 @@ class PassExecutionOrchestrator:
         for task in list(self._tasks):
             if task is not current:
                 self.host.cancel(task)
-        yield Store("release", (self.attempt_id, self.worker_id))
+        yield from release(self.attempt_id, self.worker_id)
         yield from self._on_done(self)
 
     # --- machinery ----------------------------------------------------------------------
@@ -316,7 +316,7 @@ class PassExecutionOrchestrator:
                 yield Record("parked", {"attempt_id": a, "waiting": dict(waiting)})
                 # A retry that arrived while parking is handed back, not dropped: its
                 # redelivery resumes the evaluation from Redis.
-                yield from self._close(release=False, requeue_held=True)
+                yield from self._close(release_lease=False, requeue_held=True)
             case Finish():
                 yield from self._finish(action)
 
@@ -415,7 +415,7 @@ class PassExecutionOrchestrator:
             announcing = self.host.spawn(self._announce(action, status, verdicts))
             if announcing is not None:
                 yield Join(announcing)
-            yield from self._close(release=False)
+            yield from self._close(release_lease=False)
             return
         if action.status is not EvaluationStatus.CANCELLED:
             yield Log("info", f"evaluation {a} was already {kept}")
@@ -452,7 +452,7 @@ class PassExecutionOrchestrator:
             )
         return kept
 
-    def _close(self, release: bool = True, requeue_held: bool = False) -> Step:
+    def _close(self, release_lease: bool = True, requeue_held: bool = False) -> Step:
         if self._closed:
             return
         self._closed = True
@@ -464,9 +464,19 @@ class PassExecutionOrchestrator:
                 "retry_requeued" if requeue_held else "stale_retry_dropped",
                 {"attempt_id": self.attempt_id, "rule_id": rule_id, "attempt": attempt},
             )
-        if release:
-            yield Store("release", (self.attempt_id, self.worker_id))
+        if release_lease:
+            yield from release(self.attempt_id, self.worker_id)
         yield from self._on_done(self)
+
+
+def release(attempt_id: str, worker_id: str) -> Step:
+    """Give the lease back, if the store takes it: an evaluation leaves memory whether or not
+    (a store that refuses now, Redis down or a write not replicated, lets the lease expire),
+    so that no slot, delivery or hold is kept for an evaluation nobody runs any more."""
+    try:
+        yield Store("release", (attempt_id, worker_id))
+    except Exception as exc:
+        yield Log("warning", f"evaluation {attempt_id}: lease left to expire ({exc})")
 
 
 def _first_try(action: Action) -> bool:

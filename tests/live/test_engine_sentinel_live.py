@@ -24,7 +24,7 @@ PATIENCE_S = 60.0  # a failover takes about two seconds; a busy CI machine may t
 
 @pytest.fixture
 def sentinel() -> Iterator[SentinelRedis]:
-    topology = SentinelRedis(down_after_ms=500).start()
+    topology = SentinelRedis(down_after_ms=2000).start()
     try:
         yield topology
     finally:
