@@ -479,17 +479,20 @@ class SentinelTopology:
     def primary_address(self) -> Address:
         """The master's address as the first sentinel that answers reports it."""
         for sentinel in self.sentinels:
-            if not sentinel.alive:
-                continue
-            try:
-                addr = redis_call(
-                    sentinel.address, "SENTINEL", "get-master-addr-by-name", self.master_name
-                )
-            except (OSError, RedisReplyError):
-                continue
+            addr = self._master_seen_by(sentinel) if sentinel.alive else None
             if addr is not None:
-                return (addr[0], int(addr[1]))
+                return addr
         raise StackError(f"no sentinel answers for master {self.master_name!r}")
+
+    def _master_seen_by(self, sentinel: SentinelServer) -> Address | None:
+        """The master's address as `sentinel` reports it (None: no answer)."""
+        try:
+            addr = redis_call(
+                sentinel.address, "SENTINEL", "get-master-addr-by-name", self.master_name
+            )
+        except (OSError, RedisReplyError):
+            return None
+        return None if addr is None else (addr[0], int(addr[1]))
 
     def server_at(self, address: Address) -> DataServer:
         for server in self.servers:
@@ -563,14 +566,8 @@ class SentinelTopology:
             live = [s for s in self.sentinels if s.alive]
             votes: dict[Address, int] = {}
             for sentinel in live:
-                try:
-                    addr = redis_call(
-                        sentinel.address, "SENTINEL", "get-master-addr-by-name", self.master_name
-                    )
-                except (OSError, RedisReplyError):
-                    continue
-                if addr is not None:
-                    key = (addr[0], int(addr[1]))
+                key = self._master_seen_by(sentinel)
+                if key is not None:
                     votes[key] = votes.get(key, 0) + 1
             new = [a for a, n in votes.items() if a != from_address and n > len(live) // 2]
             if not new:

@@ -292,20 +292,19 @@ class SimRun:
             self.network.link(w, a.link).remove(a.name)
 
     def on_cut_link(self, a: acts.CutLink) -> None:
-        if a.link == "replication":  # the replica's link to the primary: one, not per worker
-            assert self.sentinel is not None, "a replication link without Sentinel"
-            self.sentinel.partition(True)
-            return
-        for w in a.workers:
-            self.network.link(w, a.link).cut()
+        self._set_link(a.link, a.workers, cut=True)
 
     def on_restore_link(self, a: acts.RestoreLink) -> None:
-        if a.link == "replication":
+        self._set_link(a.link, a.workers, cut=False)
+
+    def _set_link(self, link: str, workers: tuple[int, ...], cut: bool) -> None:
+        if link == "replication":  # the replica's link to the primary: one, not per worker
             assert self.sentinel is not None, "a replication link without Sentinel"
-            self.sentinel.partition(False)
+            self.sentinel.partition(cut)
             return
-        for w in a.workers:
-            self.network.link(w, a.link).restore()
+        for w in workers:
+            proxy = self.network.link(w, link)
+            proxy.cut() if cut else proxy.restore()
 
     def on_reset_links(self, a: acts.ResetLinks) -> None:
         self.network.reset()
