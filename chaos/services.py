@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -141,6 +142,11 @@ class Services:
         self.redis = self.broker = None
 
 
+#: How long past down-after a restart waits for the failover under way before it restarts
+#: the killed server anyway (there may be no replica left to promote).
+FAILOVER_PATIENCE_S = 15.0
+
+
 class SentinelRedis:
     """A scenario's Redis as the seed deploys it (`redis: {topology: sentinel}`): a primary,
     a replica and three sentinels of its own (`chaos.sentinel`), whatever REDIS_URL says.
@@ -158,8 +164,10 @@ class SentinelRedis:
         self.topology = SentinelTopology(
             down_after_ms=down_after_ms, replication_via=replication_via
         )
+        self.down_after_s = down_after_ms / 1000
         self.killed: object | None = None  # the server `kill` stopped, until restarted
         self._killed_at: tuple[str, int] | None = None
+        self._killed_when = 0.0  # time.monotonic() of the kill
 
     @property
     def url(self) -> str:
@@ -183,6 +191,7 @@ class SentinelRedis:
     def kill(self) -> None:
         server = self.topology.kill_primary()
         self.killed, self._killed_at = server, server.address
+        self._killed_when = time.monotonic()
 
     def restart(self) -> None:
         """The killed server back on its port and data. A replica was promoted meanwhile:
@@ -194,10 +203,21 @@ class SentinelRedis:
         if server is None:
             return
         promoted = self.serving()
+        if promoted is None and time.monotonic() - self._killed_when >= self.down_after_s:
+            # the sentinels have declared it down: a failover is under way, and a server
+            # back now would be a second primary until they demote it; it waits for it
+            promoted = self._wait_serving(self.down_after_s + FAILOVER_PATIENCE_S)
         self.topology.restart(server)  # type: ignore[arg-type]
         if promoted:
             host, port = self.topology.primary_address()
             redis_call(server.address, "REPLICAOF", host, str(port))  # type: ignore[attr-defined]
+
+    def _wait_serving(self, timeout_s: float) -> bool | None:
+        """Until a primary answers, or `timeout_s` (None: none did: no replica to promote)."""
+        deadline = time.monotonic() + timeout_s
+        while (promoted := self.serving()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return promoted
 
     def serving(self) -> bool | None:
         """None while no primary answers; else whether it is another than the one killed."""

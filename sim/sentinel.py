@@ -12,7 +12,8 @@ has it: the primary killed,
 every client fails and retries until the sentinels, `down_after_s` after its last answer
 plus an election drawn from the seed, promote the replica; the killed server, restarted,
 rejoins as a replica, so a second kill can fail over again. Restarted before the sentinels
-declared it down, the old primary simply serves again, and nobody is promoted.
+declared it down, the old primary simply serves again, and nobody is promoted; restarted
+after, it waits for the failover under way, as the live runner does.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class SimSentinel:
         self.lost_writes = 0  # what the last promotion lost
         self._back: simpy.Event | None = None  # fires when a primary serves again
         self._died_at = 0.0
+        self._decided: simpy.Event | None = None  # fires when the sentinels have decided
         self._cut = False  # the replication proxy is disabled
         self._via_proxy = True  # the first replica replicates through it
         redis.lag_s = rng.uniform(0.0, MAX_LAG_S)
@@ -66,7 +68,9 @@ class SimSentinel:
         self._died_at = self.env.now
         self._back = self.env.event()
         self.promoted = False
-        if self.replicas > 0:
+        self._decided = None
+        if self.replicas > 0:  # a promotion to come
+            self._decided = self.env.event()
             delay = self.down_after_s + self.rng.uniform(*ELECTION_S)
             self.env.timeout(delay).callbacks.append(self._promote)
 
@@ -86,6 +90,9 @@ class SimSentinel:
             self.redis.unreplicated_since = self.env.now
 
     def _promote(self, _: simpy.Event) -> None:
+        decided, self._decided = self._decided, None
+        if decided is not None:
+            decided.succeed()
         if self.redis.up:  # the old primary came back first: no failover
             return
         since = self.redis.unreplicated_since
@@ -103,6 +110,11 @@ class SimSentinel:
         """The killed server restarts: a replica of the new primary, or (nobody promoted
         yet) the primary again."""
         yield self.env.timeout(self.boot_s)
+        declared = self.env.now - self._died_at >= self.down_after_s
+        if not self.redis.up and declared and self._decided is not None:
+            # declared down: the failover goes on (if it can), and it waits for it, as
+            # the live runner does, rather than be a second primary
+            yield self._decided
         if self.redis.up:
             self.replicas += 1  # a full sync: it holds everything from now on
             self._replication_changed()

@@ -81,3 +81,12 @@ def test_a_partition_then_a_failover_loses_acknowledged_writes_unless_the_engine
     assert run_scenario(loaded).result.ok
     broken = run_scenario(loaded, mutant="no_wait").result
     assert broken.verdicts["no_completed_rerun"] == "fail"
+
+
+def test_an_old_primary_back_after_it_was_declared_down_waits_for_the_failover() -> None:
+    env, redis, sentinel = topology(down_after_s=0.5)
+    sentinel.kill_primary()
+    env.run(0.6)  # declared down, the promotion not done yet
+    rejoin = env.process(sentinel.restart_killed())
+    env.run(rejoin)
+    assert sentinel.promoted and redis.up and sentinel.replicas == 1  # a replica, not a primary
