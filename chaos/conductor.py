@@ -50,7 +50,6 @@ RESTART_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 3.0
 
 
-@dataclass
 class Holdings:
     """Which evaluations each worker process holds in memory, by pid, as its history says:
     from its `evaluation_started` to the event that ends the hold (`holding.CLOSING`).
