@@ -93,13 +93,15 @@ async def rule_rate(
     tmp: Path,
     worker_args: list[str],
     engine_root: Path | None = None,
+    redis_url: str = DEFAULT_REDIS_URL,
 ) -> Rate:
     plan = load_plan(plan_path)
     ns = f"bench{uuid.uuid4().hex[:6]}."
-    config = EngineConfig(namespace=ns)
+    config = EngineConfig(namespace=ns, redis_url=redis_url)
     log = tmp / "worker.log"
     worker = WorkerProcess(
         ["--namespace", ns, "--agent", json.dumps({"latency_ms": 0}), *worker_args],
+        env={"REDIS_URL": redis_url},
         log_path=log,
         cwd=engine_root,
     )

@@ -116,6 +116,38 @@ class RestartService:
 
 
 @dataclass(frozen=True, slots=True)
+class PauseService:
+    """SIGSTOP "redis" (behind Sentinel: the primary) with its sockets open: it neither
+    answers nor fails, what clients send waits in its buffers; `ResumeService` after
+    `pause_s`."""
+
+    name: str
+    pause_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeService:
+    """SIGCONT the paused server: it runs what waited and answers it. Behind Sentinel, if
+    the replica was promoted meanwhile, the old primary answers from data nobody keeps and
+    is then made a replica of the new one (as an operator would at once); whether the
+    replica was promoted is sent back."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class KillSentinel:
+    """SIGKILL sentinel `index` (of three, quorum 2)."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class RestartSentinel:
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
 class AwaitFailover:
     """Redis behind Sentinel, its primary killed: wait until a primary serves again, the
     replica promoted by the sentinels or the old primary back first; whether the replica
@@ -254,6 +286,10 @@ Act = (
     | ResumeWorker
     | KillService
     | RestartService
+    | PauseService
+    | ResumeService
+    | KillSentinel
+    | RestartSentinel
     | AwaitFailover
     | AddToxic
     | UpdateToxic

@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--seeds", type=_within(1, MAX_SEEDS), default=20, help="sim: seeds per design (20)"
     )
     cmp.add_argument("--out", type=Path, help="output folder (default out/compare-<time>)")
+    cmp.add_argument(
+        "--designs",
+        choices=["memories", "sentinel"],
+        default="memories",
+        help="memories: both memories, RabbitMQ only, the seed as written (default); "
+        "sentinel: the answers to lost writes behind Sentinel, alone, together and none",
+    )
     val = sub.add_parser("validate", help="check scenario files without running them")
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
@@ -210,32 +217,50 @@ def _main(argv: list[str] | None) -> int:
 def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Console) -> int:
     """`chaos compare`: each design's runs under OUT/<mutant or engine>, then the table.
     Exit 1 when the engine as shipped broke an invariant (the other two are meant to)."""
+    from chaos.explore import document, load_document
     from chaos.services import Services
     from reports import find_runs
-    from reports.compare import VARIANTS, compare, table_md, write_comparison
+    from reports.compare import DESIGNS, compare, table_md, write_comparison
 
     if out.exists() and any(out.iterdir()):
         print(f"--out: {out} exists and is not empty; expected a new folder", file=sys.stderr)
         return EXIT_INPUT
+    designs = DESIGNS[args.designs]
+    if args.designs == "sentinel":
+        single = [sc.path for sc in loaded if sc.spec.redis.topology != "sentinel"]
+        if single:
+            print(
+                f"{single[0]}: redis.topology: expected sentinel (--designs sentinel)",
+                file=sys.stderr,
+            )
+            return EXIT_INPUT
     live = args.mode == "live" or (args.mode == "auto" and Services.available() is None)
     runs = {}
-    for _, mutant, _ in VARIANTS:
-        folder = out / (mutant or "engine")
+    for design in designs:
+        folder = out / design.key
+        variants = loaded
+        if design.redis:  # the scenario itself changed: its servers' settings
+            variants = []
+            for sc in loaded:
+                data = document(sc)
+                data["redis"] = {**data.get("redis", {}), **dict(design.redis)}
+                variants.append(load_document(data, source=str(sc.path)))
         if live:
-            one = argparse.Namespace(mode="live", seed=None, mutant=mutant, quiet=True)
-            code = _run(loaded, folder, one, console)
+            one = argparse.Namespace(mode="live", seed=None, mutant=design.mutant, quiet=True)
+            code = _run(variants, folder, one, console)
             if code not in (EXIT_OK, EXIT_VIOLATION):
                 return code
         else:
             from chaos.insim import outputs, run_scenario
 
-            for sc in loaded:
+            for sc in variants:
                 for seed in range(args.seeds):
-                    outcome = run_scenario(sc, seed, mutant)
+                    outcome = run_scenario(sc, seed, design.mutant)
                     outputs(outcome, folder / f"{sc.spec.name}-s{seed}")
-        runs[mutant] = find_runs([folder])
-    rows = compare(runs)
-    write_comparison(rows, out, [sc.spec.name for sc in loaded])
+        runs[design.key] = find_runs([folder])
+    rows = compare(runs, designs)
+    title = {"memories": "The seed's argument, measured", "sentinel": "Lost writes, answered"}
+    write_comparison(rows, out, [sc.spec.name for sc in loaded], title[args.designs])
     console.print(table_md(rows), markup=False)
     console.print(f"comparison: {out / 'compare.md'}", markup=False)
     return EXIT_VIOLATION if rows[0].failed else EXIT_OK

@@ -308,6 +308,17 @@ class Conductor:
                         yield from self._after(fault.restart_after_s, self._restart(name, None))
                 elif fault.restart_after_s is not None:
                     yield from self._after(fault.restart_after_s, self._restart(name, fault_id))
+            case "pause_redis":
+                yield from self._pause_redis(fault.pause_s or 0.0, fault_id)
+            case "kill_sentinel":
+                yield acts.KillSentinel(fault.target)
+                yield acts.Record("sentinel_killed", {"sentinel": fault.target})
+                if fault.restart_after_s is None:
+                    yield from self._healed(fault_id)  # two of three still make the quorum
+                else:
+                    yield from self._after(
+                        fault.restart_after_s, self._restart_sentinel(fault.target, fault_id)
+                    )
             case "add_toxic" | "update_toxic" | "remove_toxic" | "cut_link":
                 yield from self._on_link(fault, fault_id)
             case "cancel":
@@ -401,6 +412,24 @@ class Conductor:
             yield from self._healed(fault_id)
 
         yield from self._after(pause_s, resume())
+
+    def _pause_redis(self, pause_s: float, fault_id: int) -> Step:
+        """Redis stopped for `pause_s`; the fault heals once it runs again (behind Sentinel
+        the replica may have been promoted meanwhile: `service_resumed` says)."""
+        yield acts.PauseService("redis", pause_s)
+        yield acts.Record("service_paused", {"service": "redis"})
+
+        def resume() -> Step:
+            promoted = yield acts.ResumeService("redis")
+            yield acts.Record("service_resumed", {"service": "redis", "promoted": promoted})
+            yield from self._healed(fault_id)
+
+        yield from self._after(pause_s, resume())
+
+    def _restart_sentinel(self, index: int, fault_id: int) -> Step:
+        yield acts.RestartSentinel(index)
+        yield acts.Record("sentinel_restarted", {"sentinel": index})
+        yield from self._healed(fault_id)
 
     def _restart(self, name: str, fault_id: int | None) -> Step:
         """Bring a killed service back; it heals `fault_id` (None: a failover healed it)."""

@@ -42,7 +42,7 @@ from engine.runtime import store
 from engine.runtime.broker import Broker
 from engine.shell import orchestrator
 from engine.shell.controller import EvaluationController
-from engine.shell.effects import PublishEvent, Step, Stepper
+from engine.shell.effects import PublishEvent, Step, Stepper, Store
 from engine.shell.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
@@ -186,6 +186,28 @@ def no_wait() -> None:
         object.__setattr__(self, "wait_replicas", 0)
 
     EngineConfig.__init__ = without_wait  # type: ignore[method-assign]
+
+
+def no_restore() -> None:
+    """matches_reference: the owner announces what it holds in memory without making sure
+    Redis holds it too. `_confirm_final` hands `finish` no results and no permanent
+    failures to write back, so after a failover (or a lossy restart) that lost results the
+    owner had been told were written, the final state names rules Redis no longer has."""
+
+    def without_restore(self: Any, action: Any, again: bool = False) -> Step:
+        kept, _ = yield Store("finish", (self.attempt_id, action.status.value, {}, [], self.fence))
+        return kept
+
+    orchestrator.PassExecutionOrchestrator._confirm_final = without_restore  # type: ignore[method-assign]
+
+
+def unmitigated() -> None:
+    """no_completed_rerun: behind Sentinel with neither of the engine's answers to lost
+    acknowledged writes (no WAIT, nothing restored before the announcement): what no_wait
+    breaks, and an owner that lives on announces results Redis lost (matches_reference,
+    sentinel_paused_primary in tests/test_sim_sentinel.py)."""
+    no_wait()
+    no_restore()
 
 
 # --- the shared shell (engine.shell): one patch, live and in the simulator ---------------------
@@ -657,6 +679,16 @@ MUTANTS: dict[str, Mutant] = {
             no_wait,
             "no_completed_rerun",
             "behind Sentinel, writes count before the replica holds them (no WAIT)",
+        ),
+        _mutant(
+            no_restore,
+            "matches_reference",
+            "the final state is announced without making sure Redis still holds its results",
+        ),
+        _mutant(
+            unmitigated,
+            "no_completed_rerun",
+            "behind Sentinel, neither WAIT nor the results restored before the announcement",
         ),
         _mutant(
             no_fencing,

@@ -77,7 +77,7 @@ class RunRefused(ValueError):
 def refusal(loaded: LoadedScenario, killable: set[str]) -> str | None:
     """Why the scenario cannot run against these services, in one line (None: it can)."""
     spec = loaded.spec
-    kills = {"kill_redis": "redis", "kill_broker": "broker"}
+    kills = {"kill_redis": "redis", "pause_redis": "redis", "kill_broker": "broker"}
     needed = {kills[f.action] for f in spec.faults if getattr(f, "action", "") in kills}
     missing = needed - killable
     if missing:
@@ -144,6 +144,11 @@ class ScenarioRun:
             SentinelRedis(
                 self.spec.redis.down_after_ms,
                 replication_via=self._replication_via if replication else None,
+                min_replicas=(
+                    (self.spec.redis.min_replicas_to_write, self.spec.redis.min_replicas_max_lag_s)
+                    if self.spec.redis.min_replicas_to_write
+                    else None
+                ),
             )
             if self.spec.redis.topology == "sentinel"
             else None
@@ -336,6 +341,26 @@ class ScenarioRun:
             lost = await self._lose_redis_writes()
         await asyncio.to_thread(self.services.service(a.name).restart)
         return lost
+
+    async def on_pause_service(self, a: acts.PauseService) -> None:
+        if a.name == "redis" and self.sentinel is not None:
+            await asyncio.to_thread(self.sentinel.pause)
+            return
+        await asyncio.to_thread(self.services.service(a.name).pause)
+
+    async def on_resume_service(self, a: acts.ResumeService) -> bool:
+        if a.name == "redis" and self.sentinel is not None:
+            return await asyncio.to_thread(self.sentinel.resume)
+        await asyncio.to_thread(self.services.service(a.name).resume)
+        return False
+
+    async def on_kill_sentinel(self, a: acts.KillSentinel) -> None:
+        assert self.sentinel is not None, "a sentinel without Sentinel"
+        await asyncio.to_thread(self.sentinel.kill_sentinel, a.index)
+
+    async def on_restart_sentinel(self, a: acts.RestartSentinel) -> None:
+        assert self.sentinel is not None, "a sentinel without Sentinel"
+        await asyncio.to_thread(self.sentinel.restart_sentinel, a.index)
 
     async def on_await_failover(self, a: acts.AwaitFailover) -> bool:
         """Until the sentinels name a primary that answers as one (polled: Sentinel tells

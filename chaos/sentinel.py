@@ -152,9 +152,16 @@ class DataServer(RedisServer):
     is not the primary itself (a proxy): see the module docstring for the pin.
     """
 
-    def __init__(self, *, replicaof: Address | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        replicaof: Address | None = None,
+        min_replicas: tuple[int, int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.replicaof = replicaof
+        self.min_replicas = min_replicas  # (to write, max lag in seconds)
         self.via: Address | None = None
 
     @property
@@ -203,6 +210,9 @@ class DataServer(RedisServer):
                 # 7.0 delays a diskless full sync 5 s waiting for more replicas: no point.
                 "repl-diskless-sync-delay 0",
             ]
+            if self.min_replicas is not None:  # a primary refuses writes without a replica
+                lines.append(f"min-replicas-to-write {self.min_replicas[0]}")
+                lines.append(f"min-replicas-max-lag {self.min_replicas[1]}")
             if self.replicaof is not None:
                 lines.append(f"replicaof {self.replicaof[0]} {self.replicaof[1]}")
             self._conf().write_text("\n".join(lines) + "\n")
@@ -323,6 +333,7 @@ class SentinelTopology:
         replication_via: Callable[[str, int], Address] | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         tmp_root: str | os.PathLike[str] | None = None,
+        min_replicas: tuple[int, int] | None = None,
     ) -> None:
         if down_after_ms < MIN_DOWN_AFTER_MS:
             raise ValueError(
@@ -335,7 +346,8 @@ class SentinelTopology:
         self.replication_via = replication_via
         self.start_timeout_s = start_timeout_s
         self.servers: list[DataServer] = [
-            DataServer(persistence=persistence, tmp_root=tmp_root) for _ in range(2)
+            DataServer(persistence=persistence, tmp_root=tmp_root, min_replicas=min_replicas)
+            for _ in range(2)
         ]
         self.sentinels: list[SentinelServer] = []
         self._tmp_root = tmp_root

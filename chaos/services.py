@@ -12,6 +12,7 @@ credentials or does not answer within the connect timeout stops the run in one l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -158,11 +159,14 @@ class SentinelRedis:
         self,
         down_after_ms: int,
         replication_via: Callable[[str, int], tuple[str, int]] | None = None,
+        min_replicas: tuple[int, int] | None = None,
     ) -> None:
         from chaos.sentinel import SentinelTopology
 
         self.topology = SentinelTopology(
-            down_after_ms=down_after_ms, replication_via=replication_via
+            down_after_ms=down_after_ms,
+            replication_via=replication_via,
+            min_replicas=min_replicas,
         )
         self.down_after_s = down_after_ms / 1000
         self.killed: object | None = None  # the server `kill` stopped, until restarted
@@ -211,6 +215,32 @@ class SentinelRedis:
         if promoted:
             host, port = self.topology.primary_address()
             redis_call(server.address, "REPLICAOF", host, str(port))  # type: ignore[attr-defined]
+
+    def pause(self) -> None:
+        server = self.topology.pause_primary()
+        self._killed_at = server.address
+        self._killed_when = time.monotonic()
+
+    def resume(self) -> bool:
+        """SIGCONT the paused server: it answers what waited in its buffers at once. If the
+        replica was promoted meanwhile, it is then made a replica of the new primary (as
+        after a kill, rather than left to the sentinels); whether that happened."""
+        from chaos.sentinel import RedisReplyError, redis_call
+
+        server = self.topology.resume_primary()
+        promoted = bool(self.serving())
+        if promoted:
+            host, port = self.topology.primary_address()
+            with contextlib.suppress(OSError, RedisReplyError):  # the sentinels got there first
+                redis_call(server.address, "REPLICAOF", host, str(port))
+        self._killed_at = None
+        return promoted
+
+    def kill_sentinel(self, index: int) -> None:
+        self.topology.kill_sentinel(index)
+
+    def restart_sentinel(self, index: int) -> None:
+        self.topology.restart(self.topology.sentinels[index])
 
     def _wait_serving(self, timeout_s: float) -> bool | None:
         """Until a primary answers, or `timeout_s` (None: none did: no replica to promote)."""

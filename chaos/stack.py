@@ -673,6 +673,17 @@ class _Service:
         with self._lock:
             self._kill_all()
 
+    def pause(self) -> None:
+        """SIGSTOP the whole tree: it stops answering with its sockets open (a frozen VM)."""
+        with self._lock:
+            if self.pid is not None:
+                _signal_group(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with self._lock:
+            if self.pid is not None:
+                _signal_group(self.pid, signal.SIGCONT)
+
     def restart(self, graceful: bool = False) -> Self:
         """Kill (or stop cleanly) if running, then start again on the same ports and data."""
         with self._lock:

@@ -1,8 +1,11 @@
-"""The seed's argument, measured: the same scenarios run by the engine with both memories,
-with RabbitMQ only (`no_redis_results`: no stored results to resume from) and as the
-seed's design was written (`no_sweeper`: nothing resumes an evaluation whose worker died
-after the ACK), side by side. Read from the runs' journals and histories, so every
-number can be checked against them; over many seeds in the simulator, as distributions."""
+"""Designs side by side on the same scenarios. `memories`, the seed's argument measured:
+the engine with both memories, with RabbitMQ only (`no_redis_results`: no stored results
+to resume from) and as the seed's design was written (`no_sweeper`: nothing resumes an
+evaluation whose worker died after the ACK). `sentinel`, the answers to a Sentinel
+failover losing acknowledged writes: WAIT for a replica, the results written back before
+the announcement, the server's own min-replicas-to-write, each alone, all, and none. Read
+from the runs' journals and histories, so every number can be checked against them; over
+many seeds in the simulator, as distributions."""
 
 from __future__ import annotations
 
@@ -18,12 +21,41 @@ from chaos.checker.latency import percentiles
 from reports import plots
 from reports.runs import Run
 
-#: (label, mutant, what it takes away): the three designs compared.
-VARIANTS: tuple[tuple[str, str | None, str], ...] = (
-    ("both memories", None, "the engine as shipped"),
-    ("RabbitMQ only", "no_redis_results", "no stored results to resume from"),
-    ("the seed as written", "no_sweeper", "no sweeper after the ACK"),
-)
+
+@dataclass(frozen=True)
+class Design:
+    """One engine to compare: the shipped one with `mutant` applied (None: as shipped) and
+    the scenario's `redis` section updated with `redis`; `key` names its runs' folder."""
+
+    label: str
+    key: str
+    mutant: str | None
+    what: str
+    redis: tuple[tuple[str, Any], ...] = ()
+
+
+#: The design sets `chaos compare --designs` takes; the first design of each is the shipped
+#: engine, which must not break.
+DESIGNS: dict[str, tuple[Design, ...]] = {
+    "memories": (
+        Design("both memories", "engine", None, "the engine as shipped"),
+        Design("RabbitMQ only", "no_redis_results", "no_redis_results", "no stored results"),
+        Design("the seed as written", "no_sweeper", "no_sweeper", "no sweeper after the ACK"),
+    ),
+    "sentinel": (
+        Design("WAIT + restore", "engine", None, "the engine as shipped"),
+        Design("WAIT only", "no_restore", "no_restore", "nothing written back at the end"),
+        Design("restore only", "no_wait", "no_wait", "writes count before a replica has them"),
+        Design(
+            "min-replicas only",
+            "min_replicas",
+            "unmitigated",
+            "the primary refuses writes without a replica (min-replicas-to-write 1)",
+            (("min_replicas_to_write", 1),),
+        ),
+        Design("none", "unmitigated", "unmitigated", "neither WAIT nor restore"),
+    ),
+}
 
 
 @dataclass
@@ -96,11 +128,12 @@ class Row:
         }
 
 
-def compare(runs_by_variant: dict[str | None, list[Run]]) -> list[Row]:
+def compare(runs_by_design: dict[str, list[Run]], designs: tuple[Design, ...]) -> list[Row]:
+    """A row per design, from its runs (`runs_by_design[design.key]`)."""
     rows = []
-    for label, mutant, _ in VARIANTS:
-        row = Row(label, mutant)
-        for run in runs_by_variant.get(mutant, []):
+    for design in designs:
+        row = Row(design.label, design.mutant)
+        for run in runs_by_design.get(design.key, []):
             row.add(run)
         rows.append(row)
     return rows
@@ -130,9 +163,11 @@ def table_md(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_comparison(rows: list[Row], out: Path, scenarios: list[str]) -> None:
+def write_comparison(
+    rows: list[Row], out: Path, scenarios: list[str], title: str = "The seed's argument, measured"
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    title = f"# The seed's argument, measured: {', '.join(scenarios)}\n\n"
+    title = f"# {title}: {', '.join(scenarios)}\n\n"
     (out / "compare.md").write_text(title + table_md(rows))
     doc = {"scenarios": scenarios, "rows": [r.to_dict() for r in rows]}
     (out / "compare.json").write_text(json.dumps(doc, indent=2) + "\n")

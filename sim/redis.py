@@ -68,6 +68,31 @@ _MISSING = object()
 _LOST = object()  # an attempt that got no reply
 
 
+class _Refused:
+    """What a write refused by `min-replicas-to-write` returns (live: `-NOREPLICAS`, which
+    the store raises as `NotReplicated`); nothing of it was written."""
+
+
+NOREPLICAS = _Refused()
+
+
+_Done = Callable[[Any, bool], None]  # a request's reply, and whether a zombie gave it
+
+
+class _Pause:
+    """A paused server: what arrived meanwhile waits in its buffers (`held`) and runs when
+    it resumes (`over` fires then). `data` is set when the sentinels promoted the replica
+    over it: the old primary then answers the held requests from its own data (copied at
+    the promotion), which nobody keeps afterwards."""
+
+    def __init__(self, over: simpy.Event) -> None:
+        self.over = over
+        self.held: list[
+            tuple[Callable[..., Any], tuple[Any, ...], Callable[[Any, bool], None]]
+        ] = []
+        self.data: tuple[dict[str, Any], dict[str, float]] | None = None
+
+
 class Fenced:
     """What a fenced script returns when it wrote nothing (the live `{FENCED, holder}`):
     `RedisClient.call` raises `LeaseLost` with it, as the live store does."""
@@ -117,8 +142,24 @@ class SimRedis:
         # one does; a `WAIT` then times out
         self.unreplicated_since: float | None = None
         self._recent: deque[tuple[float, dict[str, tuple[Any, float | None]]]] = deque()
+        # min-replicas-to-write 1 (`sim.sentinel`): writes are refused while no replica is
+        # attached, or none acknowledged within this many seconds (None: never refused)
+        self.min_replicas_lag_s: float | None = None
+        self.replica_attached = True
+        self._pause: _Pause | None = None  # paused: what arrives waits
+        self._zombie: _Pause | None = None  # paused, and a replica promoted over it
 
     # --- the server -------------------------------------------------------------------
+
+    def _refuses_writes(self) -> bool:
+        """min-replicas-to-write: no good replica (acknowledgements come every second, and
+        Redis counts whole seconds: a cut is noticed up to a second past the lag)."""
+        if self.min_replicas_lag_s is None:
+            return False
+        since = self.unreplicated_since
+        if not self.replica_attached:
+            return True
+        return since is not None and self.env.now - since > self.min_replicas_lag_s + 1.0
 
     def apply(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """Run one command or script atomically (journaled when failovers may lose it)."""
@@ -126,7 +167,13 @@ class SimRedis:
             return fn(*args)
         self._op = {}
         try:
-            return fn(*args)
+            value = fn(*args)
+            if self._op and self._refuses_writes():  # -NOREPLICAS at its first write
+                for key, (old, exp) in self._op.items():
+                    self._restore(key, old, exp)
+                self._op = None
+                return NOREPLICAS
+            return value
         finally:
             if self._op:
                 if self._journal is not None:
@@ -156,6 +203,82 @@ class SimRedis:
     def kill(self) -> None:
         self.up = False
         self.epoch += 1
+        for pause in (self._pause, self._zombie):  # what waited in its buffers is gone
+            if pause is not None:
+                pause.held.clear()
+                pause.over.succeed()
+        self._pause = self._zombie = None
+
+    # --- a paused server (SIGSTOP): it neither answers nor refuses ----------------------
+
+    @property
+    def paused(self) -> bool:
+        return self._pause is not None
+
+    def pause(self) -> None:
+        if self._pause is None:
+            self._pause = _Pause(self.env.event())
+
+    def serve(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], done: Callable[[Any, bool], None]
+    ) -> simpy.Event | None:
+        """A request arrives: applied now and `done(reply, False)`; while paused it waits
+        (the event returned fires when the server resumes, `done` called by then, with
+        True if a replica was promoted over it meanwhile: the reply of a primary nobody
+        follows any more)."""
+        pause = self._pause
+        if pause is None:
+            done(self.apply(fn, args), False)
+            return None
+        pause.held.append((fn, args, done))
+        return pause.over
+
+    def promoted_over_pause(self) -> None:
+        """The sentinels promote the replica while this primary is paused: the old one keeps
+        a copy of its data for what waited in its buffers; new arrivals reach the new."""
+        pause, self._pause = self._pause, None
+        assert pause is not None
+        pause.data = (
+            {k: dict(v) if isinstance(v, dict) else v for k, v in self.data.items()},
+            dict(self.expires),
+        )
+        self._zombie = pause
+
+    def _zombie_apply(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """`fn` on the replaced primary's own data, which has no replica any more."""
+        if self.min_replicas_lag_s is None:
+            return fn(*args)
+        self._op = {}
+        try:
+            value = fn(*args)
+            if self._op:  # -NOREPLICAS at its first write
+                for key, (old, exp) in self._op.items():
+                    self._restore(key, old, exp)
+                return NOREPLICAS
+            return value
+        finally:
+            self._op = None
+
+    def resume(self) -> bool:
+        """SIGCONT: what waited runs, in order, and is answered; whether a replica had been
+        promoted over it (then its writes went to data that is dropped right after)."""
+        pause = self._zombie or self._pause
+        self._pause = self._zombie = None
+        if pause is None:
+            return False
+        if pause.data is None:
+            for fn, args, done in pause.held:
+                done(self.apply(fn, args), False)
+        else:
+            kept = self.data, self.expires
+            self.data, self.expires = pause.data
+            try:  # with no replica: min-replicas-to-write refuses its writes too
+                for fn, args, done in pause.held:
+                    done(self._zombie_apply(fn, args), True)
+            finally:
+                self.data, self.expires = kept
+        pause.over.succeed()
+        return pause.data is not None
 
     def restart(self) -> int:
         """Back up; returns how many acknowledged writes the failover lost."""
@@ -708,16 +831,21 @@ class RedisClient:
             if at < self._out_at:
                 at = self._out_at
             self._out_at = at
-            box: list[Any] = []
+            box: list[Any] = []  # [epoch, reply, from a primary replaced meanwhile]
+            held: list[simpy.Event] = []  # it arrived at a paused server
 
-            def arrive(_: simpy.Event, box: list[Any] = box) -> None:
+            def arrive(_: simpy.Event, box: list[Any] = box, held: list = held) -> None:
                 if redis.up:
-                    box.append(redis.epoch)
-                    box.append(redis.apply(fn, args))
+                    epoch = redis.epoch
+                    over = redis.serve(fn, args, lambda v, z: box.extend((epoch, v, z)))
+                    if over is not None:
+                        held.append(over)
 
             request = env.timeout(at - now)
             request.callbacks.append(arrive)  # runs even if the caller is interrupted
             yield request
+            if held and not box:  # no answer until it resumes, or redis-py's timeout
+                yield held[0] | env.timeout(self.read_timeout_s)
             if box:
                 now = env.now
                 back = now + self._uniform(self._lo, self._hi)
@@ -727,12 +855,14 @@ class RedisClient:
                     back = self._in_at
                 self._in_at = back
                 yield env.timeout(back - now)
-                if replicated and not self._replicated(now):
+                if replicated and (box[2] or not self._replicated(now)):
                     yield env.timeout(max(0.0, now + self.wait_timeout_s - env.now))
                     raise ConnectionError("not replicated (simulated WAIT timed out)")
                 if redis.epoch == box[0]:
                     if isinstance(box[1], Fenced):
                         raise LeaseLost(f"{box[1].attempt_id}: the lease is {box[1].other}'s now")
+                    if box[1] is NOREPLICAS:
+                        raise ConnectionError("NOREPLICAS (simulated min-replicas-to-write)")
                     return box[1]
             failures += 1  # connection refused or reset: redis-py's Retry
             if failures > self.RETRIES:
@@ -756,6 +886,8 @@ class RedisClient:
                 if got is not _LOST:
                     if isinstance(got, Fenced):
                         raise LeaseLost(f"{got.attempt_id}: the lease is {got.other}'s now")
+                    if got is NOREPLICAS:
+                        raise ConnectionError("NOREPLICAS (simulated min-replicas-to-write)")
                     return got
             failures += 1
             if failures > self.RETRIES:
@@ -778,7 +910,10 @@ class RedisClient:
                     conn.close("server")
                     return
                 epoch = redis.epoch
-                value = redis.apply(fn, args)  # applied, whatever becomes of the reply
+                # applied, whatever becomes of the reply (a paused server: once it resumes)
+                redis.serve(fn, args, lambda value, _: answer(value, epoch))
+
+            def answer(value: Any, epoch: int) -> None:
                 t = env.now
                 back = conn.pass_(DOWN, size_of(value), t + self._uniform(self._lo, self._hi))
                 if back is None:

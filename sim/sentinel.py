@@ -33,6 +33,8 @@ ELECTION_S = (0.8, 1.6)
 #: The longest replication lag drawn: live, under a loaded 2-core machine, a promoted
 #: replica was seen to lack the primary's last 0.2 s of writes.
 MAX_LAG_S = 0.3
+#: Sentinels of the topology, and how many must be alive to elect a leader and fail over.
+SENTINELS, MAJORITY = 3, 2
 #: Sentinel's replica-validity-factor: a replica cut off longer than this many
 #: down-after periods is not promoted.
 VALIDITY_FACTOR = 10
@@ -46,6 +48,7 @@ class SimSentinel:
         rng: random.Random,
         down_after_s: float,
         boot_s: float,
+        min_replicas_lag_s: float | None = None,
     ) -> None:
         self.env = env
         self.redis = redis
@@ -60,19 +63,63 @@ class SimSentinel:
         self._decided: simpy.Event | None = None  # fires when the sentinels have decided
         self._cut = False  # the replication proxy is disabled
         self._via_proxy = True  # the first replica replicates through it
+        self.sentinels_alive = SENTINELS
+        self._stalled = False  # a failover was due while too few sentinels were alive
+        self._frozen = False  # the primary is paused (SIGSTOP)
         redis.lag_s = rng.uniform(0.0, MAX_LAG_S)
+        redis.min_replicas_lag_s = min_replicas_lag_s
 
-    def kill_primary(self) -> None:
-        """SIGKILL the primary; the sentinels promote the replica, if there is one."""
-        self.redis.kill()
+    def _down(self) -> None:
+        """The primary stopped answering: the sentinels promote the replica, if there is
+        one, `down_after_s` after its last answer plus an election."""
         self._died_at = self.env.now
         self._back = self.env.event()
         self.promoted = False
         self._decided = None
         if self.replicas > 0:  # a promotion to come
+            self._schedule_promotion()
+
+    def _schedule_promotion(self) -> None:
+        if self._decided is None:
             self._decided = self.env.event()
-            delay = self.down_after_s + self.rng.uniform(*ELECTION_S)
-            self.env.timeout(delay).callbacks.append(self._promote)
+        delay = self.down_after_s + self.rng.uniform(*ELECTION_S)
+        self.env.timeout(delay).callbacks.append(self._promote)
+
+    def kill_primary(self) -> None:
+        """SIGKILL the primary; the sentinels promote the replica, if there is one."""
+        self.redis.kill()
+        self._down()
+
+    def pause_primary(self) -> None:
+        """SIGSTOP the primary: to the sentinels it is down as if killed."""
+        self.redis.pause()
+        self._frozen = True  # nor does it send the replica anything
+        self._replication_changed()
+        self._down()
+
+    def resume_primary(self) -> bool:
+        """SIGCONT: it answers what waited; if the replica was promoted meanwhile, from data
+        nobody keeps, and it then rejoins as a replica (the harness's REPLICAOF, at once);
+        whether that happened."""
+        promoted = self.redis.resume()
+        self._frozen = False
+        if promoted:
+            self.replicas += 1
+        self._replication_changed()
+        return promoted
+
+    def kill_sentinel(self) -> None:
+        self.sentinels_alive -= 1
+
+    def restart_sentinel(self) -> None:
+        self.sentinels_alive += 1
+        if self._stalled and self.sentinels_alive >= MAJORITY and not self._serving:
+            self._stalled = False  # the majority is back: the failover goes ahead
+            self._schedule_promotion()
+
+    @property
+    def _serving(self) -> bool:
+        return self.redis.up and not self.redis.paused
 
     def partition(self, cut: bool) -> None:
         """Cut (or restore) the link between the first primary and its replica (the run's
@@ -83,23 +130,32 @@ class SimSentinel:
             self._replication_changed()
 
     def _replication_changed(self) -> None:
-        replicating = self.replicas > 0 and not (self._cut and self._via_proxy)
+        self.redis.replica_attached = self.replicas > 0
+        replicating = (
+            self.replicas > 0 and not (self._cut and self._via_proxy) and not self._frozen
+        )
         if replicating:
             self.redis.unreplicated_since = None
         elif self.redis.unreplicated_since is None:
             self.redis.unreplicated_since = self.env.now
 
     def _promote(self, _: simpy.Event) -> None:
+        if not self._serving and self.sentinels_alive < MAJORITY:
+            self._stalled = True  # no leader can be elected: undecided until one can
+            return
         decided, self._decided = self._decided, None
         if decided is not None:
             decided.succeed()
-        if self.redis.up:  # the old primary came back first: no failover
+        if self._serving:  # the old primary came back first: no failover
             return
         since = self.redis.unreplicated_since
         if since is not None and self.env.now - since > VALIDITY_FACTOR * self.down_after_s:
             return  # too long cut off to be trusted: nobody is promoted
         self.replicas -= 1
         self.promoted = True
+        if self.redis.paused:  # it keeps its own data for what waits in its buffers
+            self.redis.promoted_over_pause()
+            self._frozen = False  # the new primary is not
         self.lost_writes = self.redis.lose_unreplicated(self._died_at)
         self._via_proxy = False
         self.redis.unreplicated_since = None

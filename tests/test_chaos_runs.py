@@ -56,6 +56,8 @@ CATCHES = {
     "ignore_lease": "consumer_timeout",  # retries delivered to the worker not owning them
     "no_fencing": "paused_owner",  # the paused owner wakes and starts what was finished
     "no_wait": "sentinel_failover_with_partition",  # the promoted replica never got them
+    "no_restore": "redis_data_loss",  # the restarted Redis lost results the owner announces
+    "unmitigated": "sentinel_failover_with_partition",  # no_wait's, and nothing restored
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
 }
 

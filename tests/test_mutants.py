@@ -569,6 +569,44 @@ def test_no_wait() -> None:
     assert _probe("probe_wait_replicas", "no_wait") == (1, 0)
 
 
+def probe_confirm_final() -> list[Any]:
+    """What the owner's final write asks Redis to hold again: the results and permanent
+    failures `finish` writes back (SET NX) before the final state."""
+    from types import SimpleNamespace
+
+    from engine.core import Finish, RuleResult, RuleState
+    from engine.core.states import EvaluationStatus
+
+    result = RuleResult("r1", "pass", 1.0, 0)
+    core = SimpleNamespace(
+        results={"r1": result},
+        rules_in=lambda state: ["r2"] if state is RuleState.PERMANENTLY_FAILED else [],
+    )
+    owner = SimpleNamespace(core=core, attempt_id="a", fence="1:w")
+    action = Finish(EvaluationStatus.PARTIAL, {"r1": "pass", "r2": "failed"})
+    from engine.shell.orchestrator import PassExecutionOrchestrator
+
+    step = PassExecutionOrchestrator._confirm_final(owner, action)  # type: ignore[arg-type]
+    effect = next(step)
+    return [effect.op, sorted(effect.args[2]), effect.args[3]]
+
+
+def test_no_restore() -> None:
+    # The final write no longer carries what it must make sure Redis holds: a result lost
+    # to a failover or a lossy restart is announced all the same (redis_data_loss,
+    # tests/test_chaos_runs.py; sentinel_paused_primary with no_wait too: unmitigated).
+    before, after = _probe("probe_confirm_final", "no_restore")
+    assert before == ["finish", ["r1"], ["r2"]]
+    assert after == ["finish", [], []]
+
+
+def test_unmitigated() -> None:
+    # Both answers gone at once (tests/test_sim_sentinel.py shows each alone suffices on
+    # sentinel_paused_primary, and both gone fail it).
+    assert _probe("probe_wait_replicas", "unmitigated") == (1, 0)
+    assert _probe("probe_confirm_final", "unmitigated")[1] == ["finish", [], []]
+
+
 @live
 def test_no_sweeper(tmp_path: Path) -> None:
     # What a worker that died right after the ACK leaves behind: an evaluation begun (its

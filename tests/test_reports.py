@@ -301,6 +301,42 @@ def test_chaos_compare_shows_what_each_memory_buys(tmp_path: Path) -> None:
     assert (out / "compare.png").stat().st_size > 10_000
 
 
+def test_chaos_compare_sentinel_weighs_the_answers_to_lost_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the frozen primary that acknowledges writes nobody keeps, either of the engine's
+    answers is enough; min-replicas-to-write is not (the old primary wakes with no replica
+    and refuses what waited, but what it acknowledged in its last lag before freezing is
+    lost all the same), and without any the evaluations are announced with results Redis
+    lost."""
+    out = tmp_path / "cmp"
+    scenario = str(ROOT / "scenarios" / "sentinel_paused_primary.yaml")
+    argv = ["compare", scenario, "--designs", "sentinel", "--mode", "sim", "--seeds", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads((out / "compare.json").read_text())["rows"]}
+    assert list(rows) == [
+        "WAIT + restore",
+        "WAIT only",
+        "restore only",
+        "min-replicas only",
+        "none",
+    ]
+    assert rows["WAIT + restore"]["failed"] == {}
+    assert rows["WAIT only"]["failed"] == {} and rows["restore only"]["failed"] == {}
+    assert rows["none"]["failed"]["matches_reference"] == 2
+    assert rows["min-replicas only"]["failed"]["matches_reference"] == 2
+    # the servers' setting at work there, and only there: writes refused (-NOREPLICAS)
+    refused = [(out / d).glob("*/history.jsonl") for d in ("min_replicas", "unmitigated")]
+    assert any("NOREPLICAS" in h.read_text() for h in refused[0])
+    assert not any("NOREPLICAS" in h.read_text() for h in refused[1])
+    # a scenario with one Redis has nothing to compare there: one line, exit 2
+    single = str(ROOT / "scenarios" / "crash_after_ack.yaml")
+    capsys.readouterr()
+    assert main([*argv[:1], single, *argv[2:], "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "redis.topology: expected sentinel" in err
+
+
 def test_chaos_sim_report_gathers_every_seed(tmp_path: Path) -> None:
     scenario = str(ROOT / "scenarios" / "transient_llm_errors.yaml")
     out = tmp_path / "sweep"

@@ -619,7 +619,8 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         "runner_action",
         _fault(1, action="explode"),
         "faults[1].action: expected one of kill_worker, restart_worker, pause_worker, kill_redis, "
-        "kill_broker, cancel, add_toxic, update_toxic, remove_toxic, cut_link; got 'explode'",
+        "pause_redis, kill_sentinel, kill_broker, cancel, add_toxic, update_toxic, "
+        "remove_toxic, cut_link; got 'explode'",
     ),
     ("runner_no_action", _drop(1, "action"), "faults[1].action: required field is missing"),
     # network faults: the link, the toxic (Toxiproxy's fields), which workers, for how long
@@ -698,6 +699,41 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         "redis.lose_last_writes: only with topology single",
     ),
     (
+        "min_replicas_without_sentinel",
+        lambda d: d.update(redis={"min_replicas_to_write": 1}),
+        "redis.min_replicas_to_write: only with topology sentinel",
+    ),
+    (
+        "min_replicas_two",
+        lambda d: d.update(redis={"topology": "sentinel", "min_replicas_to_write": 2}),
+        "redis.min_replicas_to_write: expected a value <= 1; got 2",
+    ),
+    (
+        "kill_sentinel_without_sentinel",
+        lambda d: d["faults"].__setitem__(1, {"at_s": 1, "action": "kill_sentinel"}),
+        "faults[1].action: kill_sentinel only with redis.topology sentinel",
+    ),
+    (
+        "kill_sentinel_fourth",
+        lambda d: (
+            d.update(redis={"topology": "sentinel"})
+            or d["faults"].__setitem__(1, {"at_s": 1, "action": "kill_sentinel", "target": 3})
+        ),
+        "faults[1].target: expected an index below 3 (the scenario has 3 sentinels)",
+    ),
+    (
+        "pause_redis_without_pause_s",
+        lambda d: d["faults"].__setitem__(1, {"at_s": 1, "action": "pause_redis"}),
+        "faults[1].pause_s: required field is missing (action is pause_redis)",
+    ),
+    (
+        "pause_redis_restarted",
+        lambda d: d["faults"].__setitem__(
+            1, {"at_s": 1, "action": "pause_redis", "pause_s": 2, "restart_after_s": 1}
+        ),
+        "faults[1].restart_after_s: not with pause_redis (pause_s says when it resumes)",
+    ),
+    (
         "unknown_topology",
         lambda d: d.update(redis={"topology": "cluster"}),
         "redis.topology: expected one of single, sentinel; got 'cluster'",
@@ -748,7 +784,8 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     (
         "target_on_redis",
         _fault(1, action="kill_redis"),
-        "faults[1].target: only for kill_worker, restart_worker, pause_worker and cancel",
+        "faults[1].target: only for kill_worker, restart_worker, pause_worker, cancel and "
+        "kill_sentinel",
     ),
     (
         "window_reversed",
@@ -1363,6 +1400,8 @@ def test_committed_schema_is_current() -> None:
         "restart_worker",
         "pause_worker",
         "kill_redis",
+        "pause_redis",
+        "kill_sentinel",
         "kill_broker",
         "cancel",
         "add_toxic",

@@ -33,6 +33,10 @@ FAULT_EVENTS = frozenset(
         "worker_restarted",
         "service_killed",
         "service_restarted",
+        "service_paused",
+        "service_resumed",
+        "sentinel_killed",
+        "sentinel_restarted",
         "fault_fired",
     }
 )

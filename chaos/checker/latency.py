@@ -24,7 +24,14 @@ from chaos.checker.context import event_time
 
 PERMANENT = "permanently_failed"
 #: Faults after which the report measures recovery, and how each names what it stopped.
-STOPPING = ("worker_killed", "worker_exited", "worker_paused", "service_killed", "link_cut")
+STOPPING = (
+    "worker_killed",
+    "worker_exited",
+    "worker_paused",
+    "service_killed",
+    "service_paused",
+    "link_cut",
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ def recoveries(history: list[dict[str, Any]]) -> list[Recovery]:
             terminal.add(str(a))
         elif ev in STOPPING:
             t = event_time(e)
-            if ev == "service_killed":
+            if ev in ("service_killed", "service_paused"):
                 caught = [x for x in holder if x not in terminal]
                 name = f"{ev} {e.get('service')}"
             elif ev == "link_cut":  # the workers behind the cut proxies, by their pids

@@ -36,6 +36,8 @@ from sim.redis import SimRedis
 CORE: tuple[str, ...] = (
     "no_sweeper",
     "no_wait",
+    "no_restore",
+    "unmitigated",
     "nondeterministic_agent",
     "sweep_wrong_attempt",
     "no_redis_results",

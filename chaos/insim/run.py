@@ -154,6 +154,11 @@ class SimRun:
                 random.Random(f"{tag}:sentinel"),
                 spec.redis.down_after_ms / 1000,
                 self.options.redis_boot_s,
+                (
+                    float(spec.redis.min_replicas_max_lag_s)
+                    if spec.redis.min_replicas_to_write
+                    else None
+                ),
             )
             if spec.redis.topology == "sentinel"
             else None
@@ -274,6 +279,26 @@ class SimRun:
             return self.redis.restart()
         self.broker.restart()
         return None
+
+    def on_pause_service(self, a: acts.PauseService) -> None:
+        assert a.name == "redis", "only Redis is paused"
+        if self.sentinel is not None:
+            self.sentinel.pause_primary()
+        else:
+            self.redis.pause()
+
+    def on_resume_service(self, a: acts.ResumeService) -> bool:
+        if self.sentinel is not None:
+            return self.sentinel.resume_primary()
+        return self.redis.resume()
+
+    def on_kill_sentinel(self, a: acts.KillSentinel) -> None:
+        assert self.sentinel is not None, "a sentinel without Sentinel"
+        self.sentinel.kill_sentinel()
+
+    def on_restart_sentinel(self, a: acts.RestartSentinel) -> None:
+        assert self.sentinel is not None, "a sentinel without Sentinel"
+        self.sentinel.restart_sentinel()
 
     def on_await_failover(self, a: acts.AwaitFailover) -> Generator[Any, Any, bool]:
         assert self.sentinel is not None, "a failover without Sentinel"

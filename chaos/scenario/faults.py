@@ -9,7 +9,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from chaos.scenario.schema import LINK_ACTIONS, WORKER_ACTIONS, AfterEvent, Scenario
+from chaos.scenario.schema import (
+    LINK_ACTIONS,
+    SENTINELS,
+    WORKER_ACTIONS,
+    AfterEvent,
+    Scenario,
+)
 
 if TYPE_CHECKING:
     from chaos.scenario.loaded import LoadedScenario
@@ -66,8 +72,14 @@ def fault_schedule(
             else:
                 delay = rep * (fault.every_s or 0.0)
             target = fault.target
-            if target == "random":  # only worker actions and cancel take a target
-                target = rng.randrange(spec.workers if fault.action in WORKER_ACTIONS else total)
+            if target == "random":  # only worker actions, cancel and kill_sentinel take one
+                target = rng.randrange(
+                    spec.workers
+                    if fault.action in WORKER_ACTIONS
+                    else SENTINELS
+                    if fault.action == "kill_sentinel"
+                    else total
+                )
             pause = fault.pause_s
             if isinstance(pause, tuple):
                 pause = rng.uniform(*pause)
@@ -83,7 +95,7 @@ def fault_schedule(
                     delay_s=delay,
                     restart_after_s=(
                         None
-                        if fault.action == "cancel" or fault.action in LINK_ACTIONS
+                        if fault.action in ("cancel", "pause_redis") or fault.action in LINK_ACTIONS
                         else fault.restart_after_s
                     ),
                     pause_s=pause,

@@ -47,7 +47,9 @@ RUNNER_ACTIONS: tuple[str, ...] = (
     "kill_worker",  # SIGKILL one worker process
     "restart_worker",  # stop one worker gracefully (SIGTERM), start it again
     "pause_worker",  # stop one worker for pause_s (SIGSTOP, then SIGCONT): a long GC pause
-    "kill_redis",  # SIGKILL the scenario's throwaway redis-server
+    "kill_redis",  # SIGKILL the scenario's throwaway redis-server (behind Sentinel: the primary)
+    "pause_redis",  # stop Redis (behind Sentinel: the primary) for pause_s: a frozen VM
+    "kill_sentinel",  # SIGKILL one of the three sentinels (target: 0, 1 or 2)
     "kill_broker",  # SIGKILL the scenario's throwaway RabbitMQ node
     "cancel",  # cancel one submitted evaluation
     "add_toxic",  # a Toxiproxy toxic on the workers' link to a service (for_s: removed after)
@@ -56,6 +58,12 @@ RUNNER_ACTIONS: tuple[str, ...] = (
     "cut_link",  # disable the workers' proxy to a service: connections drop, new ones fail
 )
 WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pause_worker"})
+#: Runner actions that stop something for `pause_s`.
+PAUSE_ACTIONS: frozenset[str] = frozenset({"pause_worker", "pause_redis"})
+#: Runner actions whose `target` is an index: a worker, an evaluation (cancel), a sentinel.
+TARGETED_ACTIONS: frozenset[str] = WORKER_ACTIONS | {"cancel", "kill_sentinel"}
+#: The sentinels of `redis.topology: sentinel` (quorum 2).
+SENTINELS = 3
 #: Runner actions on the network between the workers and a service (`link`, `workers`).
 LINK_ACTIONS: frozenset[str] = frozenset({"add_toxic", "update_toxic", "remove_toxic", "cut_link"})
 _LINK_LIST = "add_toxic, update_toxic, remove_toxic, cut_link"
@@ -368,6 +376,23 @@ class RedisSpec(_Model):
         "1500, or Sentinel's 1 s ping period makes every new primary look down at once",
     )
 
+    min_replicas_to_write: int = Field(
+        default=0,
+        ge=0,
+        le=1,  # one replica in the topology
+        description="sentinel: the servers' min-replicas-to-write; 1: a primary refuses "
+        "writes while no replica has acknowledged it within min_replicas_max_lag_s (a "
+        "mitigation of lost writes on the server's side, next to the engine's "
+        "wait_replicas)",
+    )
+    min_replicas_max_lag_s: int = Field(
+        default=1,
+        ge=1,
+        le=60,
+        description="sentinel: the servers' min-replicas-max-lag (a replica counts while its "
+        "last acknowledgement, sent every second, is at most this old)",
+    )
+
     lose_last_writes: int = Field(
         default=0,
         ge=0,
@@ -379,6 +404,11 @@ class RedisSpec(_Model):
 
     @model_validator(mode="after")
     def _one_way_to_lose(self) -> RedisSpec:
+        if self.topology != "sentinel" and self.min_replicas_to_write:
+            _fail(
+                "min_replicas_to_write",
+                "only with topology sentinel (a single Redis has no replica)",
+            )
         if self.topology == "sentinel" and self.lose_last_writes:
             _fail(
                 "lose_last_writes",
@@ -481,7 +511,11 @@ class RunnerFault(_Model):
     target: Annotated[
         Annotated[int, Field(ge=0)] | Literal["random"],
         BeforeValidator(_check_index_or_random),
-    ] = Field(default=0, description="worker index, or evaluation index for cancel")
+    ] = Field(
+        default=0,
+        description="worker index; evaluation index for cancel; sentinel index (0 to 2) for "
+        "kill_sentinel",
+    )
     restart_after_s: float | None = Field(
         default=0.5, ge=0, le=MAX_RUN_S, description="null: never restart"
     )
@@ -495,8 +529,8 @@ class RunnerFault(_Model):
         BeforeValidator(_check_pause),
     ] = Field(
         default=None,
-        description="pause_worker: how long it stays stopped; [lo, hi]: drawn from the seed "
-        "at each firing, so many short pauses make a lagging event loop",
+        description="pause_worker, pause_redis: how long it stays stopped; [lo, hi]: drawn "
+        "from the seed at each firing, so many short pauses make a lagging event loop",
     )
     link: Literal[LINKS] | None = Field(  # type: ignore[valid-type]
         default=None,
@@ -561,19 +595,18 @@ class RunnerFault(_Model):
             _fail("every_s", "not with random_at_s (each repetition draws its own time)")
         if self.count > 1 and self.random_at_s is None and self.every_s is None:
             _fail("every_s", f"required field is missing (count is {self.count})")
-        if "target" in self.model_fields_set and self.action not in (
-            *WORKER_ACTIONS,
-            "cancel",
-        ):
+        if "target" in self.model_fields_set and self.action not in TARGETED_ACTIONS:
             _fail(
                 "target",
-                "only for kill_worker, restart_worker, pause_worker and cancel; "
-                f"action is {self.action}",
+                "only for kill_worker, restart_worker, pause_worker, cancel and "
+                f"kill_sentinel; action is {self.action}",
             )
-        if self.action == "pause_worker" and self.pause_s is None:
-            _fail("pause_s", "required field is missing (action is pause_worker)")
-        if self.action != "pause_worker" and self.pause_s is not None:
-            _fail("pause_s", f"only with action pause_worker; action is {self.action}")
+        if self.action in PAUSE_ACTIONS and self.pause_s is None:
+            _fail("pause_s", f"required field is missing (action is {self.action})")
+        if self.action not in PAUSE_ACTIONS and self.pause_s is not None:
+            _fail("pause_s", f"only with pause_worker and pause_redis; action is {self.action}")
+        if self.action == "pause_redis" and "restart_after_s" in self.model_fields_set:
+            _fail("restart_after_s", "not with pause_redis (pause_s says when it resumes)")
         return self
 
     @property
@@ -799,6 +832,11 @@ class Scenario(_Model):
                     )
                 if fault.workers != "all":
                     _fail(f"{where}.workers", "not with the replication link (there is one)")
+            if fault.action == "kill_sentinel":
+                if self.redis.topology != "sentinel":
+                    _fail(f"{where}.action", "kill_sentinel only with redis.topology sentinel")
+                if fault.target != "random" and fault.target >= SENTINELS:
+                    _fail(f"{where}.target", _index_message("sentinel", fault.target, SENTINELS))
             if fault.link == "redis" and self.redis.topology == "sentinel":
                 _fail(
                     f"{where}.link",

@@ -18,13 +18,21 @@ import asyncio
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 
 class NotReplicated(ConnectionError):
     """A batch's writes are on the primary but fewer replicas than asked acknowledged them
     within the WAIT timeout: a failover now could lose them, so they do not count as done
     (the caller sees a store failure, as if the connection had dropped)."""
+
+
+def _refused(error: Exception) -> Exception:
+    """A primary with `min-replicas-to-write` that lacks a good replica refuses the
+    script's first write (`-NOREPLICAS`): nothing was written, as with a failed WAIT."""
+    if isinstance(error, ResponseError) and str(error).startswith("NOREPLICAS"):
+        return NotReplicated(f"the primary refused the write ({error})")
+    return error
 
 
 class AutoPipeline:
@@ -90,13 +98,13 @@ class AutoPipeline:
         except Exception as exc:
             for _, _, fut in batch:
                 if not fut.done():
-                    fut.set_exception(exc)
+                    fut.set_exception(_refused(exc))
             return
         for (_, _, fut), reply in zip(batch, replies, strict=True):
             if fut.done():
                 continue
             if isinstance(reply, Exception):
-                fut.set_exception(reply)
+                fut.set_exception(_refused(reply))
             else:
                 fut.set_result(reply)
 

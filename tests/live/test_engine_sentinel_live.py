@@ -85,3 +85,65 @@ def test_with_wait_replicas_a_write_counts_once_the_replica_holds_it(
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_primary_paused_past_the_failover_acknowledges_writes_nobody_keeps(
+    sentinel: SentinelRedis,
+) -> None:
+    """What `sim.redis` models for pause_redis: a write sent to the frozen primary waits in
+    its buffers; the replica is promoted meanwhile; the old primary wakes, acknowledges the
+    write, and is made a replica: the new primary never has it."""
+    import threading
+
+    import redis
+
+    old = sentinel.topology.primary()
+    client = redis.Redis(host=old.host, port=old.port, socket_timeout=PATIENCE_S)
+    client.set("before", 1)
+    sentinel.pause()
+    replies: list[object] = []
+    sender = threading.Thread(target=lambda: replies.append(client.set("acked", 1)))
+    sender.start()
+    assert wait_serving(sentinel) is True  # the replica, promoted while the old one sleeps
+    assert replies == []  # the write waits in the frozen server's buffers
+    assert sentinel.resume() is True
+    sender.join(PATIENCE_S)
+    assert replies == [True]  # acknowledged by the old primary on waking...
+    host, port = sentinel.topology.primary_address()
+    new = redis.Redis(host=host, port=port, socket_timeout=5)
+    assert new.get("before") == b"1" and new.get("acked") is None  # ...and lost
+    client.close()
+    new.close()
+
+
+def test_with_min_replicas_a_primary_without_its_replica_refuses_writes() -> None:
+    """The servers' min-replicas-to-write, the third answer to lost writes: once the replica
+    is gone past the lag, the primary refuses a write (the store's `NotReplicated`), and
+    nothing of it is applied; reads go on."""
+    topology = SentinelRedis(down_after_ms=2000, min_replicas=(1, 1)).start()
+
+    async def scenario() -> None:
+        store = RedisStore(EngineConfig(redis_url=topology.url, namespace="sentinel."))
+        try:
+            existing, _, _ = await store.write_result("a1", result("compiles"))
+            assert existing is None
+            await asyncio.to_thread(topology.topology.replica().kill)
+            deadline = time.monotonic() + PATIENCE_S
+            while True:  # refused once no acknowledgement is younger than the lag
+                try:
+                    await store.write_result("a1", result("tests_present"))
+                except NotReplicated:
+                    break
+                if time.monotonic() > deadline:
+                    pytest.fail("the primary still takes writes without its replica")
+                await store.redis.delete("attempt:a1:rule:tests_present:result")
+                await asyncio.sleep(0.1)
+            assert await store.redis.get("attempt:a1:rule:tests_present:result") is None
+            assert await store.redis.get("attempt:a1:rule:compiles:result") is not None
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        topology.stop()
