@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -536,7 +535,7 @@ class SentinelTopology:
         server = self.primary()
         if server.pid is None:
             raise StackError(f"primary {server.host}:{server.port} is not running")
-        os.killpg(server.pid, signal.SIGSTOP)
+        server.pause()
         self._paused = server
         return server
 
@@ -545,8 +544,7 @@ class SentinelTopology:
         server = self._paused
         if server is None:
             raise StackError("no paused primary to resume")
-        if server.pid is not None:
-            os.killpg(server.pid, signal.SIGCONT)
+        server.resume()
         self._paused = None
         self._settle()
         return server
