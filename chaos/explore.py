@@ -36,6 +36,7 @@ import yaml
 
 from chaos.checker.budgets import measure as measure_cost
 from chaos.scenario import LoadedScenario, ScenarioError, fault_schedule, scenario_from_dict
+from chaos.scenario.schema import TARGETED_ACTIONS
 from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
 
 
@@ -130,6 +131,26 @@ def _swarm_services(out: dict[str, Any], rng: random.Random) -> None:
             del out[section]
 
 
+#: A runner fault's fields that `concrete` writes out per firing, as drawn.
+_DRAWN_FIELDS = frozenset(
+    {
+        "at_s",
+        "random_at_s",
+        "after",
+        "count",
+        "every_s",
+        "target",
+        "restart_after_s",
+        "pause_s",
+        "name",
+    }
+)
+#: The actions whose firing may restart what it stopped (`restart_after_s`).
+RESTARTED_ACTIONS = frozenset(
+    {"kill_worker", "restart_worker", "kill_redis", "kill_broker", "kill_sentinel"}
+)
+
+
 def concrete(data: dict[str, Any]) -> dict[str, Any]:
     """The same run with every runner fault written out: one entry per firing, times and
     targets as drawn from the seed. A shrinker can then drop one firing without shifting
@@ -137,12 +158,17 @@ def concrete(data: dict[str, Any]) -> dict[str, Any]:
     loaded = load_document(data)
     seed = loaded.spec.seed
     out = copy.deepcopy(data)
-    kept = [f for f in out.get("faults", []) if "failpoint" in f]
+    faults = out.get("faults", [])
+    kept = [f for f in faults if "failpoint" in f]
     for planned in fault_schedule(loaded.spec, random.Random(seed)):
-        entry: dict[str, Any] = {"action": planned.action}
-        if planned.action not in ("kill_redis", "kill_broker"):
+        # what the firing does as the fault says it (a network fault's link, workers,
+        # toxic and for_s); when and on what, as drawn
+        entry: dict[str, Any] = {
+            k: v for k, v in faults[planned.fault].items() if k not in _DRAWN_FIELDS
+        }
+        if planned.action in TARGETED_ACTIONS:
             entry["target"] = planned.target
-        if planned.action not in ("cancel", "pause_worker"):
+        if planned.action in RESTARTED_ACTIONS:
             entry["restart_after_s"] = planned.restart_after_s  # None: never restarted
         if planned.pause_s is not None:
             entry["pause_s"] = planned.pause_s

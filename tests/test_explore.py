@@ -89,6 +89,33 @@ def test_concrete_schedule_replays_the_same_run() -> None:
     assert events(written) == events(variant)
 
 
+@pytest.mark.parametrize(
+    ("name", "seed"),
+    [
+        ("split_brain", 0),
+        ("sentinel_failover_with_partition", 0),
+        ("sentinel_quorum_lost", 1),
+        ("sentinel_paused_primary", 2),
+        ("cancel_midway", 3),
+        ("paused_worker", 1),
+    ],
+)
+def test_every_kind_of_fault_writes_out_concrete(name: str, seed: int) -> None:
+    """A shrunk regression is written from `concrete`: network faults keep their link,
+    workers and toxic, pauses their pause, and nothing a firing does not take is written."""
+    from chaos.explore import load_document
+    from chaos.insim import run_scenario
+
+    variant = data_of(name)
+    variant["seed"] = seed
+    written = concrete(variant)
+    assert run_scenario(load_document(written), seed=seed).history  # it loads, and runs
+    events = run_scenario(load_document(variant), seed=seed).history
+    fired = [e["action"] for e in events if e["ev"] == "fault_fired"]
+    again = run_scenario(load_document(written), seed=seed).history
+    assert [e["action"] for e in again if e["ev"] == "fault_fired"] == fired
+
+
 def test_shrinking_keeps_the_failure_and_drops_the_rest() -> None:
     calls: list[int] = []
 
