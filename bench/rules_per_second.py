@@ -174,20 +174,37 @@ def _compare(args: argparse.Namespace) -> int:
     import tempfile
 
     worker_args = ["--max-evaluations", str(args.max_evaluations)]
-    here: list[float] = []
-    there: list[float] = []
+    here: list[Rate] = []
+    there: list[Rate] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):  # interleaved: both see the same machine's moods
             for root, rates in ((None, here), (args.against.resolve(), there)):
                 rate = asyncio.run(
                     rule_rate(args.plan, args.evaluations, Path(tmp), worker_args, root)
                 )
-                rates.append(rate.per_s)
-            print(f"round {i + 1}: this engine {here[-1]:8.0f} /s, against {there[-1]:8.0f} /s")
-    mine, theirs = statistics.median(here), statistics.median(there)
+                rates.append(rate)
+            print(
+                f"round {i + 1}: this engine {here[-1].per_s:8.0f} /s "
+                f"({_cpu_us(here[-1]):.0f} us CPU a rule), against {there[-1].per_s:8.0f} /s "
+                f"({_cpu_us(there[-1]):.0f} us)"
+            )
+    mine = statistics.median(r.per_s for r in here)
+    theirs = statistics.median(r.per_s for r in there)
     print(f"median rules per second: this engine {mine:.0f} /s, {args.against}: {theirs:.0f} /s")
     print(f"ratio this/against: {mine / theirs:.3f} ({(mine / theirs - 1) * 100:+.1f} %)")
+    # The worker's CPU a rule is steadier than its rate on a busy machine (a neighbour's
+    # burst stretches the wall clock more than the work).
+    cpu_mine = statistics.median(_cpu_us(r) for r in here)
+    cpu_theirs = statistics.median(_cpu_us(r) for r in there)
+    print(
+        f"median CPU a rule: this engine {cpu_mine:.0f} us, {args.against}: {cpu_theirs:.0f} us "
+        f"({(cpu_mine / cpu_theirs - 1) * 100:+.1f} %)"
+    )
     return 0
+
+
+def _cpu_us(rate: Rate) -> float:
+    return rate.cpu_s / rate.rules * 1e6
 
 
 def _spread(ratios: list[float]) -> tuple[float, float]:
@@ -232,7 +249,7 @@ def main() -> int:
         f"(median absolute deviation; range {min(ratios):.2f}..{max(ratios):.2f}, "
         f"{args.rounds} rounds)"
     )
-    cpu = statistics.median(c.cpu_s / c.rules for c in costs) * 1e6
+    cpu = statistics.median(_cpu_us(c) for c in costs)
     scripts = statistics.median(c.scripts / c.rules for c in costs)
     print(f"one rule costs the worker {cpu:.0f} us of CPU, and Redis {scripts:.2f} scripts")
     print(
