@@ -37,6 +37,19 @@ class Metrics:
             "engine_evaluations_total", "Evaluations finished, by status", ["status"], registry=r
         )
         self.running = Gauge("engine_evaluations_running", "Evaluations in memory", registry=r)
+        self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], Counter] = {}
+
+    def counter(self, metric: str, labels: tuple[tuple[str, str], ...] = ()) -> Counter:
+        """The counter `metric` (its child for `labels`), looked up once: `labels()`
+        validates and takes a lock on every call, and a rule moves a few counters."""
+        key = (metric, labels)
+        found = self._counters.get(key)
+        if found is None:
+            found = getattr(self, metric)
+            if labels:
+                found = found.labels(**dict(labels))
+            self._counters[key] = found
+        return found
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

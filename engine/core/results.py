@@ -6,6 +6,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# One encoder for every result: `json.dumps` with separators builds a new one a call, and
+# a rule's result is encoded twice (its write, and the final state's check).
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
 
 @dataclass(frozen=True, slots=True)
 class RuleResult:
@@ -25,7 +29,7 @@ class RuleResult:
         )
 
     def to_json(self) -> str:
-        return json.dumps(
+        return _ENCODE(
             {
                 "attempt": self.attempt,
                 "rationale": self.rationale,
@@ -33,8 +37,7 @@ class RuleResult:
                 "score": self.score,
                 "tokens": self.tokens,
                 "verdict": self.verdict,
-            },
-            separators=(",", ":"),
+            }
         )
 
     @classmethod

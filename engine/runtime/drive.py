@@ -44,8 +44,7 @@ def _record(e: fx.Record, rt: Runtime) -> None:
 
 
 def _count(e: fx.Count, rt: Runtime) -> None:
-    counter = getattr(rt.metrics, e.metric)
-    (counter.labels(**dict(e.labels)) if e.labels else counter).inc(e.amount)
+    rt.metrics.counter(e.metric, e.labels).inc(e.amount)
 
 
 def _gauge(e: fx.Gauge, rt: Runtime) -> None:
