@@ -29,10 +29,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import aio_pika
+import aiormq
 import orjson
 from aio_pika.abc import (
     AbstractExchange,
@@ -299,20 +299,36 @@ class Broker:
         expiration_ms: int | None = None,
     ) -> None:
         """Publish with confirms, retrying while the broker is away. `expiration_ms` is a
-        per-message TTL, which the engine never uses (see the module docstring)."""
-        message = aio_pika.Message(
-            raw,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            content_type="application/json",
-            message_id=msg_id,
-            expiration=None if expiration_ms is None else timedelta(milliseconds=expiration_ms),
-        )
+        per-message TTL, which the engine never uses (see the module docstring).
+
+        The frame's properties are built here, as aio-pika's `Message` builds them (the
+        same bytes on the wire), and handed to the channel's aiormq channel as aio-pika's
+        `Exchange.publish` hands them: a `Message` cost about 50 us of CPU a publish, a
+        tenth of what a rule costs, for nothing the engine uses."""
         ch = self._ch()
+        name = "" if exchange is None else exchange.name
+        expiration = None if expiration_ms is None else str(expiration_ms)
         delay = 0.05
         for attempt in range(60):
             try:
-                target = exchange or ch.default_exchange
-                await target.publish(message, key, mandatory=mandatory, timeout=self.timeout)
+                if ch.is_closed:
+                    raise aiormq.exceptions.ChannelInvalidStateError(f"{ch!r} closed")
+                underlay = await ch.get_underlay_channel()
+                await underlay.basic_publish(
+                    raw,
+                    exchange=name,
+                    routing_key=key,
+                    properties=aiormq.spec.Basic.Properties(
+                        content_type="application/json",
+                        delivery_mode=2,  # persistent
+                        expiration=expiration,
+                        headers={},
+                        message_id=msg_id,
+                        priority=0,
+                    ),
+                    mandatory=mandatory,
+                    timeout=self.timeout,
+                )
                 return
             except PublishError as exc:
                 raise Unroutable(f"unroutable: routing key {key!r}") from exc
