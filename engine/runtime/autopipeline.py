@@ -20,11 +20,13 @@ redis-py's pipelines retry it (the client's `Retry`, the connection dropped in b
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 class NotReplicated(ConnectionError):
@@ -143,11 +145,17 @@ class AutoPipeline:
         async def once() -> list[Any]:
             await conn.send_packed_command(packed, check_health=False)
             replies: list[Any] = []
-            for _ in range(n):
-                try:
-                    replies.append(await conn.read_response())
-                except ResponseError as exc:  # an error reply: that call's, not the batch's
-                    replies.append(exc)
+            try:
+                # One read timeout for the batch, not one a reply (a timer each); a read
+                # cut short by it drops the connection, so none is left half read.
+                async with asyncio.timeout(conn.socket_timeout):
+                    for _ in range(n):
+                        try:
+                            replies.append(await conn.read_response(timeout=math.inf))
+                        except ResponseError as exc:  # an error reply: that call's alone
+                            replies.append(exc)
+            except TimeoutError:
+                raise RedisTimeoutError(f"Timeout reading {n} replies from Redis") from None
             return replies
 
         async def dropped(_: BaseException) -> None:
