@@ -2,6 +2,7 @@
 
     python bench/rules_per_second.py [--rounds 7] [--evaluations 200]
     python bench/rules_per_second.py --against /tmp/before [--rounds 5]
+    python bench/rules_per_second.py --against . --worker-arg=--event-loop=asyncio
 
 The baseline is measured in the same run, on the same Redis, because these machines are
 noisy: one client doing sequential `SET`s is one round trip each. Each round measures the
@@ -13,7 +14,10 @@ cost no more than one amortised round trip), within +-15 %.
 
 With `--against`, the engine of another checkout (a `git worktree` of the commit before a
 change) runs too, in rounds interleaved with this one's, and the median rates of both are
-compared: the cost of a change, measured on the same machine in the same minutes.
+compared: the cost of a change, measured on the same machine in the same minutes, as the
+median rate and the median CPU a rule (the steadier of the two on a busy machine).
+`--worker-arg` passes a flag to this checkout's worker only: `--against .` with one
+compares two settings of one engine.
 
 What one rule costs (2026-12-01, a quiet 2-core machine, code_review.yaml's 13 rules, 200
 evaluations a round, 64 at once, zero-latency agent; two runs of 7 rounds): median ratio
@@ -178,9 +182,12 @@ def _compare(args: argparse.Namespace) -> int:
     there: list[Rate] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):  # interleaved: both see the same machine's moods
-            for root, rates in ((None, here), (args.against.resolve(), there)):
+            for root, rates, extra in (
+                (None, here, args.worker_arg),
+                (args.against.resolve(), there, []),
+            ):
                 rate = asyncio.run(
-                    rule_rate(args.plan, args.evaluations, Path(tmp), worker_args, root)
+                    rule_rate(args.plan, args.evaluations, Path(tmp), worker_args + extra, root)
                 )
                 rates.append(rate)
             print(
@@ -222,13 +229,19 @@ def main() -> int:
     p.add_argument("--max-evaluations", type=int, default=64, help="the worker's concurrency")
     p.add_argument("--against", type=Path, help="another checkout whose engine to compare with")
     p.add_argument("--rounds", type=int, default=7, help="A/B rounds")
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="a flag for this engine's worker (repeat; e.g. --worker-arg=--event-loop=asyncio)",
+    )
     args = p.parse_args()
     import tempfile
 
     if args.against is not None:
         return _compare(args)
 
-    worker_args = ["--max-evaluations", str(args.max_evaluations)]
+    worker_args = ["--max-evaluations", str(args.max_evaluations), *args.worker_arg]
     ratios: list[float] = []
     costs: list[Rate] = []
     with tempfile.TemporaryDirectory() as tmp:

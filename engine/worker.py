@@ -233,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1")
     p.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "WARNING"))
+    p.add_argument(
+        "--event-loop",
+        choices=("uvloop", "asyncio"),
+        default=os.environ.get("ENGINE_EVENT_LOOP", "uvloop"),
+        help="uvloop (the default, when installed) or asyncio's own loop ($ENGINE_EVENT_LOOP)",
+    )
     return p
 
 
@@ -291,16 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     # run less often: a worker allocates many short-lived futures and few cycles.
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
-    return _run(_serve(config, agent, failpoints, args))
+    return _run(_serve(config, agent, failpoints, args), args.event_loop)
 
 
-def _run(main: Coroutine[Any, Any, int]) -> int:
-    """uvloop when installed (less overhead per I/O wake-up), asyncio's own loop otherwise."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+def _run(main: Coroutine[Any, Any, int], loop: str = "uvloop") -> int:
+    """uvloop when installed (less overhead per I/O wake-up: bench/rules_per_second.py
+    measures it), asyncio's own loop otherwise or when asked."""
+    if loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
 
 
 async def _serve(
