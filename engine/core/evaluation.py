@@ -114,6 +114,9 @@ class Evaluation:
         self._count: dict[RuleState, int] = dict.fromkeys(RuleState, 0)
         for st in self.state.values():
             self._count[st] += 1
+        # Terminal rules when the passes were last looked at: a terminal state is never
+        # left, so a pass can only become announceable when this count grows.
+        self._terminal_seen = -1
 
     # --- queries --------------------------------------------------------------------------
 
@@ -256,17 +259,20 @@ class Evaluation:
                     self._move(rid, RuleState.RUNNING)
                     self.tries[rid] = 1
                     actions.append(RunRule(rid, self.attempt[rid], 1))
-        for p in self.plan.passes:
-            if p.id in self._published:
-                continue
-            if all(self.state[r] in TERMINAL_RULE_STATES for r in p.rule_ids):
-                self._published.add(p.id)
-                outcome = dag.pass_outcome(p, self.state)
-                actions.append(
-                    PublishPassResult(p.id, outcome, {r: self._verdict(r) for r in p.rule_ids})
-                )
+        terminal = sum(count[st] for st in TERMINAL_RULE_STATES)
+        if terminal != self._terminal_seen:  # a rule became terminal: a pass may be done
+            self._terminal_seen = terminal
+            for p in self.plan.passes:
+                if p.id in self._published:
+                    continue
+                if all(self.state[r] in TERMINAL_RULE_STATES for r in p.rule_ids):
+                    self._published.add(p.id)
+                    outcome = dag.pass_outcome(p, self.state)
+                    actions.append(
+                        PublishPassResult(p.id, outcome, {r: self._verdict(r) for r in p.rule_ids})
+                    )
         rules, succeeded = len(self.state), count[RuleState.SUCCEEDED]
-        if sum(count[st] for st in TERMINAL_RULE_STATES) == rules:
+        if terminal == rules:
             self._finished = True
             if succeeded == rules:
                 self.status = EvaluationStatus.COMPLETED
