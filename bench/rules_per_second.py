@@ -19,18 +19,49 @@ median rate and the median CPU a rule (the steadier of the two on a busy machine
 `--worker-arg` passes a flag to this checkout's worker only: `--against .` with one
 compares two settings of one engine.
 
-What one rule costs (2026-12-01, a quiet 2-core machine, code_review.yaml's 13 rules, 200
-evaluations a round, 64 at once, zero-latency agent; two runs of 7 rounds): median ratio
-0.47 +- 2 % and 0.45 +- 3 % (SET baseline about 9,300/s, rules about 4,300/s). Per rule:
-about 220 us of the worker's CPU and 1.6 Redis scripts (the result write, with the start
-markers of the rules it makes ready riding on it; a separate start marker when none does;
-the evaluation's begin, finish and announcement shared by its 13 rules). The worker is
-CPU-bound: 220 us a rule caps it near 4,500 rules/s on one core, so a ratio of 1.0 needs
-the CPU halved. Where it goes (cProfile of the worker): redis-py packing and encoding
-script calls (every key travels as an argument) about a quarter; aio-pika/aiormq
-publishing events and settling deliveries; the core's `_advance`; the shell's generators
-and the driver about 8 % (the effect-driven shell costs 8 to 9 % of the rule rate against the
-engine before it, A/B with `--against`).
+What one rule costs (code_review.yaml's 13 rules, 200 evaluations a round, 64 at once,
+zero-latency agent), counted in the worker (cProfile call counts, `INFO commandstats`):
+- Redis: 1.65 scripts a rule (the result write, carrying the start markers of the rules it
+  makes ready; a separate start marker when none does; the evaluation's begin, four pass
+  marks, finish and done shared by its 13 rules), travelling about 12 to a batch: 0.15
+  round trips a rule, one write and one read each.
+- RabbitMQ: per evaluation one delivery in, one ACK and six publishes (started, four pass
+  results, completed), each awaiting its confirm: 0.54 frames written a rule, 0.46
+  confirms awaited, 0.08 deliveries.
+So a rule costs about 0.7 round trips in all, most of them amortised; what limits the
+worker is its CPU, not the wire.
+
+CPU, and where it goes (2026-12-02, a busy 2-core machine shared with three other
+engineers' runs, load 4 to 6: every figure here is inflated by that and noisy):
+about 250 to 400 us of the worker's CPU a rule, 93 % user, 7 % system (was 220 us on
+a quiet machine on 2026-12-01, 280 us at 03:50 today). py-spy over the worker
+(`bench/worker_profile.py`, samples of wall time, 1,500 evaluations): the event loop's
+socket writes 33 % (the seven AMQP frames and one Redis batch write of an evaluation's
+13 rules; mostly the worker preempted inside `send()` while the broker or Redis it woke
+runs, since system time is only 7 % of its CPU); the rest of the event loop (uvloop,
+tasks, futures, timers) 15 %; aio-pika/aiormq/pamqp 15 % (pamqp marshals each publish in
+Python, about 30 us); the shell's steps 10 %; the core 8 %; the driver and broker 5 %;
+the fake agent's draws 4 %; the group commit and the store 6 %; redis-py 2 %;
+prometheus_client 1 %.
+
+What this round changed (A/B against the commit before it, `--against`, 9 interleaved
+rounds on that busy machine; the worker's median CPU a rule, the steadier figure): 327 ->
+254 us (-22 %); the median rate +5 % (1,491 -> 1,561 rules/s; the rates swung 3x between
+rounds). By change, as measured alone: Redis batches packed by hiredis and read by hand
+instead of redis-py's pipeline (16 us -> 2.5 us to pack a script; one read timeout a batch
+instead of a timer a reply); publishes built as aiormq properties instead of aio-pika
+`Message`s (52 us -> 2.4 us a publish); one JSON encoder for results, the labelled
+counters looked up once; the core scanning passes only when a rule became terminal (13 ->
+10 us a rule). uvloop against asyncio's own loop (`--worker-arg=--event-loop=asyncio`):
+no difference the noise lets through (CPU -10 % and -7 %, rate +19 % and -10 % in two
+runs), so uvloop stays the default.
+
+The ratio to SET: median 0.33 +- 37 % over 7 rounds (range 0.20..0.54; SET 2,100 to
+6,900/s, rules 680 to 1,700/s) on that machine: too noisy to judge the target, still
+well short of 1.0. On a quiet machine the CPU cut predicts about 0.55 to 0.6 (0.46 at
+03:50 today with 280 us a rule); 1.0 needs the CPU a rule near 140 us, and what is left
+is spread thin: the effect-driven shell and driver, the event loop, and aiormq/pamqp's
+Python framing of six confirmed publishes an evaluation.
 """
 
 from __future__ import annotations
