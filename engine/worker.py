@@ -235,9 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "WARNING"))
     p.add_argument(
         "--event-loop",
-        choices=("uvloop", "asyncio"),
-        default=os.environ.get("ENGINE_EVENT_LOOP", "uvloop"),
-        help="uvloop (the default, when installed) or asyncio's own loop ($ENGINE_EVENT_LOOP)",
+        choices=EVENT_LOOPS,
+        help="uvloop (the default, when installed) or asyncio's own ($ENGINE_EVENT_LOOP)",
     )
     return p
 
@@ -283,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         specs = ";".join([os.environ.get("ENGINE_FAILPOINTS", ""), *args.failpoint])
         failpoints = Failpoints(parse_specs(specs))
         profile = _agent_profile(args.agent or os.environ.get("ENGINE_AGENT"))
+        loop = args.event_loop or os.environ.get("ENGINE_EVENT_LOOP") or "uvloop"
+        if loop not in EVENT_LOOPS:
+            raise ValueError(f"ENGINE_EVENT_LOOP: expected one of {', '.join(EVENT_LOOPS)}")
     except (ValueError, FailpointError, AgentProfileError, OSError) as exc:
         print(f"engine.worker: {exc}", file=sys.stderr)
         return 2
@@ -297,12 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     # run less often: a worker allocates many short-lived futures and few cycles.
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
-    return _run(_serve(config, agent, failpoints, args), args.event_loop)
+    return _run(_serve(config, agent, failpoints, args), loop)
+
+
+#: The worker's event loops: uvloop is the default, though asyncio's own measured no
+#: different for a worker's rules (`bench/rules_per_second.py --worker-arg`).
+EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 def _run(main: Coroutine[Any, Any, int], loop: str = "uvloop") -> int:
-    """uvloop when installed (less overhead per I/O wake-up: bench/rules_per_second.py
-    measures it), asyncio's own loop otherwise or when asked."""
+    """uvloop when installed, asyncio's own loop otherwise or when asked."""
     if loop == "uvloop":
         try:
             import uvloop

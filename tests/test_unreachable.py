@@ -202,6 +202,21 @@ def test_a_malformed_url_is_bad_input(url: str, command: str, tmp_path: Path) ->
     assert SECRET not in out.stdout + out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["--event-loop", "tokio"], {}, "--event-loop"),
+        ([], {"ENGINE_EVENT_LOOP": "tokio"}, "ENGINE_EVENT_LOOP"),
+    ],
+)
+def test_an_unknown_event_loop_is_bad_input(
+    args: list[str], env: dict[str, str], named: str, tmp_path: Path
+) -> None:
+    out = _run([*_command("worker", tmp_path / "out"), *args], env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and named in out.stderr and "uvloop" in out.stderr
+
+
 # --- the line itself -------------------------------------------------------------------------
 
 
