@@ -44,10 +44,11 @@ Python, about 30 us); the shell's steps 10 %; the core 8 %; the driver and broke
 the fake agent's draws 4 %; the group commit and the store 6 %; redis-py 2 %;
 prometheus_client 1 %.
 
-What this round changed (A/B against the commit before it, `--against`, 9 interleaved
-rounds on that busy machine; the worker's median CPU a rule, the steadier figure): 327 ->
-254 us (-22 %); the median rate +5 % (1,491 -> 1,561 rules/s; the rates swung 3x between
-rounds). By change, as measured alone: Redis batches packed by hiredis and read by hand
+What this round changed (A/B against the commit before it, `--against`, two runs of 9
+and 7 interleaved rounds on that busy machine): the worker's median CPU a rule, the
+steadier figure, 327 -> 254 us (-22 %) and 465 -> 327 us (-30 %); the median rate +5 %
+(1,491 -> 1,561 rules/s) and +36 % (940 -> 1,276), the rates swinging 3x between rounds.
+By change, as measured alone: Redis batches packed by hiredis and read by hand
 instead of redis-py's pipeline (16 us -> 2.5 us to pack a script; one read timeout a batch
 instead of a timer a reply); publishes built as aiormq properties instead of aio-pika
 `Message`s (52 us -> 2.4 us a publish); one JSON encoder for results, the labelled
