@@ -131,9 +131,7 @@ class SimSentinel:
 
     def _replication_changed(self) -> None:
         self.redis.replica_attached = self.replicas > 0
-        replicating = (
-            self.replicas > 0 and not (self._cut and self._via_proxy) and not self._frozen
-        )
+        replicating = self.replicas > 0 and not (self._cut and self._via_proxy) and not self._frozen
         if replicating:
             self.redis.unreplicated_since = None
         elif self.redis.unreplicated_since is None:
