@@ -1,17 +1,20 @@
 """`python -m chaos`: run, explore, validate and list scenarios.
 
-    python -m chaos run scenarios/crash_after_ack.yaml [--mode auto|live|sim] [--seed N]
+    python -m chaos run scenarios/crash_after_ack.yaml [--mode auto|live|containers|sim]
+                        [--seed N]
                         [--out DIR] [--mutant NAME]
     python -m chaos sim scenarios/crash_after_ack.yaml --seeds 1000 [--jobs J] [--shrink]
     python -m chaos validate scenarios/*.yaml
     python -m chaos list
     python -m chaos clean     # stop and delete what a SIGKILLed run left behind
+    python -m chaos images build   # Redis and RabbitMQ images from this machine's own
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
-3 the stack could not be started, 130 / 143 interrupted by SIGINT / SIGTERM (at any moment:
-everything the command started is stopped first; one line on stderr). `clean` exits 0, or 1
-when a process would not die. A live run starts with the same reaping as `clean`: only what
-belongs to a dead runner is touched, never a live one's.
+3 the stack could not be started (containers mode: no Docker engine answers), 130 / 143
+interrupted by SIGINT / SIGTERM (at any moment: everything the command started is stopped
+first; one line on stderr). `clean` exits 0, or 1 when a process would not die. A live run
+starts with the same reaping as `clean`: only what belongs to a dead runner is touched,
+never a live one's.
 """
 
 from __future__ import annotations
@@ -72,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     run.add_argument(
         "--mode",
-        choices=["auto", "live", "sim"],
+        choices=["auto", "live", "containers", "sim"],
         default="auto",
-        help="auto: live when redis-server and RabbitMQ are here, else the simulator",
+        help="auto: live when redis-server and RabbitMQ are here, else the simulator; "
+        "containers: live, Redis and RabbitMQ in containers (a Docker engine)",
     )
     run.add_argument("--seed", type=_within(0, MAX_SEED), help="override every scenario's seed")
     run.add_argument("--out", type=Path, help="output folder (default out/<time>)")
@@ -120,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="both memories vs RabbitMQ only vs the seed as written, side by side"
     )
     cmp.add_argument("scenarios", nargs="+", metavar="SCENARIO")
-    cmp.add_argument("--mode", choices=["auto", "live", "sim"], default="auto")
+    cmp.add_argument("--mode", choices=["auto", "live", "containers", "sim"], default="auto")
     cmp.add_argument(
         "--seeds", type=_within(1, MAX_SEEDS), default=20, help="sim: seeds per design (20)"
     )
@@ -136,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
     sub.add_parser("clean", help="stop and delete what killed runs left (their runner is dead)")
+    img = sub.add_parser("images", help="containers mode's images, built from this machine's")
+    img.add_argument("action", choices=["build"])
     prx = sub.add_parser("proxy", help="a seeded Toxiproxy-compatible server, until interrupted")
     prx.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
     prx.add_argument("--port", type=_within(0, 65535), default=8474, help="API port (8474)")
@@ -178,6 +184,8 @@ def _main(argv: list[str] | None) -> int:
     console = make_console()
     if args.command == "clean":
         return _clean(console)
+    if args.command == "images":
+        return _images(console)
     if args.command == "list":
         return _list(console)
     if args.command == "report":
@@ -234,7 +242,9 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
                 file=sys.stderr,
             )
             return EXIT_INPUT
-    live = args.mode == "live" or (args.mode == "auto" and Services.available() is None)
+    live = args.mode in ("live", "containers") or (
+        args.mode == "auto" and Services.available() is None
+    )
     runs = {}
     for design in designs:
         folder = out / design.key
@@ -246,7 +256,8 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
                 data["redis"] = {**data.get("redis", {}), **dict(design.redis)}
                 variants.append(load_document(data, source=str(sc.path)))
         if live:
-            one = argparse.Namespace(mode="live", seed=None, mutant=design.mutant, quiet=True)
+            mode = "containers" if args.mode == "containers" else "live"
+            one = argparse.Namespace(mode=mode, seed=None, mutant=design.mutant, quiet=True)
             code = _run(variants, folder, one, console)
             if code not in (EXIT_OK, EXIT_VIOLATION):
                 return code
@@ -294,7 +305,7 @@ def _report(paths: list[Path], out: Path | None, price: float | None, console: C
 # --- interrupts and leftovers -------------------------------------------------------------
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_COMMANDS = ("run", "sim", "report", "compare", "validate", "list", "clean", "proxy")
+_COMMANDS = ("run", "sim", "report", "compare", "validate", "list", "clean", "proxy", "images")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -384,6 +395,10 @@ def _interrupted(name: str) -> int:
             with contextlib.suppress(Exception):  # the sweep below is the last word
                 stop()
     reaped = stack.stop_owned()
+    containers = sys.modules.get("chaos.containers")  # not imported: none was started
+    if containers is not None:
+        with contextlib.suppress(Exception):
+            containers.remove_owned()
     what = signal.Signals(signum).name
     if reaped.survivors:
         line = f"{name}: interrupted ({what}); still running: {reaped.survivors}"
@@ -405,6 +420,8 @@ def _clean(console: Console) -> int:
     timeout) left behind: services, workers, pool processes, temp dirs."""
     reaped = stack.reap_dead_owners()
     console.print(f"chaos clean: {reaped.summary()}", markup=False)
+    with contextlib.suppress(ImportError):  # the docker package is an extra
+        _remove_dead_containers(console)
     return EXIT_VIOLATION if reaped.survivors else EXIT_OK
 
 
@@ -480,7 +497,8 @@ def _list(console: Console) -> int:
 def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Console) -> int:
     from chaos.services import Services, ServicesUnavailable
 
-    problem = Services.available()
+    containers = args.mode == "containers"
+    problem = _containers_problem() if containers else Services.available()
     if args.mode == "sim" or (args.mode == "auto" and problem is not None):
         if args.mode == "auto":
             print(f"chaos run: live mode {problem}; running in the simulator instead")
@@ -495,8 +513,10 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
         return EXIT_STACK
     from chaos.runner import refusal
 
-    killable = {
-        n for n, var in (("redis", "REDIS_URL"), ("broker", "AMQP_URL")) if var not in os.environ
+    killable = {  # containers mode: always the run's own
+        n
+        for n, var in (("redis", "REDIS_URL"), ("broker", "AMQP_URL"))
+        if containers or var not in os.environ
     }
     for sc in loaded:
         problem = refusal(sc, killable)
@@ -512,11 +532,14 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
     reaped = stack.reap_dead_owners()  # what a SIGKILLed run left; a live one's is kept
     if reaped.pids or reaped.dirs:
         console.print(f"chaos run: left by a killed run: {reaped.summary()}", markup=False)
+    if containers:
+        _remove_dead_containers(console)
     services: Services | None = None
     try:
-        with console.status("starting Redis and RabbitMQ...", spinner="dots"):
+        where = " in containers" if containers else ""
+        with console.status(f"starting Redis and RabbitMQ{where}...", spinner="dots"):
             try:
-                services = Services.start()
+                services = Services.start(containers=containers)
             except ServicesUnavailable as exc:
                 print(f"chaos run: cannot start the stack: {exc}", file=sys.stderr)
                 return EXIT_STACK
@@ -529,6 +552,10 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
 
         stop_workers()
         stack.stop_all()
+        if containers:  # by label: whatever the services lost track of
+            from chaos.containers import remove_owned
+
+            remove_owned()
 
 
 async def _run_all(
@@ -576,11 +603,11 @@ async def _run_all(
             outcome = await run.run()
         await _ensure_services(services)
         result = outcome.result
-        extra = {**outcome.extra, "mode": "live"}
+        extra = {**outcome.extra, "mode": _live_mode(args)}
         write_outputs(run_dir, sc.spec.name, outcome.history, result, extra)
         suites.append((sc.spec.name, result, outcome.duration_s))
         (run_dir / "history.raw.jsonl").unlink(missing_ok=True)  # merged into history.jsonl
-        _summary(console, sc.spec.name, outcome, time.monotonic() - started)
+        _summary(console, sc.spec.name, outcome, time.monotonic() - started, _live_mode(args))
         if not result.ok:
             console.print(f"  evidence: {run_dir / 'journal.json'}", markup=False)
         for v in result.violations[:10]:
@@ -599,12 +626,50 @@ async def _ensure_services(services: Any) -> None:
             await asyncio.to_thread(svc.restart)
 
 
-def _summary(console: Console, name: str, outcome: Any, took: float) -> None:
+def _summary(console: Console, name: str, outcome: Any, took: float, mode: str) -> None:
     """One line per scenario: mode, faults fired, reruns by kind (`summary_line`)."""
     from chaos.journal import summary_line
 
     n = len(outcome.attempt_ids)
-    console.print(summary_line(name, "live", outcome.result, n, f"in {took:.1f} s"))
+    console.print(summary_line(name, mode, outcome.result, n, f"in {took:.1f} s"))
+
+
+def _live_mode(args: argparse.Namespace) -> str:
+    return "containers" if args.mode == "containers" else "live"
+
+
+def _containers_problem() -> str | None:
+    """None when containers mode can run here, else why not (one line)."""
+    from chaos.containers import engine_problem
+
+    return engine_problem()
+
+
+def _remove_dead_containers(console: Console) -> None:
+    from chaos.containers import remove_dead_owners
+
+    removed = remove_dead_owners()
+    if removed:
+        console.print(f"chaos: containers left by a killed run removed: {removed}", markup=False)
+
+
+def _images(console: Console) -> int:
+    """`chaos images build`: the local Redis and RabbitMQ images (`chaos.images`)."""
+    from chaos.containers import engine_problem
+    from chaos.images import build
+
+    problem = engine_problem()
+    if problem is not None:
+        print(f"chaos images: {problem}", file=sys.stderr)
+        return EXIT_STACK
+    for service in ("redis", "rabbitmq"):
+        try:
+            tag = build(service)
+        except stack.StackError as exc:
+            print(f"chaos images: {exc}", file=sys.stderr)
+            return EXIT_STACK
+        console.print(f"chaos images: built {tag}", markup=False)
+    return EXIT_OK
 
 
 def live_progress_line(p: Any, took: float) -> str:

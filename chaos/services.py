@@ -83,7 +83,11 @@ class Services:
         return None if redis_ok and amqp_ok else INSTALL_HINT
 
     @classmethod
-    def start(cls) -> Services:
+    def start(cls, containers: bool = False) -> Services:
+        """The run's services; `containers`: its own Redis and RabbitMQ in containers
+        (`chaos.containers`), whatever REDIS_URL and AMQP_URL say."""
+        if containers:
+            return cls._in_containers()
         redis_url = os.environ.get("REDIS_URL")
         amqp_url = os.environ.get("AMQP_URL")
         probe_given(redis_url, amqp_url)  # before starting anything of our own
@@ -110,6 +114,23 @@ class Services:
                     svc.stop(graceful=False)
             raise
         return cls(redis_url=redis_url, amqp_url=amqp_url, redis=redis, broker=broker)
+
+    @classmethod
+    def _in_containers(cls) -> Services:
+        from chaos.containers import RabbitContainer, RedisContainer
+
+        redis = broker = None
+        try:
+            redis = RedisContainer(persistence=True).start()
+            broker = RabbitContainer().start()
+        except BaseException as exc:
+            for svc in (redis, broker):
+                if svc is not None:
+                    svc.stop(graceful=False)
+            if isinstance(exc, StackError):
+                raise ServicesUnavailable(str(exc)) from None
+            raise
+        return cls(redis_url=redis.url, amqp_url=broker.url, redis=redis, broker=broker)
 
     def service(self, name: str) -> RedisServer | RabbitNode:
         svc = self.redis if name == "redis" else self.broker

@@ -673,6 +673,14 @@ class _Service:
         with self._lock:
             self._kill_all()
 
+    def terminate(self, timeout: float = 30.0) -> None:
+        """Stop cleanly (SIGTERM, SIGKILL after `timeout`), keeping data and ports, as an
+        operator's stop would: `restart` brings it back."""
+        with self._lock:
+            self.resume()
+            self._terminate(timeout)
+            self._kill_all()
+
     def pause(self) -> None:
         """SIGSTOP the whole tree: it stops answering with its sockets open (a frozen VM)."""
         with self._lock:
@@ -914,6 +922,7 @@ class RabbitNode(_Service):
         extra_config: str = "",
         consumer_timeout_ms: int | None = None,
         binary: str | None = None,
+        epmd: str | None = None,
         tmp_root: str | os.PathLike[str] | None = None,
     ) -> None:
         wanted = [p for p in (port, dist_port, epmd_port) if p is None]
@@ -929,7 +938,7 @@ class RabbitNode(_Service):
         if found is None:
             raise StackError("rabbitmq-server not found (PATH, /usr/lib/rabbitmq/bin)")
         self.binary: str = found
-        epmd = find_epmd()
+        epmd = epmd or find_epmd()
         if epmd is None:
             raise StackError("epmd not found (PATH, /usr/lib/erlang/erts-*/bin)")
         self.epmd_binary: str = epmd
