@@ -102,9 +102,11 @@ class ResumeWorker:
 
 @dataclass(frozen=True, slots=True)
 class KillService:
-    """SIGKILL "redis" or "broker"."""
+    """SIGKILL "redis" or "broker" (`graceful`: stop it cleanly, SIGTERM or `docker stop`;
+    the simulator, where nothing acknowledged is lost either way, kills it)."""
 
     name: str
+    graceful: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +119,10 @@ class RestartService:
 
 @dataclass(frozen=True, slots=True)
 class PauseService:
-    """SIGSTOP "redis" (behind Sentinel: the primary) with its sockets open: it neither
-    answers nor fails, what clients send waits in its buffers; `ResumeService` after
-    `pause_s`."""
+    """SIGSTOP "redis" (behind Sentinel: the primary) or "broker" (`docker pause` in
+    containers mode) with its sockets open: it neither answers nor fails, what clients
+    send waits in its buffers; `ResumeService` after `pause_s`. The simulator pauses
+    Redis only (`chaos.insim.run.refusal`)."""
 
     name: str
     pause_s: float

@@ -34,6 +34,7 @@ from chaos.scenario import (
     RunnerFault,
     fault_schedule,
 )
+from chaos.scenario.schema import SERVICE_ACTIONS
 from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
 from engine.plan import Plan
 
@@ -296,10 +297,11 @@ class Conductor:
                 slot.restart((yield acts.Now()), fault_id)
             case "pause_worker":
                 yield from self._pause(self.slots[fault.target], fault.pause_s or 0.0, fault_id)
-            case "kill_redis" | "kill_broker":
-                name = "redis" if fault.action == "kill_redis" else "broker"
-                yield acts.KillService(name)
-                yield acts.Record("service_killed", {"service": name})
+            case "kill_redis" | "kill_broker" | "stop_redis" | "stop_broker":
+                name, how = SERVICE_ACTIONS[fault.action]
+                yield acts.KillService(name, graceful=how == "stop")
+                signal = {"signal": "SIGTERM"} if how == "stop" else {}
+                yield acts.Record("service_killed", {"service": name, **signal})
                 if name == "redis" and self.spec.redis.topology == "sentinel":
                     # Sentinel promotes the replica by itself: the fault heals then; the
                     # killed primary, restarted later, rejoins as a replica
@@ -308,8 +310,9 @@ class Conductor:
                         yield from self._after(fault.restart_after_s, self._restart(name, None))
                 elif fault.restart_after_s is not None:
                     yield from self._after(fault.restart_after_s, self._restart(name, fault_id))
-            case "pause_redis":
-                yield from self._pause_redis(fault.pause_s or 0.0, fault_id)
+            case "pause_redis" | "pause_broker":
+                name = SERVICE_ACTIONS[fault.action][0]
+                yield from self._pause_service(name, fault.pause_s or 0.0, fault_id)
             case "kill_sentinel":
                 yield acts.KillSentinel(fault.target)
                 yield acts.Record("sentinel_killed", {"sentinel": fault.target})
@@ -413,15 +416,16 @@ class Conductor:
 
         yield from self._after(pause_s, resume())
 
-    def _pause_redis(self, pause_s: float, fault_id: int) -> Step:
-        """Redis stopped for `pause_s`; the fault heals once it runs again (behind Sentinel
-        the replica may have been promoted meanwhile: `service_resumed` says)."""
-        yield acts.PauseService("redis", pause_s)
-        yield acts.Record("service_paused", {"service": "redis"})
+    def _pause_service(self, name: str, pause_s: float, fault_id: int) -> Step:
+        """A service stopped for `pause_s`; the fault heals once it runs again (Redis
+        behind Sentinel: the replica may have been promoted meanwhile, `service_resumed`
+        says)."""
+        yield acts.PauseService(name, pause_s)
+        yield acts.Record("service_paused", {"service": name})
 
         def resume() -> Step:
-            promoted = yield acts.ResumeService("redis")
-            yield acts.Record("service_resumed", {"service": "redis", "promoted": promoted})
+            promoted = yield acts.ResumeService(name)
+            yield acts.Record("service_resumed", {"service": name, "promoted": promoted})
             yield from self._healed(fault_id)
 
         yield from self._after(pause_s, resume())

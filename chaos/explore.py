@@ -147,7 +147,15 @@ _DRAWN_FIELDS = frozenset(
 )
 #: The actions whose firing may restart what it stopped (`restart_after_s`).
 RESTARTED_ACTIONS = frozenset(
-    {"kill_worker", "restart_worker", "kill_redis", "kill_broker", "kill_sentinel"}
+    {
+        "kill_worker",
+        "restart_worker",
+        "kill_redis",
+        "kill_broker",
+        "stop_redis",
+        "stop_broker",
+        "kill_sentinel",
+    }
 )
 
 

@@ -47,6 +47,7 @@ from chaos.conductor import (
 )
 from chaos.links import REPLICATION, Network
 from chaos.scenario import LoadedScenario
+from chaos.scenario.schema import SERVICE_ACTIONS
 from chaos.services import SentinelRedis, Services
 from chaos.supervision import Slot
 from chaos.workers import WorkerProcess
@@ -60,6 +61,8 @@ from engine.submit import EngineClient
 
 TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
 READY_TIMEOUT_S = 30.0
+#: How long a clean stop of a service (`stop_redis`, `stop_broker`) may take before SIGKILL.
+SERVICE_STOP_TIMEOUT_S = 30.0
 #: How often the end of a Redis failover is looked for (Sentinel tells no one).
 FAILOVER_POLL_S = 0.05
 
@@ -77,8 +80,11 @@ class RunRefused(ValueError):
 def refusal(loaded: LoadedScenario, killable: set[str]) -> str | None:
     """Why the scenario cannot run against these services, in one line (None: it can)."""
     spec = loaded.spec
-    kills = {"kill_redis": "redis", "pause_redis": "redis", "kill_broker": "broker"}
-    needed = {kills[f.action] for f in spec.faults if getattr(f, "action", "") in kills}
+    needed = {
+        SERVICE_ACTIONS[f.action][0]
+        for f in spec.faults
+        if getattr(f, "action", "") in SERVICE_ACTIONS
+    }
     missing = needed - killable
     if missing:
         names = " and ".join(sorted(missing))
@@ -330,7 +336,11 @@ class ScenarioRun:
         if a.name == "redis" and self.sentinel is not None:
             await asyncio.to_thread(self.sentinel.kill)
             return
-        await asyncio.to_thread(self.services.service(a.name).kill)
+        svc = self.services.service(a.name)
+        if a.graceful:
+            await asyncio.to_thread(svc.terminate, SERVICE_STOP_TIMEOUT_S)
+        else:
+            await asyncio.to_thread(svc.kill)
 
     async def on_restart_service(self, a: acts.RestartService) -> int | None:
         if a.name == "redis" and self.sentinel is not None:

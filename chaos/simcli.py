@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from chaos.journal import Ticker, summary_line
 from chaos.scenario import LoadedScenario
 from engine.failpoints import FAILPOINTS
 
-EXIT_OK, EXIT_VIOLATION = 0, 1
+EXIT_OK, EXIT_VIOLATION, EXIT_INPUT = 0, 1, 2
 MAX_HITS = 64  # the most hits of one failpoint --all-failpoints tries
 
 
@@ -33,6 +34,8 @@ def run_in_sim(
     from chaos.insim import outputs, run_scenario
     from chaos.journal import format_violation, write_junit
 
+    if _refused(loaded):
+        return EXIT_INPUT
     out.mkdir(parents=True, exist_ok=True)
     suites = []
     worst = EXIT_OK
@@ -64,7 +67,21 @@ def seeds_progress_line(name: str, done: int, total: int, failing: int, took: fl
     return f"chaos sim {name}: {done}/{total} seeds, {failing} failing, {took:.1f} s"
 
 
+def _refused(loaded: list[LoadedScenario]) -> bool:
+    """Say in one line why the simulator cannot run a scenario (`chaos.insim.run.refusal`)."""
+    from chaos.insim.run import refusal
+
+    for sc in loaded:
+        problem = refusal(sc)
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            return True
+    return False
+
+
 def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: Console) -> int:
+    if _refused([loaded]):
+        return EXIT_INPUT
     data = document(loaded)
     if args.all_failpoints:
         return _all_failpoints(data, args, console)

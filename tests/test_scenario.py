@@ -619,8 +619,8 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         "runner_action",
         _fault(1, action="explode"),
         "faults[1].action: expected one of kill_worker, restart_worker, pause_worker, kill_redis, "
-        "pause_redis, kill_sentinel, kill_broker, cancel, add_toxic, update_toxic, "
-        "remove_toxic, cut_link; got 'explode'",
+        "pause_redis, kill_sentinel, kill_broker, pause_broker, stop_redis, stop_broker, "
+        "cancel, add_toxic, update_toxic, remove_toxic, cut_link; got 'explode'",
     ),
     ("runner_no_action", _drop(1, "action"), "faults[1].action: required field is missing"),
     # network faults: the link, the toxic (Toxiproxy's fields), which workers, for how long
@@ -1403,6 +1403,9 @@ def test_committed_schema_is_current() -> None:
         "pause_redis",
         "kill_sentinel",
         "kill_broker",
+        "pause_broker",
+        "stop_redis",
+        "stop_broker",
         "cancel",
         "add_toxic",
         "update_toxic",

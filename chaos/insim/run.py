@@ -93,6 +93,23 @@ class SimOutcome:
         return self.sim_time_s
 
 
+#: Faults the simulator has no model of (a frozen RabbitMQ node: connections held, nothing
+#: delivered or confirmed): such a scenario runs live or in containers only.
+NOT_SIMULATED = frozenset({"pause_broker"})
+
+
+def refusal(loaded: LoadedScenario) -> str | None:
+    """Why the simulator cannot run this scenario, in one line (None: it can)."""
+    for i, fault in enumerate(loaded.spec.faults):
+        action = getattr(fault, "action", "")
+        if action in NOT_SIMULATED:
+            return (
+                f"{loaded.path}: faults[{i}].action: {action} is not simulated (a frozen "
+                "node); run it with --mode live or --mode containers"
+            )
+    return None
+
+
 class SimRun:
     def __init__(
         self,
@@ -103,6 +120,9 @@ class SimRun:
     ) -> None:
         if mutant is not None and mutant not in mutants.known():
             raise ValueError(f"unknown mutant {mutant!r}; expected one of {mutants.known()}")
+        problem = refusal(loaded)
+        if problem is not None:
+            raise ValueError(problem)
         self.loaded = loaded
         self.spec = spec = loaded.spec
         self.seed = spec.seed if seed is None else seed
@@ -264,6 +284,8 @@ class SimRun:
         pass  # its freeze has ended
 
     def on_kill_service(self, a: acts.KillService) -> None:
+        # a clean stop (`a.graceful`) is a kill here: the engine sees its connections go
+        # either way, and neither an fsync-always Redis nor durable queues lose anything
         if a.name == "redis" and self.sentinel is not None:
             self.sentinel.kill_primary()
             return

@@ -51,6 +51,9 @@ RUNNER_ACTIONS: tuple[str, ...] = (
     "pause_redis",  # stop Redis (behind Sentinel: the primary) for pause_s: a frozen VM
     "kill_sentinel",  # SIGKILL one of the three sentinels (target: 0, 1 or 2)
     "kill_broker",  # SIGKILL the scenario's throwaway RabbitMQ node
+    "pause_broker",  # stop the RabbitMQ node for pause_s (SIGSTOP; `docker pause`)
+    "stop_redis",  # stop Redis cleanly (SIGTERM; `docker stop` in containers mode)
+    "stop_broker",  # stop the RabbitMQ node cleanly (SIGTERM; `docker stop`)
     "cancel",  # cancel one submitted evaluation
     "add_toxic",  # a Toxiproxy toxic on the workers' link to a service (for_s: removed after)
     "update_toxic",  # change the attributes or toxicity of a toxic added before
@@ -59,7 +62,17 @@ RUNNER_ACTIONS: tuple[str, ...] = (
 )
 WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pause_worker"})
 #: Runner actions that stop something for `pause_s`.
-PAUSE_ACTIONS: frozenset[str] = frozenset({"pause_worker", "pause_redis"})
+PAUSE_ACTIONS: frozenset[str] = frozenset({"pause_worker", "pause_redis", "pause_broker"})
+#: Runner actions on a service: which, and how (kill: SIGKILL, stop: a clean stop, both
+#: brought back restart_after_s later; pause: stopped for pause_s, its sockets open).
+SERVICE_ACTIONS: dict[str, tuple[str, str]] = {
+    "kill_redis": ("redis", "kill"),
+    "pause_redis": ("redis", "pause"),
+    "stop_redis": ("redis", "stop"),
+    "kill_broker": ("broker", "kill"),
+    "pause_broker": ("broker", "pause"),
+    "stop_broker": ("broker", "stop"),
+}
 #: Runner actions whose `target` is an index: a worker, an evaluation (cancel), a sentinel.
 TARGETED_ACTIONS: frozenset[str] = WORKER_ACTIONS | {"cancel", "kill_sentinel"}
 #: The sentinels of `redis.topology: sentinel` (quorum 2).
@@ -529,8 +542,9 @@ class RunnerFault(_Model):
         BeforeValidator(_check_pause),
     ] = Field(
         default=None,
-        description="pause_worker, pause_redis: how long it stays stopped; [lo, hi]: drawn "
-        "from the seed at each firing, so many short pauses make a lagging event loop",
+        description="pause_worker, pause_redis, pause_broker: how long it stays stopped; "
+        "[lo, hi]: drawn from the seed at each firing, so many short pauses make a lagging "
+        "event loop",
     )
     link: Literal[LINKS] | None = Field(  # type: ignore[valid-type]
         default=None,
@@ -604,9 +618,13 @@ class RunnerFault(_Model):
         if self.action in PAUSE_ACTIONS and self.pause_s is None:
             _fail("pause_s", f"required field is missing (action is {self.action})")
         if self.action not in PAUSE_ACTIONS and self.pause_s is not None:
-            _fail("pause_s", f"only with pause_worker and pause_redis; action is {self.action}")
-        if self.action == "pause_redis" and "restart_after_s" in self.model_fields_set:
-            _fail("restart_after_s", "not with pause_redis (pause_s says when it resumes)")
+            _fail(
+                "pause_s",
+                f"only with pause_worker, pause_redis and pause_broker; action is {self.action}",
+            )
+        service_pause = self.action in ("pause_redis", "pause_broker")
+        if service_pause and "restart_after_s" in self.model_fields_set:
+            _fail("restart_after_s", f"not with {self.action} (pause_s says when it resumes)")
         return self
 
     @property
@@ -832,6 +850,11 @@ class Scenario(_Model):
                     )
                 if fault.workers != "all":
                     _fail(f"{where}.workers", "not with the replication link (there is one)")
+            if fault.action == "stop_redis" and self.redis.topology == "sentinel":
+                _fail(
+                    f"{where}.action",
+                    "stop_redis only with redis.topology single (behind Sentinel: kill_redis)",
+                )
             if fault.action == "kill_sentinel":
                 if self.redis.topology != "sentinel":
                     _fail(f"{where}.action", "kill_sentinel only with redis.topology sentinel")
