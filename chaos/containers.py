@@ -71,8 +71,12 @@ def engine_problem() -> str | None:
     """None when a Docker engine answers, else why containers mode cannot run (one line)."""
     try:
         import docker
+        import testcontainers  # noqa: F401
     except ImportError:
-        return "containers mode needs the Python packages docker and testcontainers"
+        return (
+            "containers mode needs the Python packages docker and testcontainers "
+            "(pip install -e '.[containers]')"
+        )
     try:
         client = docker.from_env(timeout=5)
         try:
@@ -108,6 +112,21 @@ def image_for(service: str) -> str:
         return OFFICIAL_IMAGES[service]
     finally:
         client.close()
+
+
+def _host_network_container(image: str, labels: dict[str, str], **kwargs: Any) -> Any:
+    """testcontainers' container on the host's network, labelled: no port is mapped, so
+    its port look-ups answer the port itself, on 127.0.0.1."""
+    from testcontainers.core.container import DockerContainer
+
+    class HostNetworkContainer(DockerContainer):
+        def get_container_host_ip(self) -> str:
+            return "127.0.0.1"
+
+        def get_exposed_port(self, port: int) -> int:
+            return port
+
+    return HostNetworkContainer(image, **kwargs).with_kwargs(network="host", labels=labels)
 
 
 class _InContainer:
@@ -163,24 +182,20 @@ class _InContainer:
         return bool(self._state().get("Paused"))
 
     def _launch(self) -> None:
-        from testcontainers.core.container import DockerContainer
-
         assert self._dir is not None
         self._prepare()
         if self._container is not None:
             self._docker.start()  # the same container: its data, ports and name
             return
         os.chmod(self._dir, 0o777)  # the official images drop root for their own user
-        self._container = (
-            DockerContainer(
-                self.image,
-                command=self.container_command(),  # type: ignore[arg-type]
-                env=self.container_env(),
-                name=f"chaos-{self.kind}-{self.marker[:12]}",
-            )
-            .with_volume_mapping(str(self._dir), str(self._dir), "rw")
-            .with_kwargs(network="host", labels={OWNER_LABEL: owner_token()})
+        container = _host_network_container(
+            self.image,
+            command=self.container_command(),
+            env=self.container_env(),
+            name=f"chaos-{self.kind}-{self.marker[:12]}",
+            labels={OWNER_LABEL: owner_token()},
         )
+        self._container = container.with_volume_mapping(str(self._dir), str(self._dir), "rw")
         try:
             self._container.start()
         except Exception as exc:

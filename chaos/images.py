@@ -10,6 +10,7 @@ a tar and handed to `docker import`. The same versions as the private processes 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -155,6 +156,10 @@ def build(service: str, client: object | None = None) -> str:
     client = client or docker.from_env()
     tag = LOCAL_IMAGES[service]
     repository, _, version = tag.partition(":")
+    try:
+        old = client.images.get(tag).id  # type: ignore[attr-defined]
+    except docker.errors.ImageNotFound:
+        old = None
     with tempfile.TemporaryDirectory(prefix="chaos-image-") as tmp:
         archive = Path(tmp) / "rootfs.tar"
         with tarfile.open(archive, "w") as tar:
@@ -163,6 +168,9 @@ def build(service: str, client: object | None = None) -> str:
         client.api.import_image_from_file(  # type: ignore[attr-defined]
             str(archive), repository=repository, tag=version, changes=changes
         )
+    if old is not None and old != client.images.get(tag).id:  # type: ignore[attr-defined]
+        with contextlib.suppress(docker.errors.APIError):  # a container still runs it
+            client.images.remove(old)  # type: ignore[attr-defined]
     return tag
 
 

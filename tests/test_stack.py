@@ -122,6 +122,23 @@ def test_redis_with_aof_keeps_data_across_sigkill() -> None:
 
 
 @needs_redis
+def test_redis_paused_answers_nothing_and_a_clean_stop_keeps_its_data() -> None:
+    """`pause` / `resume` (SIGSTOP, SIGCONT: pause_redis) and `terminate` (SIGTERM:
+    stop_redis), as `chaos.containers` offers them with docker pause and docker stop."""
+    with RedisServer(persistence=True) as server:
+        redis.Redis.from_url(server.url).set("k", "v")
+        server.pause()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            redis.Redis.from_url(server.url, socket_timeout=0.5).ping()
+        server.resume()
+        assert redis.Redis.from_url(server.url).get("k") == b"v"
+        server.terminate(10)
+        assert not server.alive and marked_pids(server.marker) == []
+        server.restart()
+        assert redis.Redis.from_url(server.url).get("k") == b"v"
+
+
+@needs_redis
 def test_redis_without_persistence_forgets_on_sigkill() -> None:
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
