@@ -26,6 +26,7 @@ import pytest
 from chaos.containers import OWNER_LABEL, RabbitContainer, RedisContainer, engine_problem
 from chaos.images import IMAGE_LABEL, LOCAL_IMAGES
 from chaos.mutants import MUTANTS
+from tests.test_chaos_runs import chaos
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = engine_problem()
@@ -45,22 +46,6 @@ SCENARIOS = [
     "scenarios/containers/broker_pause.yaml",
     "scenarios/containers/redis_pause.yaml",
 ]
-
-
-def chaos(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 600
-) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "AMQP_URL")}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "chaos", *args],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def containers_of(pid: int) -> list[str]:
@@ -224,7 +209,9 @@ def _journal(out: Path, name: str) -> dict:
 @needs_engine
 def test_the_scenarios_pass_in_containers(images: None, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    run = chaos("run", *SCENARIOS, "--mode", "containers", "--quiet", "--out", str(out))
+    run = chaos(
+        "run", *SCENARIOS, "--mode", "containers", "--quiet", "--out", str(out), timeout=900
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     for path in SCENARIOS:
         journal = _journal(out, Path(path).stem)
@@ -239,7 +226,7 @@ def test_a_mutant_fails_in_containers(images: None, tmp_path: Path) -> None:
     out = tmp_path / "out"
     run = chaos(
         "run", "scenarios/crash_after_ack.yaml", "--mode", "containers", "--quiet",
-        "--mutant", mutant, "--out", str(out),
+        "--mutant", mutant, "--out", str(out), timeout=600,
     )  # fmt: skip
     assert run.returncode == 1, run.stdout + run.stderr
     journal = _journal(out, "crash_after_ack")
