@@ -3,7 +3,7 @@
 Most of these need a Docker engine and skip without one, saying so; `.ci/run` starts one
 when none answers and sets CHAOS_REQUIRE_DOCKER=1, so in CI they run (or fail). Without
 an engine, `--mode containers` must say so in one line and exit 3, and the simulator must
-refuse a service pause: those two always run. The images are built once per module
+refuse a broker pause: those two always run. The images are built once per module
 (`python -m chaos images build`: seconds, from the host's own Redis and RabbitMQ), the
 scenarios run through the command line as a user would, and the tests check that no
 container of their own is left.
@@ -74,13 +74,15 @@ def test_without_an_engine_containers_mode_exits_3_in_one_line(tmp_path: Path) -
     assert build.returncode == 3 and build.stderr.count("\n") == 1, build.stderr
 
 
-def test_the_simulator_refuses_a_service_pause_in_one_line(tmp_path: Path) -> None:
-    run = chaos("run", "scenarios/containers/redis_pause.yaml", "--mode", "sim")
+def test_the_simulator_refuses_a_broker_pause_in_one_line(tmp_path: Path) -> None:
+    run = chaos("run", "scenarios/containers/broker_pause.yaml", "--mode", "sim")
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr == (
-        "scenarios/containers/redis_pause.yaml: faults[0].action: pause_redis is not "
-        "simulated (a frozen service); run it with --mode live or --mode containers\n"
+        "scenarios/containers/broker_pause.yaml: faults[0].action: pause_broker is not "
+        "simulated (a frozen node); run it with --mode live or --mode containers\n"
     )
+    stopped = chaos("run", "scenarios/containers/broker_stop.yaml", "--mode", "sim")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr  # a stop: a kill there
 
 
 # --- with an engine -------------------------------------------------------------------------
