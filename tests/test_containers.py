@@ -23,9 +23,17 @@ from pathlib import Path
 
 import pytest
 
-from chaos.containers import OWNER_LABEL, RabbitContainer, RedisContainer, engine_problem
+from chaos.containers import (
+    OFFICIAL_IMAGES,
+    OWNER_LABEL,
+    RabbitContainer,
+    RedisContainer,
+    engine_problem,
+    image_for,
+)
 from chaos.images import IMAGE_LABEL, LOCAL_IMAGES
 from chaos.mutants import MUTANTS
+from chaos.stack import StackError
 from tests.test_chaos_runs import chaos
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +122,22 @@ def test_the_images_are_built_from_the_hosts_services(images: None) -> None:
         assert version.decode().split()[:3] == host.stdout.split()[:3]  # the host's build
     finally:
         client.close()
+
+
+@needs_engine
+def test_without_an_image_the_line_says_how_to_build_one(
+    images: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither the official image (here: a name no registry holds) nor the local build."""
+    monkeypatch.delenv("CHAOS_REDIS_IMAGE", raising=False)
+    monkeypatch.setitem(OFFICIAL_IMAGES, "redis", "chaos-absent-official:none")
+    monkeypatch.setitem(LOCAL_IMAGES, "redis", "chaos-absent-local:none")
+    with pytest.raises(StackError) as info:
+        image_for("redis")
+    assert "python -m chaos images build" in str(info.value)
+    assert "\n" not in str(info.value)
+    monkeypatch.undo()
+    assert image_for("redis") in (OFFICIAL_IMAGES["redis"], LOCAL_IMAGES["redis"])
 
 
 @needs_engine
