@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,11 +67,66 @@ def seeds_rate(seeds: int, jobs: int) -> float:
     return seeds / (time.perf_counter() - t0)
 
 
+#: One round of `--against`: `seeds_rate` in a fresh interpreter, on the checkout its
+#: working directory and PYTHONPATH name (only names every version of chaos.explore has).
+_ROUND = """
+import sys, time
+from pathlib import Path
+from chaos.explore import document, explore, load_document, swarm
+from chaos.scenario import load_scenario
+
+if __name__ == "__main__":
+    seeds, jobs = int(sys.argv[1]), int(sys.argv[2])
+    data = document(load_scenario(Path("scenarios") / "crash_after_ack.yaml"))
+    data["plans"][0]["evaluations"] = 1
+    load_document(swarm(data, 0))
+    t0 = time.perf_counter()
+    explore(data, range(seeds), jobs=jobs)
+    print(seeds / (time.perf_counter() - t0))
+"""
+
+
+def _round(root: Path, seeds: int, jobs: int) -> float:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", _ROUND, str(seeds), str(jobs)],
+        cwd=root,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.split()[-1])
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Rounds alternating this checkout and `--against`, each a fresh process (its pool's
+    start-up counted, as in `seeds_rate`); the medians and their ratio."""
+    here: list[float] = []
+    there: list[float] = []
+    other = args.against.resolve()
+    for i in range(args.rounds):
+        order = ((ROOT, here), (other, there)) if i % 2 == 0 else ((other, there), (ROOT, here))
+        for root, rates in order:
+            rates.append(_round(root, args.seeds, args.jobs))
+        print(f"round {i + 1}: this checkout {here[-1]:6.0f} seeds/s, against {there[-1]:6.0f}")
+    mine, theirs = statistics.median(here), statistics.median(there)
+    cores = args.jobs or os.cpu_count() or 1
+    print(f"median seeds/s on {cores} processes: this {mine:.0f}, {other}: {theirs:.0f}")
+    print(f"ratio this/against: {mine / theirs:.3f} ({(mine / theirs - 1) * 100:+.1f} %)")
+    print(f"10,000 seeds would take {10_000 / mine:.1f} s here, {10_000 / theirs:.1f} s there")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=2000)
     p.add_argument("--jobs", type=int, default=0, help="processes (default: every core)")
+    p.add_argument("--against", type=Path, help="another checkout to compare with (A/B)")
+    p.add_argument("--rounds", type=int, default=5, help="A/B rounds, with --against")
     args = p.parse_args()
+    if args.against is not None:
+        return _compare(args)
     raw = simpy_rate()
     evals, events = evaluations_rate()
     rate = seeds_rate(args.seeds, args.jobs)

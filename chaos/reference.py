@@ -168,8 +168,11 @@ def reference_for(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) 
     if cached is not None:
         return cached
     spec = loaded.spec
-    policy = spec.retry.policy(seed)
-    profile = AgentProfile.from_dict({"seed": seed, **spec.agent})
+    if seed == spec.seed:  # the loaded scenario's own, built for the same seed
+        policy, profile = loaded.retry_policy, loaded.agent
+    else:
+        policy = spec.retry.policy(seed)
+        profile = AgentProfile.from_dict({"seed": seed, **spec.agent})
     agent = FakeAgent(profile, salt=0, immediate_retries=policy.immediate_retries)
     parallel = spec.engine.max_parallel
     ref = Reference(

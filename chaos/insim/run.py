@@ -122,7 +122,9 @@ class SimRun:
         self.conductor = Conductor(loaded, self.seed, mutant, self.plans)
         self.pauses = any(f.action == "pause_worker" for f in self.conductor.schedule)
         self.config = self._config()
-        self.profile = AgentProfile.from_dict(self.agent_dict())
+        # the loaded scenario's own profile when it is the same (built for the same seed)
+        same_seed = self.seed == spec.seed
+        self.profile = loaded.agent if same_seed else AgentProfile.from_dict(self.agent_dict())
         self.immediate_retries = self.config.policy.immediate_retries  # for fail_rules
         self.redis = SimRedis(
             self.env,
@@ -182,8 +184,9 @@ class SimRun:
         )
 
     def _config(self) -> EngineConfig:
+        same_seed = self.seed == self.spec.seed
         return self.spec.engine_config(
-            policy=self.spec.retry.policy(self.seed),
+            policy=self.loaded.retry_policy if same_seed else self.spec.retry.policy(self.seed),
             sweeper=self.spec.engine.sweeper,
         )
 
