@@ -110,9 +110,10 @@ def load_variant(data: dict[str, Any]) -> LoadedScenario:
     if known.spec.seed == seed:
         return known
     spec = known.spec.model_copy(update={"seed": seed})
-    return dataclasses.replace(
-        known, spec=spec, agent=spec.agent_profile(), retry_policy=spec.retry_policy()
-    )
+    # `spec.agent_profile()`, without validating the same profile again: the seed is the
+    # scenario's unless `agent` sets its own
+    agent = known.agent if "seed" in spec.agent else dataclasses.replace(known.agent, seed=seed)
+    return dataclasses.replace(known, spec=spec, agent=agent, retry_policy=spec.retry_policy())
 
 
 def _variant_key(data: dict[str, Any]) -> tuple[Any, ...] | None:
