@@ -37,7 +37,6 @@ import yaml
 
 from chaos.checker.budgets import measure as measure_cost
 from chaos.scenario import LoadedScenario, ScenarioError, fault_schedule, scenario_from_dict
-from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
 from engine.policy import MAX_SEED
 
 
@@ -305,6 +304,9 @@ def _marked_spawns() -> Iterator[None]:
     interrupt, the next `chaos run` or `chaos clean` finds them even if this process was
     SIGKILLed; SIGINT is blocked meanwhile, so a terminal's Ctrl-C (it reaches the whole
     process group) finds them ignoring it (`_pool_worker`): the parent alone handles it."""
+    # imported here: the pool's processes, which import this module, never need it
+    from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
+
     saved = {k: os.environ.get(k) for k in (MARKER_ENV, OWNER_ENV)}
     os.environ[MARKER_ENV] = f"pool-{uuid.uuid4().hex}"
     os.environ[OWNER_ENV] = owner_token()
