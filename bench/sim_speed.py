@@ -1,11 +1,37 @@
 """Speed of the simulator, as ratios against simpy's raw event rate measured in this run.
 
     python bench/sim_speed.py [--seeds 2000] [--jobs 0]
+    python bench/sim_speed.py --against /tmp/before [--rounds 5] [--seeds 2000] [--jobs 0]
 
 Prints: simpy's raw rate (a process yielding timeouts, nothing else), simulated evaluations
 per second of the example plan under faults (one process), the seeds per second of
 `chaos sim` on a one-evaluation, 13-rule scenario with a crash (every core), and the time
-10,000 such seeds would take (target: at most 20 s on 2 cores).
+10,000 such seeds would take (target: at most 20 s on 2 cores): once as `--seeds` ran it,
+which counts the pool's start-up (spawned processes importing the harness) once per
+`--seeds`, five times for 10,000 at the default; once with the start-up counted once.
+
+With `--against`, another checkout (an export of the commit before a change) runs the
+same seeds too, each round a fresh interpreter on each checkout in turn (the order
+alternating), and the median rates are compared: the cost of a change measured on the
+same machine in the same minutes. On this shared machine rates drift by half within
+minutes, so read the ratio of medians, never one round.
+
+2026-12-02, commit 54c8d50 against this one (`--against`, 2,000 seeds, 2 processes), on a
+busy 2-core machine (three other engineers' test runs, load average 2 to 7): 7 rounds,
+median 278 against 234 seeds/s, ratio 1.19 (rounds 1.04 to 1.37); an earlier run of 5
+rounds under heavier load gave 1.65. Deterministic, under callgrind (one process, 100
+seeds after 20): 23.1 M instructions a seed against 26.6 M (1.15x), 22.3 M with the pool
+processes' garbage-collector settings (1.19x). What went: validating each seed's variant
+and reading its plan again (6 % of a seed; a scenario has few variants), the agent
+calls the fault-free reference drew a second time, the checker's event lists rebuilt at
+each question, and young-generation collections traversing each seed's live simulation
+many times over. Not reached: at 03:50 the same day, quiet, 54c8d50 printed 29.6 s
+(338 seeds/s); 1.19x of that is about 25 s. Where a seed's time goes now (py-spy, one
+process): about half the simulated run (simpy, the engine's shell generators, `sim/`),
+a quarter the checker (no invariant above 4 % of a seed), a twentieth the reference (the
+engine's core alone), the rest the run's set-up and the history's hash. The pool's
+start-up is about 0.7 s, a third of it importing redis-py (measured under load;
+`engine.config` and `engine.runtime.store` import it, the simulator needs neither client).
 """
 
 from __future__ import annotations
