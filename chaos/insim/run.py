@@ -43,8 +43,8 @@ from engine.agent import AgentProfile, Draw, FakeAgent
 from engine.config import EngineConfig
 from engine.core.routing import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
+from engine.keys import eval_key
 from engine.plan import Plan
-from engine.runtime.store import eval_key
 from engine.shell.effects import Stepper
 from sim.broker import BrokerClient, Delivery, SimBroker
 from sim.history import Source, history_hash
