@@ -16,22 +16,24 @@ alternating), and the median rates are compared: the cost of a change measured o
 same machine in the same minutes. On this shared machine rates drift by half within
 minutes, so read the ratio of medians, never one round.
 
-2026-12-02, commit 54c8d50 against this one (`--against`, 2,000 seeds, 2 processes), on a
-busy 2-core machine (three other engineers' test runs, load average 2 to 7): 7 rounds,
-median 278 against 234 seeds/s, ratio 1.19 (rounds 1.04 to 1.37); an earlier run of 5
-rounds under heavier load gave 1.65. Deterministic, under callgrind (one process, 100
-seeds after 20): 23.1 M instructions a seed against 26.6 M (1.15x), 22.3 M with the pool
-processes' garbage-collector settings (1.19x). What went: validating each seed's variant
-and reading its plan again (6 % of a seed; a scenario has few variants), the agent
-calls the fault-free reference drew a second time, the checker's event lists rebuilt at
-each question, and young-generation collections traversing each seed's live simulation
-many times over. Not reached: at 03:50 the same day, quiet, 54c8d50 printed 29.6 s
-(338 seeds/s); 1.19x of that is about 25 s. Where a seed's time goes now (py-spy, one
-process): about half the simulated run (simpy, the engine's shell generators, `sim/`),
-a quarter the checker (no invariant above 4 % of a seed), a twentieth the reference (the
-engine's core alone), the rest the run's set-up and the history's hash. The pool's
-start-up is about 0.7 s, a third of it importing redis-py (measured under load;
-`engine.config` and `engine.runtime.store` import it, the simulator needs neither client).
+2026-12-02, commit 54c8d50 against this one (`--against`, 2 processes), on a busy 2-core
+machine (other engineers' test runs, load average 1 to 7): 2,000 seeds, 7 rounds, median
+278 against 234 seeds/s (ratio 1.19, rounds 1.04 to 1.37), and again 227 against 197 (1.15,
+rounds 0.97 to 1.40); 10,000 seeds measured whole, 3 rounds: 25.1 s against 28.6 s (1.14).
+Deterministic, under callgrind (one process, 100 seeds after 20): 23.1 M instructions a
+seed against 26.6 M (1.15x), 22.3 M with the pool processes' garbage-collector settings
+(1.19x). What went: validating each seed's variant and reading its plan again (6 % of a
+seed; a scenario has few variants), the agent calls the fault-free reference drew a second
+time, the checker's event lists rebuilt at each question, young-generation collections
+traversing each seed's live simulation many times over, and redis-py in the pool's start-up
+(0.8 to 0.7 s; the simulator uses no client). Not reached: at 03:50 the same day, quiet,
+54c8d50 printed 29.6 s (338 seeds/s), and 10,000 seeds measured whole took 25.1 s here on
+the busy machine. Where a seed's time goes now (py-spy, one process): about half the
+simulated run (simpy, the engine's shell generators, `sim/`), a quarter the checker (no
+invariant above 4 % of a seed), a twentieth the reference (the engine's core alone), the
+rest the run's set-up and the history's hash. Left to gain there: the engine's shell and
+core (frozen dataclasses built per effect and action, a sixteenth of the run) and the
+checker's invariants, each a few per cent.
 """
 
 from __future__ import annotations
