@@ -126,6 +126,10 @@ def _variant_key(data: dict[str, Any]) -> tuple[Any, ...] | None:
         return None
     if not isinstance(plans, list) or not plans:
         return None
+    try:
+        cwd = os.getcwd()  # where a relative plan path is looked for
+    except OSError:  # removed under us
+        return None
     files = []
     for ref in plans:
         path = ref.get("path") if isinstance(ref, dict) else None
@@ -138,7 +142,7 @@ def _variant_key(data: dict[str, Any]) -> tuple[Any, ...] | None:
         files.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
     # repr, not JSON: it tells 1 from 1.0 and True, a tuple from a list, NaN from None
     doc = repr({k: v for k, v in data.items() if k != "seed"})
-    return (doc, os.getcwd(), tuple(files))
+    return (doc, cwd, tuple(files))
 
 
 def swarm(data: dict[str, Any], seed: int) -> dict[str, Any]:
