@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import dataclasses
+import gc
 import multiprocessing
 import os
 import random
@@ -37,7 +39,7 @@ import yaml
 from chaos.checker.budgets import measure as measure_cost
 from chaos.scenario import LoadedScenario, ScenarioError, fault_schedule, scenario_from_dict
 from chaos.scenario.schema import TARGETED_ACTIONS
-from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
+from engine.policy import MAX_SEED
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,66 @@ def document(loaded: LoadedScenario, plan_dir: Path | None = None) -> dict[str, 
 
 def load_document(data: dict[str, Any], source: str = "<variant>") -> LoadedScenario:
     return scenario_from_dict(copy.deepcopy(data), source=source)
+
+
+#: Variants already validated in this process, by `_variant_key`: a scenario has few
+#: (crash_after_ack: seven), and validating one costs as much as a tenth of its run.
+_variants: dict[tuple[Any, ...], LoadedScenario] = {}
+_VARIANTS_KEPT = 256
+
+
+def load_variant(data: dict[str, Any]) -> LoadedScenario:
+    """`load_document` of a seed's variant, validated and its plans read once per process
+    for every seed that draws the same variant: each other seed gets a copy with its own
+    seed (the spec's, the agent profile's and the retry policy's, which are all that the
+    seed changes of a loaded scenario; no check of the document reads it)."""
+    key = _variant_key(data)
+    if key is None:
+        return load_document(data)
+    seed = data["seed"]
+    known = _variants.get(key)
+    if known is None:
+        known = load_document(data)
+        if len(_variants) >= _VARIANTS_KEPT:
+            _variants.pop(next(iter(_variants)))
+        _variants[key] = known
+        return known
+    if known.spec.seed == seed:
+        return known
+    spec = known.spec.model_copy(update={"seed": seed})
+    # `spec.agent_profile()`, without validating the same profile again: the seed is the
+    # scenario's unless `agent` sets its own
+    agent = known.agent if "seed" in spec.agent else dataclasses.replace(known.agent, seed=seed)
+    return dataclasses.replace(known, spec=spec, agent=agent, retry_policy=spec.retry_policy())
+
+
+def _variant_key(data: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The document without its seed, and what its plan files are now (an edited file is
+    another variant); None where only `load_document` can tell (an odd seed or plan
+    entry: it says what is wrong)."""
+    seed = data.get("seed")
+    plans = data.get("plans")
+    if type(seed) is not int or not 0 <= seed <= MAX_SEED or "plan" in data:
+        return None
+    if not isinstance(plans, list) or not plans:
+        return None
+    try:
+        cwd = os.getcwd()  # where a relative plan path is looked for
+    except OSError:  # removed under us
+        return None
+    files = []
+    for ref in plans:
+        path = ref.get("path") if isinstance(ref, dict) else None
+        if not isinstance(path, str):
+            return None
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return None
+        files.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+    # repr, not JSON: it tells 1 from 1.0 and True, a tuple from a list, NaN from None
+    doc = repr({k: v for k, v in data.items() if k != "seed"})
+    return (doc, cwd, tuple(files))
 
 
 def swarm(data: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -204,7 +266,7 @@ def simulate(data: dict[str, Any], mutant: str | None = None, measure: bool = Fa
 
     seed = int(data.get("seed", 0))
     try:
-        loaded = load_document(data)
+        loaded = load_variant(data)
     except ScenarioError as exc:
         # The harness drew a variant it cannot load: a bug of the explorer, never a pass.
         return SeedResult(seed, False, ("invalid_variant",), message=f"invalid variant: {exc}")
@@ -281,6 +343,9 @@ def _marked_spawns() -> Iterator[None]:
     interrupt, the next `chaos run` or `chaos clean` finds them even if this process was
     SIGKILLed; SIGINT is blocked meanwhile, so a terminal's Ctrl-C (it reaches the whole
     process group) finds them ignoring it (`_pool_worker`): the parent alone handles it."""
+    # imported here: the pool's processes, which import this module, never need it
+    from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
+
     saved = {k: os.environ.get(k) for k in (MARKER_ENV, OWNER_ENV)}
     os.environ[MARKER_ENV] = f"pool-{uuid.uuid4().hex}"
     os.environ[OWNER_ENV] = owner_token()
@@ -306,6 +371,17 @@ def _pool_worker(parent: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the line above
         os._exit(1)
+    # Each seed's simulation is a graph of generators and events that dies whole at its
+    # end; with the default threshold (a young collection every 700 allocations) its live
+    # objects are traversed many times over before that, and the imports' at each full
+    # collection: 4 % of a seed's instructions (callgrind). Imported, collected and frozen
+    # once, then collected every 10,000 allocations. Only the pool's own processes: a
+    # caller's process (`jobs=1`) keeps its settings.
+    import chaos.insim.run  # noqa: F401  (what every seed runs: frozen with the rest)
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 _PR_SET_PDEATHSIG = 1

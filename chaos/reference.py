@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.agent import AgentProfile, FakeAgent, agent_error
+from engine.agent import AgentProfile, Draw, FakeAgent, agent_error
 from engine.core import actions as act
 from engine.core.evaluation import Evaluation
 from engine.core.results import RuleResult
@@ -148,16 +148,34 @@ def fault_free(loaded: LoadedScenario) -> LoadedScenario:
     return dataclasses.replace(loaded, spec=spec)
 
 
+@dataclass(frozen=True)
+class Draws:
+    """The calls a run has drawn (first executions, by (attemptId, ruleId, attempt, try)),
+    for its reference to read instead of drawing them again: `FakeAgent.draw` is pure, so
+    an agent of the same profile (the same object) and the same level-1 retry count draws
+    the same. Never filled by a mutant's agent (`chaos.insim.run.SimRun`)."""
+
+    profile: AgentProfile
+    immediate_retries: int
+    table: dict[tuple[str, str, int, int], Draw] = field(default_factory=dict)
+
+
 _cache: dict[tuple[Any, ...], Reference] = {}
 
 
-def reference_for(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) -> Reference:
+def reference_for(
+    loaded: LoadedScenario,
+    seed: int,
+    plans: Mapping[str, Plan],
+    draws: Draws | None = None,
+) -> Reference:
     """The fault-free reference of a run of `loaded` under `seed` on `plans` (attemptId ->
     plan, as the run submitted them).
 
     The same agent profile (its seed the run's unless the scenario sets one), retry policy
     and engine settings; cached per (scenario without faults, seed, plans), since shrinking
-    and exploring rerun one seed many times."""
+    and exploring rerun one seed many times. `draws`: what the run's agents drew, read
+    where they are the reference's own (same profile and retries)."""
     if dict(plans) != loaded.evaluations(seed):
         raise ValueError(
             f"the plans are not the evaluations of {loaded.spec.name} under seed {seed}: a "
@@ -168,12 +186,21 @@ def reference_for(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) 
     if cached is not None:
         return cached
     spec = loaded.spec
-    policy = spec.retry.policy(seed)
-    profile = AgentProfile.from_dict({"seed": seed, **spec.agent})
+    if seed == spec.seed:  # the loaded scenario's own, built for the same seed
+        policy, profile = loaded.retry_policy, loaded.agent
+    else:
+        policy = spec.retry.policy(seed)
+        profile = AgentProfile.from_dict({"seed": seed, **spec.agent})
     agent = FakeAgent(profile, salt=0, immediate_retries=policy.immediate_retries)
     parallel = spec.engine.max_parallel
+    known = None
+    if draws is not None and draws.profile is profile:
+        known = draws.table if draws.immediate_retries == policy.immediate_retries else None
     ref = Reference(
-        {a: fault_free_outcome(plan, a, policy, agent, parallel) for a, plan in plans.items()},
+        {
+            a: fault_free_outcome(plan, a, policy, agent, parallel, known)
+            for a, plan in plans.items()
+        },
         profile.drift,
     )
     if len(_cache) >= _CACHE_SIZE:
@@ -183,9 +210,15 @@ def reference_for(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) 
 
 
 def fault_free_outcome(
-    plan: Plan, attempt_id: str, policy: RetryPolicy, agent: FakeAgent, max_parallel: int = 4
+    plan: Plan,
+    attempt_id: str,
+    policy: RetryPolicy,
+    agent: FakeAgent,
+    max_parallel: int = 4,
+    known: Mapping[tuple[str, str, int, int], Draw] | None = None,
 ) -> Outcome:
-    """One evaluation run by its core alone: each action carried out at once, in order."""
+    """One evaluation run by its core alone: each action carried out at once, in order
+    (`known`: draws of `agent`'s own, already made; see `Draws`)."""
     core = Evaluation(plan, attempt_id, policy, max_parallel=max_parallel)
     results: dict[str, RuleResult] = {}
     failed: set[str] = set()
@@ -196,7 +229,11 @@ def fault_free_outcome(
     while todo:
         action = todo.popleft()
         if isinstance(action, act.RunRule):
-            d = agent.draw(attempt_id, action.rule_id, action.attempt, action.try_no)
+            d = None
+            if known is not None:
+                d = known.get((attempt_id, action.rule_id, action.attempt, action.try_no))
+            if d is None:
+                d = agent.draw(attempt_id, action.rule_id, action.attempt, action.try_no)
             tokens += d.tokens
             if d.error is None:
                 assert d.result is not None

@@ -20,7 +20,7 @@ import simpy
 from engine.agent import agent_error
 from engine.core import ProtocolError
 from engine.failpoints import InjectedFault
-from engine.runtime.store import LeaseLost
+from engine.runtime.replies import LeaseLost
 from engine.shell import effects as fx
 from sim.redis import SCRIPTS
 from sim.sync import Lock, Semaphore

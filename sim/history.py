@@ -8,6 +8,7 @@ tries to record is a simulator bug, and fails loudly.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -37,8 +38,12 @@ class Source:
 
 def canonical_lines(history: list[dict]) -> bytes:
     """One JSON object per line, keys sorted, in history order (orjson's spelling)."""
-    dumps, opt = orjson.dumps, orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE
-    return b"".join(dumps(e, option=opt) for e in history)
+    return b"".join(map(_dump_line, history))
+
+
+_dump_line = functools.partial(
+    orjson.dumps, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE
+)
 
 
 def history_hash(history: list[dict]) -> str:

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from chaos.explore import SeedResult, concrete, document, shrink, simulate, swarm
+from chaos.explore import (
+    SeedResult,
+    concrete,
+    document,
+    load_document,
+    load_variant,
+    shrink,
+    simulate,
+    swarm,
+)
 from chaos.mutants import MUTANTS
 from chaos.scenario import load_scenario
 from tests.test_chaos_runs import CATCHES
@@ -179,3 +188,22 @@ def test_a_variant_that_cannot_load_is_a_failure_not_a_pass() -> None:
     result = simulate({"name": "broken", "seed": 3, "plans": "not a list"})
     assert not result.ok and result.failed == ("invalid_variant",)
     assert result.message.startswith("invalid variant:")
+
+
+def test_a_variant_validated_once_is_the_variant_validated_for_each_seed() -> None:
+    """`load_variant` validates a variant once and copies it for another seed that draws
+    it: the copy equals what validating it would give, and the cache did serve it."""
+    data = data_of("crash_after_ack")
+    served = 0
+    for seed in range(16):
+        variant = swarm(data, seed)
+        got, want = load_variant(variant), load_document(variant)
+        assert got.spec == want.spec and got.spec.seed == seed
+        assert got.spec.model_fields_set == want.spec.model_fields_set
+        assert (got.agent, got.retry_policy, got.plans) == (
+            want.agent,
+            want.retry_policy,
+            want.plans,
+        )
+        served += got.plans[0][0] is load_variant(swarm(data, seed + 1000)).plans[0][0]
+    assert served  # some seeds drew a variant already validated

@@ -8,6 +8,7 @@ attemptId, ruleId, attempt, try) only, and `drift` changes the verdict of reruns
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,17 @@ import pytest
 import chaos.reference as reference_module
 from chaos.checker import CheckSpec, EvaluationFinal, FinalState, check
 from chaos.insim import run_scenario
-from chaos.reference import Outcome, Reference, fault_free, outcome_of, reference_for
+from chaos.insim.run import SimRun
+from chaos.reference import (
+    Draws,
+    Outcome,
+    Reference,
+    fault_free,
+    outcome_of,
+    reference_for,
+)
 from chaos.scenario import load_scenario, schema_text
-from engine.agent import AgentProfile, AgentProfileError, FakeAgent
+from engine.agent import PERMANENT_KINDS, AgentProfile, AgentProfileError, Draw, FakeAgent
 from engine.core.results import RuleResult
 from engine.core.states import PERMANENTLY_FAILED
 from tests.helpers import make_plan
@@ -56,6 +65,37 @@ def test_the_reference_replays_and_is_the_fault_free_run(name: str) -> None:
         assert expected.status in ("completed", "partial", "failed")
         assert expected.passes and set(expected.passes) == {p.id for p in plan.passes}
     assert first.drift == loaded.agent.drift
+
+
+def test_the_reference_reads_a_runs_draws_only_where_they_are_its_own() -> None:
+    """A simulated run keeps its agents' draws for its reference (`chaos.reference.Draws`):
+    the reference is the same with them, reads them where the profile (the same object)
+    and the level-1 retries are its own, and ignores them otherwise."""
+    loaded = load_scenario(SCENARIOS / "crash_after_ack.yaml")
+    seed = loaded.spec.seed
+    plans = loaded.evaluations(seed)
+    run = SimRun(loaded, seed)
+    run.run()
+    assert run.draws is not None and run.draws.profile is loaded.agent and run.draws.table
+    reference_module._cache.clear()
+    plain = reference_for(loaded, seed, plans)
+    reference_module._cache.clear()
+    assert reference_for(loaded, seed, plans, run.draws).to_dict() == plain.to_dict()
+
+    # every call fails for good in this table: read, it changes the reference
+    lost = Draw(0.0, PERMANENT_KINDS[0], None, 0)
+    poisoned = {k: lost for k in run.draws.table}
+    retries = loaded.retry_policy.immediate_retries
+    for draws, read in (
+        (Draws(loaded.agent, retries, poisoned), True),
+        (Draws(loaded.agent, retries + 1, poisoned), False),  # numbers calls otherwise
+        (Draws(dataclasses.replace(loaded.agent), retries, poisoned), False),  # another one
+    ):
+        reference_module._cache.clear()
+        got = reference_for(loaded, seed, plans, draws)
+        assert (got.to_dict() != plain.to_dict()) is read
+    reference_module._cache.clear()
+    assert SimRun(loaded, seed, "nondeterministic_agent").draws is None  # a mutant's agent
 
 
 SHIPPED = sorted(SCENARIOS.glob("*.yaml")) + sorted((SCENARIOS / "regressions").glob("*.yaml"))

@@ -61,13 +61,21 @@ class FaultWindow:
 
 def event_time(e: Mapping[str, Any]) -> float:
     t = e.get("t")
+    if type(t) is float:  # nearly always: the checks ask hundreds of times a run
+        return t
     return float(t) if isinstance(t, int | float) else 0.0
 
 
 def sort_key(e: Mapping[str, Any]) -> tuple[float, str, int]:
     """Wall time, then source and per-source sequence (exact order within a process)."""
-    seq = e.get("seq")
-    return (event_time(e), str(e.get("src", "")), seq if isinstance(seq, int) else 0)
+    t, src, seq = e.get("t"), e.get("src", ""), e.get("seq")
+    if type(t) is not float:
+        t = float(t) if isinstance(t, int | float) else 0.0
+    return (
+        t,
+        src if type(src) is str else str(src),
+        seq if type(seq) is int or isinstance(seq, int) else 0,
+    )
 
 
 def proc_of(e: Mapping[str, Any]) -> tuple[str, Any]:
@@ -75,6 +83,8 @@ def proc_of(e: Mapping[str, Any]) -> tuple[str, Any]:
 
 
 def as_int(value: Any, default: int = 0) -> int:
+    if type(value) is int:
+        return value
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
@@ -84,7 +94,9 @@ class Context:
     def __init__(self, history: list[dict], final: FinalState, spec: CheckSpec) -> None:
         self.final = final
         self.spec = spec
-        self.events = Events(sorted((e for e in history if isinstance(e, Mapping)), key=sort_key))
+        self.events = Events(
+            sorted((e for e in history if type(e) is dict or isinstance(e, Mapping)), key=sort_key)
+        )
         self.by_eval: dict[str, list[dict]] = defaultdict(Events)
         self.by_pair: dict[tuple[str, str], list[dict]] = defaultdict(Events)
         self._rounds: dict[tuple[str, str], list[Round]] = {}
@@ -257,24 +269,35 @@ def listed(items: Iterable[str], most: int = 5) -> str:
 class Events(list[dict]):
     """Events in time order that answer `of` from an index by kind, built at the first
     question (the checks ask the same lists for the same kinds hundreds of times a run)
-    and again after the list grew."""
+    and again after the list grew. Each answer is a fresh list (callers extend them)."""
 
     __slots__ = ("_index",)
 
     def __init__(self, events: Iterable[dict] = ()) -> None:
         super().__init__(events)
-        self._index: tuple[int, dict[Any, list[int]]] | None = None
+        # (length indexed, events by kind, answers to questions about several kinds)
+        self._index: tuple[int, dict[Any, list[dict]], dict[tuple[str, ...], list[dict]]] | None
+        self._index = None
 
     def of(self, kinds: tuple[str, ...]) -> list[dict]:
-        if self._index is None or self._index[0] != len(self):
-            positions: dict[Any, list[int]] = defaultdict(list)
-            for i, e in enumerate(self):
-                positions[e.get("ev")].append(i)
-            self._index = (len(self), positions)
-        positions = self._index[1]
+        index = self._index
+        if index is None or index[0] != len(self):
+            by_kind: dict[Any, list[dict]] = {}
+            for e in self:
+                ev = e.get("ev")
+                got = by_kind.get(ev)
+                if got is None:
+                    by_kind[ev] = [e]
+                else:
+                    got.append(e)
+            index = self._index = (len(self), by_kind, {})
         if len(kinds) == 1:
-            return [self[i] for i in positions.get(kinds[0], ())]
-        return [self[i] for i in sorted(i for k in set(kinds) for i in positions.get(k, ()))]
+            return list(index[1].get(kinds[0], ()))
+        merged = index[2].get(kinds)
+        if merged is None:
+            wanted = set(kinds)
+            merged = index[2][kinds] = [e for e in self if e.get("ev") in wanted]
+        return list(merged)
 
 
 def of(events: Iterable[dict], *kinds: str) -> list[dict]:

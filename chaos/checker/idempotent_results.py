@@ -28,6 +28,7 @@ from chaos.checker.context import (
     timeline,
 )
 from chaos.checker.records import Violation
+from engine.core.results import RuleResult
 
 
 def _key(verdict: Any, score: Any) -> tuple[str, float | None]:
@@ -56,13 +57,18 @@ def _announced(cx: Context) -> dict[tuple[str, str], list[tuple[str, dict]]]:
 
 
 def _first_write_binds(
-    a: str, r: str, first: dict, cx: Context, announced: list[tuple[str, dict]]
+    a: str,
+    r: str,
+    first: dict,
+    cx: Context,
+    announced: list[tuple[str, dict]],
+    writes: list[dict],
+    final: RuleResult | None,
 ) -> Violation | None:
-    """What Redis keeps, what losing writes saw and what was announced of (a, r) against
-    W = `first`, the first durable write."""
+    """What Redis keeps (`final`), what losing writes saw (`writes`: the pair's
+    `result_persisted`) and what was announced of (a, r) against W = `first`, the first
+    durable write."""
     want = _key(first.get("verdict"), first.get("score"))
-    writes = of(cx.by_pair.get((a, r), []), "result_persisted")
-    final = cx.result_of(a, r)
     wrong: list[str] = []
     key: list[dict] = [first]
     if final is not None and _key(final.verdict, final.score) != want:
@@ -107,10 +113,14 @@ def check_idempotent_results(cx: Context) -> Outcome:
     judged = 0
     for a, r in sorted(pairs):
         evs = cx.by_pair.get((a, r), [])
-        first = next((e for e in of(evs, "result_persisted") if e.get("won") is True), None)
+        persisted = of(evs, "result_persisted")
+        first = next((e for e in persisted if e.get("won") is True), None)
+        final = None
         if first is not None:
             judged += 1
-            broken = _first_write_binds(a, r, first, cx, announced.get((a, r), []))
+            final = cx.result_of(a, r)
+            announcements = announced.get((a, r), [])
+            broken = _first_write_binds(a, r, first, cx, announcements, persisted, final)
             if broken is not None:
                 out.append(broken)
                 continue
@@ -119,10 +129,11 @@ def check_idempotent_results(cx: Context) -> Outcome:
         seen: list[tuple[tuple[str, float | None], dict | None]] = []
         for e in of(evs, "rule_finished", "result_persisted"):
             seen.append((_key(e.get("verdict"), e.get("score")), e))
-        final = cx.result_of(a, r)
+        if first is None:
+            final = cx.result_of(a, r)
         if final is not None:
             seen.append((_key(final.verdict, final.score), None))
-        kept = [e for e in of(evs, "result_persisted") if e.get("kept_verdict") is not None]
+        kept = [e for e in persisted if e.get("kept_verdict") is not None]
         if not seen:
             continue
         judged += first is None

@@ -23,8 +23,8 @@ from engine.agent import FakeAgent
 from engine.config import EngineConfig
 from engine.core import dag, evaluation
 from engine.core.evaluation import Evaluation
+from engine.keys import eval_key
 from engine.policy import RetryPolicy
-from engine.runtime.store import eval_key
 from engine.shell import controller, orchestrator, reevaluate
 from engine.shell import sweeper as shell_sweeper
 from sim.broker import SHARED_DELAY_QUEUE, Message, Queue, SimBroker

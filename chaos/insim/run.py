@@ -37,13 +37,14 @@ from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, c
 from chaos.conductor import COMPLETED_QUEUE, Conductor, delivered
 from chaos.insim import mutants
 from chaos.proxy import model as proxy_model
+from chaos.reference import Draws
 from chaos.scenario import LoadedScenario, Scenario
-from engine.agent import AgentProfile, FakeAgent
+from engine.agent import AgentProfile, Draw, FakeAgent
 from engine.config import EngineConfig
 from engine.core.routing import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
+from engine.keys import eval_key
 from engine.plan import Plan
-from engine.runtime.store import eval_key
 from engine.shell.effects import Stepper
 from sim.broker import BrokerClient, Delivery, SimBroker
 from sim.history import Source, history_hash
@@ -142,8 +143,12 @@ class SimRun:
         self.conductor = Conductor(loaded, self.seed, mutant, self.plans)
         self.pauses = any(f.action == "pause_worker" for f in self.conductor.schedule)
         self.config = self._config()
-        self.profile = AgentProfile.from_dict(self.agent_dict())
+        # the loaded scenario's own profile when it is the same (built for the same seed)
+        same_seed = self.seed == spec.seed
+        self.profile = loaded.agent if same_seed else AgentProfile.from_dict(self.agent_dict())
         self.immediate_retries = self.config.policy.immediate_retries  # for fail_rules
+        # what the agents draw, kept for the reference (a mutant's agent may draw otherwise)
+        self.draws = Draws(self.profile, self.immediate_retries) if mutant is None else None
         self.redis = SimRedis(
             self.env,
             running_index=self.config.name("engine:running"),
@@ -207,8 +212,9 @@ class SimRun:
         )
 
     def _config(self) -> EngineConfig:
+        same_seed = self.seed == self.spec.seed
         return self.spec.engine_config(
-            policy=self.spec.retry.policy(self.seed),
+            policy=self.loaded.retry_policy if same_seed else self.spec.retry.policy(self.seed),
             sweeper=self.spec.engine.sweeper,
         )
 
@@ -220,11 +226,16 @@ class SimRun:
     def _agent(self) -> FakeAgent:
         """The agent of a new worker process, salted as a live one is (`os.urandom`), from
         the seed (its salt matters only to the `nondeterministic_agent` mutant)."""
+        salt = self.salt_rng.getrandbits(64)
+        if self.draws is not None:
+            return _KeepingAgent(
+                self.draws,
+                self.spec.time_scale,
+                salt=salt,
+                immediate_retries=self.immediate_retries,
+            )
         return FakeAgent(
-            self.profile,
-            self.spec.time_scale,
-            salt=self.salt_rng.getrandbits(64),
-            immediate_retries=self.immediate_retries,
+            self.profile, self.spec.time_scale, salt=salt, immediate_retries=self.immediate_retries
         )
 
     # --- the acts of `chaos.conductor` ---------------------------------------------------
@@ -484,7 +495,9 @@ class SimRun:
 
     def check_spec(self) -> CheckSpec:
         cancelled = self.conductor.cancelled
-        return self.loaded.check_spec(self.seed, self.plans, cancelled, self.profile)
+        return self.loaded.check_spec(
+            self.seed, self.plans, cancelled, self.profile, draws=self.draws
+        )
 
     def run(self) -> SimOutcome:
         with mutants.patched(self.mutant):
@@ -512,6 +525,26 @@ class SimRun:
                 "settings": self.spec.settings(),
             },
         )
+
+
+class _KeepingAgent(FakeAgent):
+    """A worker's agent that keeps each first execution's draw in the run's `Draws` (and
+    reads it there when a rerun asks again): the reference then draws none of them."""
+
+    def __init__(self, draws: Draws, time_scale: float, **kwargs: Any) -> None:
+        super().__init__(draws.profile, time_scale, **kwargs)
+        self._kept = draws.table
+
+    def draw(
+        self, attempt_id: str, rule_id: str, attempt: int, try_no: int, execution: int = 1
+    ) -> Draw:
+        if execution > 1:  # a rerun may draw its verdict afresh (drift)
+            return super().draw(attempt_id, rule_id, attempt, try_no, execution)
+        key = (attempt_id, rule_id, attempt, try_no)
+        d = self._kept.get(key)
+        if d is None:
+            d = self._kept[key] = super().draw(attempt_id, rule_id, attempt, try_no)
+        return d
 
 
 def _api(toxic: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chaos.checker import CheckSpec, RetrySettings
 from chaos.checker.records import COST_BUDGETS
@@ -18,6 +19,9 @@ from engine.plan import Plan
 from engine.policy import (
     RetryPolicy,
 )
+
+if TYPE_CHECKING:
+    from chaos.reference import Draws
 
 # --- the loaded scenario ---------------------------------------------------------------------
 
@@ -69,16 +73,18 @@ class LoadedScenario:
         agent: AgentProfile,
         *,
         reference: bool = True,
+        draws: Draws | None = None,
     ) -> CheckSpec:
         """What the checker needs of this scenario, for a run under `seed` (live or sim),
         with the fault-free reference of the same evaluations (`chaos.reference`: the core
-        alone, well under a millisecond an evaluation) unless `reference` is False."""
+        alone, well under a millisecond an evaluation) unless `reference` is False; `draws`:
+        the calls the run drew, which the reference reads rather than draws again."""
         from chaos.reference import reference_for
 
         budgets = self.spec.budgets
         latency = budgets.max_retry_latency_s
         return CheckSpec(
-            reference=reference_for(self, seed, plans) if reference else None,
+            reference=reference_for(self, seed, plans, draws) if reference else None,
             plans=plans,
             agent=agent,
             # the scenario's settings as plain data: the checker computes the tiers itself

@@ -13,11 +13,11 @@ none); they are never printed (`redacted_sentinel_url`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote
 
-import redis.asyncio as aioredis
-from redis.asyncio.sentinel import Sentinel
+if TYPE_CHECKING:  # imported where a client is made: the URL helpers serve the simulator too
+    import redis.asyncio as aioredis
 
 SCHEME = "redis+sentinel"
 
@@ -100,6 +100,8 @@ def sentinel_secrets(url: str) -> list[str]:
 def sentinel_client(url: str, **kwargs: Any) -> aioredis.Redis:
     """A client of the primary the sentinels name, found again after each failover;
     `kwargs` are the connection settings of `redis_client` (timeouts, retry)."""
+    from redis.asyncio.sentinel import Sentinel
+
     target = parse_sentinel_url(url)
     timeouts = {k: kwargs[k] for k in ("socket_connect_timeout", "socket_timeout") if k in kwargs}
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=timeouts)

@@ -23,7 +23,6 @@ import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -51,6 +50,7 @@ from engine.keys import (
 )
 from engine.plan import Plan
 from engine.runtime.autopipeline import AutoPipeline
+from engine.runtime.replies import Begun, LeaseLost, StatusWritten
 from engine.runtime.sentinel import is_sentinel_url, sentinel_client
 
 
@@ -177,10 +177,6 @@ end
 
 #: What a fenced script returns, with the current token or holder, when it wrote nothing.
 FENCED = "!fenced"
-
-
-class LeaseLost(Exception):
-    """An owner's write was refused: another worker acquired the lease since (the fence)."""
 
 
 # The store's clock in ms: due times are stamped when a write lands, not when it was sent.
@@ -495,27 +491,6 @@ end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 return redis.call('GET', KEYS[3]) or ''
 """)
-
-
-class StatusWritten(NamedTuple):
-    """What `RedisStore.write_status` did."""
-
-    kept: str | None  # the status kept instead (the write would have moved the count back)
-    over: str | None  # the evaluation's terminal state: its retry is not indexed
-    due_ms: int | None  # when the retry is due, by the store's clock (None: not indexed)
-
-
-@dataclass(frozen=True)
-class Begun:
-    """What `RedisStore.begin` found: exactly one of the outcomes is set."""
-
-    holder: str | None = None  # another worker holds the lease
-    fence: str = ""  # the token of this acquisition, carried by every write of the owner
-    terminal: str | None = None  # the evaluation is over (and `published` says if announced)
-    published: bool = False
-    no_plan: bool = False
-    plan_json: str | None = None
-    snapshot: Snapshot | None = None
 
 
 @dataclass(frozen=True)
