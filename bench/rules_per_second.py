@@ -57,12 +57,18 @@ counters looked up once; the core scanning passes only when a rule became termin
 no difference the noise lets through (CPU -10 % and -7 %, rate +19 % and -10 % in two
 runs), so uvloop stays the default.
 
-The ratio to SET: median 0.33 +- 37 % over 7 rounds (range 0.20..0.54; SET 2,100 to
-6,900/s, rules 680 to 1,700/s) on that machine: too noisy to judge the target, still
-well short of 1.0. On a quiet machine the CPU cut predicts about 0.55 to 0.6 (0.46 at
-03:50 today with 280 us a rule); 1.0 needs the CPU a rule near 140 us, and what is left
-is spread thin: the effect-driven shell and driver, the event loop, and aiormq/pamqp's
-Python framing of six confirmed publishes an evaluation.
+Quiet (the same machine later that day, load average under 0.3), two plain runs of 7
+rounds: median ratio 0.61 +- 11 % (SET about 6,800/s, rules about 3,900/s, 227 us of CPU a
+rule) and 0.69 +- 9 % (142 us a rule); `--against` 54c8d50, 5 rounds: 4,361 against 3,142
+rules/s (1.39x), 200 against 285 us of CPU a rule (-30 %). Below the target still: a ratio
+of 1.0 needs about 140 us a rule in every round, not in the best.
+
+On the busy machine, the ratio to SET: median 0.33 +- 37 % over 7 rounds (range
+0.20..0.54; SET 2,100 to 6,900/s, rules 680 to 1,700/s) on that machine: too noisy to
+judge the target, still well short of 1.0. On a quiet machine the CPU cut predicts about
+0.55 to 0.6 (0.46 at 03:50 today with 280 us a rule); 1.0 needs the CPU a rule near 140
+us, and what is left is spread thin: the effect-driven shell and driver, the event loop,
+and aiormq/pamqp's Python framing of six confirmed publishes an evaluation.
 """
 
 from __future__ import annotations

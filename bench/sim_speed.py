@@ -28,7 +28,12 @@ time, the checker's event lists rebuilt at each question, young-generation colle
 traversing each seed's live simulation many times over, and redis-py in the pool's start-up
 (0.8 to 0.7 s; the simulator uses no client). Not reached: at 03:50 the same day, quiet,
 54c8d50 printed 29.6 s (338 seeds/s), and 10,000 seeds measured whole took 25.1 s here on
-the busy machine. Where a seed's time goes now (py-spy, one process): about half the
+the busy machine. Later that day, on the same machine quiet
+(load average under 0.3, nothing else running), with the Sentinel models of the day
+merged in too, `--against` 54c8d50, 5 rounds of 2,000 seeds, twice: median 441 against 364
+seeds/s (1.21x; projected 22.7 s against 27.5 s) and 450 against 401 (1.12x; 22.2 s against
+24.9 s); the plain run printed 25.1 s, 23.2 s with the start-up counted once. Where a seed's
+time goes now (py-spy, one process): about half the
 simulated run (simpy, the engine's shell generators, `sim/`), a quarter the checker (no
 invariant above 4 % of a seed), a twentieth the reference (the engine's core alone), the
 rest the run's set-up and the history's hash. Left to gain there: the engine's shell and

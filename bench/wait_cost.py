@@ -11,7 +11,15 @@ rounds is printed with its ratio to no answer. min-replicas-to-write is the serv
 setting, set with CONFIG SET on both servers around its runs; WAIT is the worker's
 `--wait-replicas 1` (each batch of the store's scripts ends with one WAIT). Their
 protection, measured over many seeds in the simulator, is `chaos compare --designs
-sentinel` (README: "Redis behind Sentinel").
+sentinel` (README: "Lost writes, answered").
+
+2026-12-02, a quiet 2-core machine (load average under 0.3), code_review.yaml, 200
+evaluations a run, 64 at once, two runs of 6 rounds: no answer 3,765 and 4,080 rules/s;
+WAIT 0.98x and 1.00x; min-replicas-to-write 0.97x and 1.05x. Neither costs throughput the
+noise lets through (rounds differ by up to 40 %): a batch carries about twelve scripts
+and one WAIT, and a busy worker hides the replica's acknowledgement behind its other
+rules. What WAIT does add is latency to each batch; on a busy machine (two runs of 3 and 5
+rounds, load 3 to 5) it read 0.76x and 0.91x, within that day's noise too.
 """
 
 from __future__ import annotations
