@@ -223,8 +223,8 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Console) -> int:
-    """`chaos compare`: each design's runs under OUT/<mutant or engine>, then the table.
-    Exit 1 when the engine as shipped broke an invariant (the other two are meant to)."""
+    """`chaos compare`: each design's runs under OUT/<its key>, then the table. Exit 1 when
+    the engine as shipped broke an invariant (the other designs are meant to)."""
     from chaos.explore import document, load_document
     from chaos.services import Services
     from reports import find_runs
