@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,27 +177,15 @@ def test_ctrl_c_leaves_nothing_behind(tmp_path: Path) -> None:
     """Event-driven: SIGINT once the run's history has started (the scenario then has
     seconds to go), with SIGINT at its default in the child, as under a terminal (a
     background job of a CI shell would inherit it ignored); generous deadlines only."""
-    from tests.test_signals import terminal_signals
+    from tests.test_signals import started_run
 
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "AMQP_URL")}
-    env["CHAOS_TEST_TAG"] = tmp_path.name
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "chaos", "run", "scenarios/worker_kill_storm.yaml", "--quiet",
-         "--out", str(tmp_path / "out")],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=terminal_signals,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    history = tmp_path / "out" / "worker_kill_storm" / "history.raw.jsonl"
-    while not (history.exists() and b"run_started" in history.read_bytes()):
-        assert proc.poll() is None, "the run ended before its history started"
-        assert time.monotonic() < deadline, "the run never started"
-        time.sleep(0.01)
+    out = tmp_path / "out"
+    proc = started_run(
+        ["run", "scenarios/worker_kill_storm.yaml", "--quiet", "--out", str(out)],
+        out / "worker_kill_storm" / "history.raw.jsonl",
+        patience_s=120,
+        env={"CHAOS_TEST_TAG": tmp_path.name},
+    )
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

@@ -16,8 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -261,27 +259,15 @@ def test_a_mutant_fails_in_containers(images: None, tmp_path: Path) -> None:
 
 @needs_engine
 def test_ctrl_c_removes_the_containers(images: None, tmp_path: Path) -> None:
-    from tests.test_signals import terminal_signals
+    from tests.test_signals import started_run
 
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "AMQP_URL")}
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "chaos", "run", "scenarios/broker_restart.yaml", "--mode",
-         "containers", "--quiet", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=terminal_signals,
+    proc = started_run(
+        ["run", "scenarios/broker_restart.yaml", "--mode", "containers", "--quiet",
+         "--out", str(out)],
+        out / "broker_restart" / "history.raw.jsonl",
+        patience_s=300,  # generous: only a hang fails it
     )  # fmt: skip
-    history = out / "broker_restart" / "history.raw.jsonl"
-    deadline = time.monotonic() + 300  # generous: only a hang fails it
-    while not (history.exists() and b"run_started" in history.read_bytes()):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the run never started"
-        time.sleep(0.05)
     assert len(containers_of(proc.pid)) == 2  # Redis and RabbitMQ, running
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)

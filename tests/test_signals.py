@@ -64,6 +64,34 @@ def terminal_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
+def started_run(
+    args: list[str], history: Path, patience_s: float, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`python -m chaos ARGS` started as under a terminal (`terminal_signals`, a session of
+    its own), returned once its history has started: the run then has seconds to go, so a
+    signal sent now lands mid-run. Event-driven; `patience_s` only stops a hang."""
+    base = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "AMQP_URL")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chaos", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**base, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=terminal_signals,
+    )
+    deadline = time.monotonic() + patience_s
+    while not (history.exists() and b"run_started" in history.read_bytes()):
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before its history started: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the run never started")
+        time.sleep(0.02)
+    return proc
+
+
 # --- what a run owns ---------------------------------------------------------------------
 
 
