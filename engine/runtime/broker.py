@@ -50,6 +50,7 @@ from aio_pika.exceptions import (
 )
 
 from engine.config import EngineConfig, ServiceUnavailable, network_reason, scrubbed
+from engine.runtime.wire import Transports, Wire, link, wire
 from engine.shell.effects import Unroutable
 
 log = logging.getLogger("engine.broker")
@@ -121,6 +122,22 @@ async def probe_amqp(config: EngineConfig) -> None:
     await connection.close()
 
 
+class _Connection(aio_pika.RobustConnection):
+    """A robust connection whose publishes and ACKs `engine.runtime.wire` writes: its
+    transports are made by a `Transports`, each linked to its aiormq connection once open,
+    before the channels (and their consumers) are restored on it."""
+
+    def __init__(self, url: Any, loop: asyncio.AbstractEventLoop | None = None, **kw: Any) -> None:
+        super().__init__(url, loop=loop, **kw)
+        self.transports = Transports()
+        self.kwargs["transport_factory"] = self.transports
+
+    async def _on_connected(self) -> None:
+        assert self.transport is not None
+        link(self.transport.connection, self.transports)
+        await super()._on_connected()
+
+
 class Broker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -132,6 +149,7 @@ class Broker:
         self.delay_queues: dict[tuple[int, int], str] = {}
         self.declared: list[str] = []  # `queue:NAME` / `exchange:NAME`, for the topology key
         self.timeout = config.read_timeout_s
+        self._wire: Wire | None = None  # the current channel's
 
     async def connect(self, prefetch: int = 32, declare: bool = True) -> None:
         """Connect, open the channel and declare the topology. Any failure on the way is a
@@ -140,7 +158,11 @@ class Broker:
         try:
             with _quiet_first_connect():
                 self.connection = await aio_pika.connect_robust(
-                    url, reconnect_interval=0.5, fail_fast=True, timeout=connect_s
+                    url,
+                    reconnect_interval=0.5,
+                    fail_fast=True,
+                    timeout=connect_s,
+                    connection_class=_Connection,
                 )
             channel = await asyncio.wait_for(
                 self.connection.channel(publisher_confirms=True, on_return_raises=True),
@@ -314,6 +336,12 @@ class Broker:
                 if ch.is_closed:
                     raise aiormq.exceptions.ChannelInvalidStateError(f"{ch!r} closed")
                 underlay = await ch.get_underlay_channel()
+                w = self._wire
+                if w is None or w.channel is not underlay:
+                    w = self._wire = wire(underlay, self.timeout)
+                if w is not None:
+                    await w.publish(name, key, raw, msg_id, mandatory, expiration)
+                    return
                 await underlay.basic_publish(
                     raw,
                     exchange=name,

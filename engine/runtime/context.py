@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
+from aio_pika.exceptions import MessageProcessError
 
 from engine.agent import AgentService
 from engine.config import EngineConfig
@@ -15,6 +16,7 @@ from engine.history import History
 from engine.metrics import Metrics
 from engine.runtime.broker import Broker
 from engine.runtime.store import RedisStore
+from engine.runtime.wire import wire
 
 log = logging.getLogger("engine")
 
@@ -35,11 +37,32 @@ async def settle(message: AbstractIncomingMessage, *, ack: bool = True, timeout_
     """ACK (or NACK with requeue) a delivery; False when its channel is gone.
 
     A channel lost with the broker takes the delivery with it: the broker requeues it and
-    redelivers, and the duplicate checks downstream absorb the second copy. An ACK waits
-    for its frame to be written, which a dead connection never does (its writer is gone
-    and the frame queue full): the wait ends when the channel closes, or after
-    `timeout_s`, and counts as a lost channel either way.
+    redelivers, and the duplicate checks downstream absorb the second copy. The frame is
+    written to the socket at once (`engine.runtime.wire`); a delivery settled already, or
+    whose channel is closed or closing, is a lost channel too.
     """
+    try:
+        channel = message.channel  # ChannelInvalidStateError once it is closed
+        w = wire(channel, timeout_s)
+        if w is not None:
+            if message.locked or message.processed:
+                raise MessageProcessError("Message already processed", message)
+            assert message.delivery_tag is not None
+            w.settle(message.delivery_tag, ack)
+            message.lock()  # settled: a second settle of it is refused above
+            return True
+    except Exception as exc:
+        log.warning("could not %s a delivery: %r", "ack" if ack else "nack", exc)
+        return False
+    return await _settle_through_aiormq(message, ack, timeout_s)
+
+
+async def _settle_through_aiormq(
+    message: AbstractIncomingMessage, ack: bool, timeout_s: float
+) -> bool:
+    """`settle` on a channel `wire` does not write: through aiormq's writer, whose frame a
+    dead connection never writes (its writer is gone and the frame queue full), so the
+    wait ends when the channel closes, or after `timeout_s`."""
     try:
         closing = message.channel.closing  # an observer of the channel's end, ours to drop
         async with asyncio.timeout(timeout_s) as bound:
