@@ -1,16 +1,21 @@
-"""The frames `engine.runtime.wire` packs by hand are the bytes pamqp marshals."""
+"""The frames `engine.runtime.wire` packs by hand are the bytes pamqp marshals, and its
+reader takes whole publisher acks out of any chunking of a stream and passes the rest on."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import struct
+
 import pamqp.frame
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pamqp import commands as spec
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
-from engine.runtime.wire import content, settle_frame
+from engine.runtime.wire import ConfirmReader, content, settle_frame
 
 
 def pamqp_content(
@@ -68,3 +73,87 @@ def test_ack_and_nack_frames_are_pamqps(channel: int, tag: int) -> None:
     nack = pamqp.frame.marshal(spec.Basic.Nack(delivery_tag=tag, requeue=True), channel)
     assert settle_frame(channel, tag, ack=True) == ack
     assert settle_frame(channel, tag, ack=False) == nack
+
+
+class _Acks:
+    """A wire that takes the acks of the given delivery tags, as `Wire.acked` reads them."""
+
+    def __init__(self, tags: set[int]) -> None:
+        self.tags = tags
+        self.taken: list[int] = []
+
+    def acked(self, data: bytes, offset: int) -> bool:
+        cls, method, tag, _ = struct.unpack_from(">HHQB", data, offset)
+        if (cls, method) == (60, 80) and tag in self.tags:
+            self.taken.append(tag)
+            return True
+        return False
+
+
+def _frames(stream: bytes) -> list[bytes]:
+    """The frames of a byte stream, which must end at a frame's end."""
+    frames, pos = [], 0
+    while pos < len(stream):
+        _, _, size = struct.unpack_from(">BHI", stream, pos)
+        frames.append(stream[pos : pos + size + 8])
+        assert stream[pos + size + 7] == 0xCE, "a frame cut or spliced"
+        pos += size + 8
+    assert pos == len(stream)
+    return frames
+
+
+_FRAME = st.one_of(
+    st.builds(  # an ack, of channel 1 (wired) or 2 (not)
+        lambda ch, tag, multiple: pamqp.frame.marshal(
+            spec.Basic.Ack(delivery_tag=tag, multiple=multiple), ch
+        ),
+        st.sampled_from([1, 2]),
+        st.integers(1, 12),
+        st.booleans(),
+    ),
+    st.builds(
+        lambda tag: pamqp.frame.marshal(spec.Basic.Nack(delivery_tag=tag), 1), st.integers(1, 12)
+    ),
+    st.builds(lambda body: pamqp.frame.marshal(ContentBody(body), 1), st.binary(max_size=60)),
+    st.builds(lambda: pamqp.frame.marshal(spec.Basic.Deliver("c", 7, False, "ex", "rk"), 1)),
+    st.just(b"\x08\x00\x00\x00\x00\x00\x00\xce"),
+)
+
+
+@settings(max_examples=300)
+@given(frames=st.lists(_FRAME, max_size=30), data=st.data())
+def test_the_reader_takes_whole_acks_of_wired_channels_and_passes_the_rest_in_order(
+    frames: list[bytes], data: st.DataObject
+) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        reader = ConfirmReader(loop)
+        reader.BEAT_S = 0.0  # a heartbeat wherever one may go
+        acks = _Acks(set(data.draw(st.lists(st.integers(1, 12), max_size=12))))
+        reader.wires[1] = acks  # type: ignore[assignment]
+        stream = b"".join(frames)
+        cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=12))
+        bounds = sorted({0, len(stream), *cuts})
+        for a, b in itertools.pairwise(bounds):
+            reader.feed_data(stream[a:b])
+        passed = bytes(reader._buffer)
+    finally:
+        loop.close()
+    # Taken: exactly the acks of channel 1 the wire accepts, each whole in one read.
+    must, pos = [], 0
+    for f in frames:
+        cls, method, tag, _ = struct.unpack_from(">HHQB", f.ljust(20, b"\0"), 7)
+        whole = not any(pos < c < pos + len(f) for c in bounds)
+        if f[:3] == b"\x01\x00\x01" and (cls, method) == (60, 80) and tag in acks.tags and whole:
+            must.append((pos, f))
+        pos += len(f)
+    assert acks.taken == [struct.unpack_from(">Q", f, 11)[0] for _, f in must]
+    # Passed on: every other frame, in order, cut nowhere; heartbeats only between frames.
+    beat = b"\x08\x00\x00\x00\x00\x00\x00\xce"
+    taken = {p for p, _ in must}
+    rest, pos = [], 0
+    for f in frames:
+        if pos not in taken:
+            rest.append(f)
+        pos += len(f)
+    assert [f for f in _frames(passed) if f != beat] == [f for f in rest if f != beat]

@@ -79,8 +79,10 @@ def test_confirmed_publishes_arrive_whole_and_acks_remove_them() -> None:
             assert message.content_type == "application/json" and message.delivery_mode == 2
             assert await settle(message, timeout_s=5)
         assert seen == {f"m{b['i']}": b for b in bodies}
-        assert broker.channel is not None
-        queue = await broker.channel.declare_queue(broker.work_queue_name, passive=True)
+        assert broker.connection is not None
+        await broker.channel.close()  # unacknowledged deliveries would go back to the queue
+        ch = await broker.connection.channel()
+        queue = await ch.declare_queue(broker.work_queue_name, passive=True)
         assert queue.declaration_result.message_count == 0
 
     run(test)
@@ -92,6 +94,31 @@ def test_a_mandatory_publish_nobody_routes_raises_unroutable() -> None:
             with pytest.raises(Unroutable):
                 await broker.forward(broker.config.name("worker.gone"), b"{}", "fwd-1")
         await broker.publish_work({"after": "returns"}, "m-after")
+
+    run(test)
+
+
+def test_returns_win_over_acks_read_with_them() -> None:
+    """Events (acks taken by the reader) and mandatory publishes, some unroutable (acks left
+    to aiormq, after the return), interleaved on one channel."""
+
+    async def test(broker: Broker) -> None:
+        async def one(i: int) -> str:
+            try:
+                if i % 3 == 0:
+                    await broker.forward(broker.config.name("worker.gone"), b"{}", f"f{i}")
+                elif i % 3 == 1:
+                    await broker.publish_work({"i": i}, f"w{i}")
+                else:
+                    await broker.publish_event("evaluation.started", {"i": i}, f"e{i}")
+            except Unroutable:
+                return "unroutable"
+            return "confirmed"
+
+        for _ in range(3):
+            got = await asyncio.gather(*(one(i) for i in range(300)))
+            want = ["unroutable" if i % 3 == 0 else "confirmed" for i in range(300)]
+            assert got == want
 
     run(test)
 
