@@ -193,7 +193,9 @@ def test_a_lost_connection_fails_the_publishes_waiting_for_their_confirm() -> No
         assert time.monotonic() - t0 < 5  # well before the 30 s confirm timeout
         with pytest.raises(aiormq.exceptions.ChannelInvalidStateError):
             await w.publish("", broker.work_queue_name, b"{}", "late", True)
-        # The broker itself rides it out: the robust connection comes back.
+        # The broker itself rides it out: the robust connection comes back, with a wire.
         await asyncio.wait_for(broker.publish_work({"after": "reconnect"}, "m-after"), 20)
+        again = await _wire(broker)
+        assert again is not w and again.transport is not real and broker._wire is again
 
     run(test)
