@@ -307,6 +307,9 @@ class Wire:
         if mandatory and mandatory[0] <= tag:
             return False
         if bits & 1:  # multiple: every tag up to this one
+            # In tag order up to the first one above: only aiormq moves an entry (a return's
+            # marker, to the end), and those of mandatory publishes up to `tag` were ruled
+            # out above.
             tags = []
             for t in confirmations:
                 if t > tag:
