@@ -1,6 +1,7 @@
 """Publishes and ACKs written by `engine.runtime.wire`, against the machine's RabbitMQ: each
 publish awaits its confirm, a mandatory one nobody can route raises, a confirm that never
-comes times out, a lost connection fails what waits, and a delivery is settled once."""
+comes times out, a lost connection fails what waits, a blocked broker holds publishes until
+it unblocks, and a delivery is settled once."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import orjson
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
+from chaos.stack import RabbitNode, find_epmd, find_rabbitmq_server
 from engine.config import EngineConfig
 from engine.runtime.broker import Broker
 from engine.runtime.context import settle
@@ -199,3 +201,33 @@ def test_a_lost_connection_fails_the_publishes_waiting_for_their_confirm() -> No
         assert again is not w and again.transport is not real and broker._wire is again
 
     run(test)
+
+
+@pytest.mark.skipif(
+    find_rabbitmq_server() is None or find_epmd() is None, reason="RabbitMQ/Erlang not installed"
+)
+def test_a_blocked_broker_holds_publishes_until_it_unblocks() -> None:
+    """A memory alarm (a private node's watermark at 0): the broker sends connection.blocked
+    and stops reading; publishes time out and are retried, and are confirmed once it
+    unblocks. The shared broker is left alone: the alarm would block every client."""
+    node = RabbitNode()
+    try:
+        node.start()
+
+        async def test(broker: Broker) -> None:
+            await broker.publish_work({"before": "alarm"}, "m0")
+            node.ctl("set_vm_memory_high_watermark", "0")
+            publishing = asyncio.ensure_future(broker.publish_work({"in": "alarm"}, "m1"))
+            await asyncio.sleep(3)  # three confirm timeouts: retried, never failed
+            assert not publishing.done()
+            node.ctl("set_vm_memory_high_watermark", "0.4")
+            await asyncio.wait_for(publishing, 30)
+            ids = set()
+            async for message in _deliveries(broker, 2):
+                ids.add(message.message_id)
+                assert await settle(message, timeout_s=5)
+            assert ids == {"m0", "m1"}  # a retried copy of m1 may follow: at least once
+
+        run(test, amqp_url=node.url, read_timeout_s=1.0)
+    finally:
+        node.stop()
