@@ -215,7 +215,8 @@ def wire(channel: AbstractChannel, timeout_s: float) -> Wire | None:
     this aiormq keeps no close event where `Wire` looks (then aiormq's own path serves)."""
     found = _WIRES.get(channel)
     if found is None:
-        linked = _TRANSPORTS.get(channel.connection)  # type: ignore[attr-defined]
+        connection = getattr(channel, "connection", None)
+        linked = None if connection is None else _TRANSPORTS.get(connection)
         closing = getattr(channel, "_Channel__close_event", None)
         if linked is None or not isinstance(closing, asyncio.Event):
             return None
