@@ -84,10 +84,13 @@ channel bounds the unconfirmed publishes: a publish costs 14 to 20 us (6 to 10 u
 12 system, mostly the `send`), a delivery with its ACK 85 to 100 us. cProfile of the
 worker over 400 evaluations: 3.71 M Python calls to 2.59 M (-30 %); calls into aio-pika,
 aiormq and pamqp 401 k to 80 k, into asyncio 385 k to 152 k. A/B against main's head
-(`--against`, 7 interleaved rounds each, load 2.4 to 4.3 while other engineers
-benchmarked): the worker's median CPU a rule 227 -> 142 us (-37 %), 273 -> 185 (-32 %),
-227 -> 165 (-27 %); the median rate +43 %, +40 % and +34 %. Plain runs on that busy
-machine: median ratio 0.47 +- 7 % (162 us a rule, load 4.3) and 0.40 +- 17 % (load 2.9).
+(`--against`, five runs of 7 to 9 interleaved rounds, load 2.4 to 5.6 while other
+engineers benchmarked): the worker's median CPU a rule 227 -> 142 us (-37 %), 273 -> 185
+(-32 %), 227 -> 165 (-27 %), 273 -> 185 (-32 %), 223 -> 181 (-19 %); the median rate
++43 %, +40 %, +34 %, +47 %, +28 %. Plain runs on that busy machine: median ratio 0.47 +-
+7 % (162 us a rule, load 4.3), 0.40 +- 17 % (load 2.9), 0.35 +- 9 % (192 us, load 5.5);
+on a quiet one the CPU cut predicts about 0.8 (the 0.61 to 0.69 above, at 142 to 227 us a
+rule, scaled by -30 %), which a quiet run still has to confirm.
 Tried and dropped: one `write` for all the frames of a loop pass (27 frames a write under
 cProfile, yet no change A/B: CPU +0.0 %, rate -2.6 % over 9 rounds, and it would need care
 for the order against aiormq's queue). What is left of RabbitMQ: a delivery, still read by
