@@ -89,8 +89,9 @@ engineers benchmarked): the worker's median CPU a rule 227 -> 142 us (-37 %), 27
 (-32 %), 227 -> 165 (-27 %), 273 -> 185 (-32 %), 223 -> 181 (-19 %); the median rate
 +43 %, +40 %, +34 %, +47 %, +28 %. Plain runs on that busy machine: median ratio 0.47 +-
 7 % (162 us a rule, load 4.3), 0.40 +- 17 % (load 2.9), 0.35 +- 9 % (192 us, load 5.5);
-on a quiet one the CPU cut predicts about 0.8 (the 0.61 to 0.69 above, at 142 to 227 us a
-rule, scaled by -30 %), which a quiet run still has to confirm.
+on a quiet one the CPU cut predicts about 0.85 (this morning's quiet 0.60 at 196 us a rule,
+with 30 % less CPU a rule, the worker being CPU-bound), which a quiet run still has to
+confirm.
 Tried and dropped: one `write` for all the frames of a loop pass (27 frames a write under
 cProfile, yet no change A/B: CPU +0.0 %, rate -2.6 % over 9 rounds, and it would need care
 for the order against aiormq's queue). What is left of RabbitMQ: a delivery, still read by
