@@ -184,11 +184,12 @@ def faults_fired(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     fault)."""
     out: dict[str, int] = {}
     for e in events:
-        if e.get("ev") == "fault_fired":
+        ev = e.get("ev")
+        if ev == "fault_fired":
             kind = str(e.get("action") or e.get("fault") or "fault")
-        elif e.get("ev") == "crash":
+        elif ev == "crash":
             kind = f"crash@{e.get('failpoint') or 'unknown'}"
-        elif e.get("ev") == "failpoint_fired" and e.get("action") not in (None, "crash"):
+        elif ev == "failpoint_fired" and e.get("action") not in (None, "crash"):
             kind = f"{e.get('action')}@{e.get('failpoint') or 'unknown'}"
         else:
             continue
@@ -196,9 +197,13 @@ def faults_fired(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+#: The events `fault_windows` reads (every other one is passed over at once).
+_WINDOW_EVENTS = frozenset({"crash", "fault_fired", "failpoint_fired", "worker_exited"})
+
+
 def fault_windows(events: list[dict]) -> list[FaultWindow]:
     """The fault windows of a history sorted by time (see `FaultWindow`)."""
-    end_of_run = max((event_time(e) for e in events), default=0.0)
+    end_of_run = max(map(event_time, events), default=0.0)
     healed: dict[Any, float] = {}
     crashes: dict[Any, float] = {}
     for e in events:
@@ -206,7 +211,10 @@ def fault_windows(events: list[dict]) -> list[FaultWindow]:
             healed.setdefault(e["fault_id"], event_time(e))
     out: list[FaultWindow] = []
     for e in events:
-        ev, t, fid = e.get("ev"), event_time(e), e.get("fault_id")
+        ev = e.get("ev")
+        if ev not in _WINDOW_EVENTS:
+            continue
+        t, fid = event_time(e), e.get("fault_id")
         if ev == "crash":
             crashes[e.get("pid")] = e
         elif ev == "fault_fired":
