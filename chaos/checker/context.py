@@ -103,20 +103,21 @@ class Context:
         self.faults: list[dict] = []
         self.submitted: dict[str, dict] = {}
         self.cancelled = set(spec.cancelled)
+        by_eval, by_pair = self.by_eval, self.by_pair
         for e in self.events:
             ev = e.get("ev")
             a = e.get("attempt_id")
-            if isinstance(a, str):
-                self.by_eval[a].append(e)
+            if type(a) is str or isinstance(a, str):
+                by_eval[a].append(e)
                 r = e.get("rule_id")
-                if isinstance(r, str):
-                    self.by_pair[(a, r)].append(e)
+                if type(r) is str or isinstance(r, str):
+                    by_pair[(a, r)].append(e)
+                if ev == "submitted":
+                    self.submitted.setdefault(a, e)
+                elif ev == "cancel_requested":
+                    self.cancelled.add(a)
             if ev in FAULT_EVENTS:
                 self.faults.append(e)
-            if ev == "submitted" and isinstance(a, str):
-                self.submitted.setdefault(a, e)
-            if ev == "cancel_requested" and isinstance(a, str):
-                self.cancelled.add(a)
         self.plans: dict[str, Plan] = dict(spec.plans)
         for a, e in self.submitted.items():
             raw = e.get("plan")
@@ -137,10 +138,10 @@ class Context:
 
     def rounds(self, pair: tuple[str, str]) -> list[Round]:
         """`rounds_of` the pair's events, worked out once for every check that asks."""
-        from chaos.checker.rounds import rounds_of  # it builds on this module
-
         got = self._rounds.get(pair)
         if got is None:
+            from chaos.checker.rounds import rounds_of  # it builds on this module
+
             got = self._rounds[pair] = rounds_of(self.by_pair.get(pair, []))
         return got
 
@@ -311,6 +312,9 @@ class Events(list[dict]):
 def of(events: Iterable[dict], *kinds: str) -> list[dict]:
     """The events of these kinds, in their order."""
     if type(events) is Events:
+        index = events._index
+        if index is not None and len(kinds) == 1 and index[0] == len(events):
+            return list(index[1].get(kinds[0], ()))  # `Events.of`, one call less
         return events.of(kinds)
     return [e for e in events if e.get("ev") in kinds]
 
