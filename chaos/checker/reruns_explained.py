@@ -95,9 +95,7 @@ def check_reruns_explained(cx: Context) -> Outcome:
     rerun (a round after the first of its attempt) no fault explains, with both starts and
     what their processes did in between."""
     out: list[Violation] = []
-    dead = deaths(cx.events)
-    windows = _windows(cx)
-    stalls = _stalls(cx)
+    faults: tuple[Any, ...] = ()  # deaths, windows, stalls: worked out at the first rerun
     slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)
     cases = reruns = 0
     why: dict[str, int] = defaultdict(int)
@@ -105,14 +103,21 @@ def check_reruns_explained(cx: Context) -> Outcome:
     # looked up by bisection (a scan per rerun is quadratic on a long history)
     around: dict[str, tuple[list[dict], list[float]]] = {}
     for a, r in sorted(cx.by_pair):
+        rounds = cx.rounds((a, r))
+        if len(rounds) < 2:  # one round: judged, and no rerun (most pairs of most runs)
+            cases += len(rounds)
+            continue
         by_attempt: dict[int, list[Round]] = defaultdict(list)
-        for rnd in cx.rounds((a, r)):
+        for rnd in rounds:
             by_attempt[rnd.attempt].append(rnd)
         for attempt_rounds in by_attempt.values():
             cases += len(attempt_rounds)  # a first round is judged too: it is no rerun
             for i in range(1, len(attempt_rounds)):
                 prev, rnd = attempt_rounds[i - 1], attempt_rounds[i]
                 reruns += 1
+                if not faults:
+                    faults = (deaths(cx.events), _windows(cx), _stalls(cx))
+                dead, windows, stalls = faults
                 reason = _explained(cx, a, prev, rnd, dead, windows, stalls, slack)
                 if reason is not None:
                     why[reason] += 1
