@@ -40,6 +40,36 @@ invariant above 4 % of a seed), a twentieth the reference (the engine's core alo
 rest the run's set-up and the history's hash. Left to gain there: the engine's shell and
 core (frozen dataclasses built per effect and action, a sixteenth of the run) and the
 checker's invariants, each a few per cent.
+
+2026-12-02, second session (branch simfast against 1203731): the default is 10,000 seeds
+measured whole (it was 2,000 times five, which counted the pool's start-up, about 0.4 s,
+five times: that morning, quiet, 1203731 printed 481 seeds/s, "20.8 s", 19.2 s with the
+start-up once). Deterministic, under callgrind (one process, 100 seeds after 20): 22.8 M
+instructions a seed before, 20.8 M after (-8.8 %), all of it in the checker and the
+reference: the invariants every seed runs over every (evaluation, rule) pair read its
+events in one pass instead of asking the index kind by kind (no_completed_rerun,
+idempotent_results, attempts_monotonic, retry_budget, pass_results_correct, rounds),
+reruns_explained works out deaths and fault windows only once a rule ran twice, the
+context indexes the history with fewer lookups, and the reference's cache key is what it
+reads (seed, policy, agent settings, max_parallel, plans), not the scenario as JSON.
+Histories, verdicts, stats and evidence are the same on every shipped scenario (30 seeds
+each), under every mutant (12 seeds of four scenarios) and on 300 seeds of
+crash_after_ack. On the morning's quiet figure this projects 18.8 s x 0.912 + 0.4 s =
+17.5 s for 10,000 seeds. Measured at 08:11 to 08:16 on a busy machine (other helpers'
+test runs, load average 2.4 to 4.4), not a quiet one: `--against` 1203731, 5 rounds of
+10,000 seeds, median 493 against 465 seeds/s (1.06; 20.3 s against 21.5 s), the rounds
+0.43 to 1.58 apart, the two best of this checkout 566 and 558 seeds/s (17.7 and 17.9 s)
+against 550 (18.2 s); the plain run printed 23.2 s (431 seeds/s), start-up 0.41 s. The
+quiet-machine figure is still to be taken. Also: reruns_explained scanned an evaluation's whole
+history for each unexplained rerun, quadratic on a long one: a seed of
+transient_llm_errors under reset_attempts_on_recovery (115,000 events) took 148 s to
+check, 12 s now (bisection). Tried, no gain: the garbage collector off altogether (21.42 M
+against 21.40 M: with the pool's settings it costs nothing now); one shared default
+`SimOptions`. Where a seed's time goes now (py-spy, one process): the engine's shell and
+core about 40 % (`Evaluation._advance` 7 % with the reference's share, frozen dataclasses'
+`__init__` 4.5 %, `FakeAgent.draw` 4 %, `Stepper.advance` 2.5 % of its own), simpy 8 %,
+`sim/` about 20 %, the checker about 20 %, the set-up (`SimRun`, the seed's variant) 5 %,
+the history's hash 2.4 %; the pool's start-up (0.4 s) is a fortieth of a 10,000-seed run.
 """
 
 from __future__ import annotations
