@@ -47,9 +47,6 @@ if TYPE_CHECKING:
     from chaos.checker import EvaluationFinal
     from chaos.scenario import LoadedScenario
 
-#: Scenario fields that do not change what a fault-free run computes (the cache key drops
-#: them; the faults themselves are stripped).
-_NOT_OUTCOME = {"name", "description", "faults", "invariants", "budgets"}
 _CACHE_SIZE = 64
 
 
@@ -173,24 +170,22 @@ def reference_for(
     plan, as the run submitted them).
 
     The same agent profile (its seed the run's unless the scenario sets one), retry policy
-    and engine settings; cached per (scenario without faults, seed, plans), since shrinking
-    and exploring rerun one seed many times. `draws`: what the run's agents drew, read
-    where they are the reference's own (same profile and retries)."""
+    and engine settings; cached per what it reads of them (`_key`), since shrinking reruns
+    one seed many times. `draws`: what the run's agents drew, read where they are the
+    reference's own (same profile and retries)."""
     if dict(plans) != loaded.evaluations(seed):
         raise ValueError(
             f"the plans are not the evaluations of {loaded.spec.name} under seed {seed}: a "
             "reference runs the scenario's own submissions"
         )
-    key = _key(loaded, seed, plans)
+    spec = loaded.spec
+    own = seed == spec.seed  # the loaded scenario's own policy and profile, built for it
+    policy = loaded.retry_policy if own else spec.retry.policy(seed)
+    key = _key(loaded, seed, policy, plans)
     cached = _cache.get(key)
     if cached is not None:
         return cached
-    spec = loaded.spec
-    if seed == spec.seed:  # the loaded scenario's own, built for the same seed
-        policy, profile = loaded.retry_policy, loaded.agent
-    else:
-        policy = spec.retry.policy(seed)
-        profile = AgentProfile.from_dict({"seed": seed, **spec.agent})
+    profile = loaded.agent if own else AgentProfile.from_dict({"seed": seed, **spec.agent})
     agent = FakeAgent(profile, salt=0, immediate_retries=policy.immediate_retries)
     parallel = spec.engine.max_parallel
     known = None
@@ -265,6 +260,16 @@ def fault_free_outcome(
     )
 
 
-def _key(loaded: LoadedScenario, seed: int, plans: Mapping[str, Plan]) -> tuple[Any, ...]:
-    spec = loaded.spec.model_dump_json(exclude=_NOT_OUTCOME)
-    return (spec, seed, tuple((a, p.to_json()) for a, p in plans.items()))
+def _key(
+    loaded: LoadedScenario, seed: int, policy: RetryPolicy, plans: Mapping[str, Plan]
+) -> tuple[Any, ...]:
+    """What `reference_for` reads of its inputs, and nothing else: the seed, the retry
+    policy (a frozen value), the scenario's agent settings (the profile is theirs, with
+    the seed), `max_parallel` and the plans. Cheap: every seed explored computes it, and
+    the whole scenario as JSON cost a twentieth of the reference."""
+    spec = loaded.spec
+    agent = repr(spec.agent)  # equal settings give an equal repr, or a miss: never wrong
+    plan_keys = tuple((a, p.to_json()) for a, p in plans.items())
+    # the policy as its own key (hashed by value), unless a list of tiers makes it unhashable
+    policy_key = policy if isinstance(policy.tiers_ms, tuple) else repr(policy)
+    return (seed, policy_key, agent, spec.engine.max_parallel, plan_keys)

@@ -42,8 +42,14 @@ def check_attempts_monotonic(cx: Context) -> Outcome:
         pairs |= {(a, r) for r in fin.statuses}
     for a, r in sorted(pairs):
         evs = cx.by_pair.get((a, r), [])
-        starts = of(evs, "rule_started")
-        writes = of(evs, "status_written")
+        starts: list[dict] = []
+        writes: list[dict] = []
+        for e in evs:  # one pass: asked of every pair of every run
+            ev = e.get("ev")
+            if ev == "rule_started":
+                starts.append(e)
+            elif ev == "status_written":
+                writes.append(e)
         fin = cx.final_of(a)
         final_status = fin.statuses.get(r) if fin else None
         if starts or writes or final_status:

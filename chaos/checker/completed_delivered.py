@@ -77,13 +77,16 @@ def check_completed_delivered(cx: Context) -> Outcome:
                 announced or of(evs, "evaluation_terminal"),
             )
             continue
-        bodies = {_frozen(e.get("body")) for e in got}
+        by_body: dict[Any, dict] = {}  # each body once (frozen), with its last copy
+        for e in got:
+            by_body[_frozen(e.get("body"))] = e
+        bodies = by_body.keys()
         if len(bodies) > 1:
             flag(f"{len(got)} copies of evaluation.completed carry {len(bodies)} bodies", got)
         ids = sorted({str(e.get("message_id")) for e in got})
         if ids != [f"{a}:completed"]:
             flag(f"evaluation.completed arrived with message id(s) {listed(ids)}", got[:3])
-        for e in {_frozen(x.get("body")): x for x in got}.values():
+        for e in by_body.values():
             problem = _judge(cx, a, state, e.get("body"), fin)
             if problem:
                 flag(problem, [e])

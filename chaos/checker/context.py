@@ -103,20 +103,21 @@ class Context:
         self.faults: list[dict] = []
         self.submitted: dict[str, dict] = {}
         self.cancelled = set(spec.cancelled)
+        by_eval, by_pair = self.by_eval, self.by_pair
         for e in self.events:
             ev = e.get("ev")
             a = e.get("attempt_id")
-            if isinstance(a, str):
-                self.by_eval[a].append(e)
+            if type(a) is str or isinstance(a, str):
+                by_eval[a].append(e)
                 r = e.get("rule_id")
-                if isinstance(r, str):
-                    self.by_pair[(a, r)].append(e)
+                if type(r) is str or isinstance(r, str):
+                    by_pair[(a, r)].append(e)
+                if ev == "submitted":
+                    self.submitted.setdefault(a, e)
+                elif ev == "cancel_requested":
+                    self.cancelled.add(a)
             if ev in FAULT_EVENTS:
                 self.faults.append(e)
-            if ev == "submitted" and isinstance(a, str):
-                self.submitted.setdefault(a, e)
-            if ev == "cancel_requested" and isinstance(a, str):
-                self.cancelled.add(a)
         self.plans: dict[str, Plan] = dict(spec.plans)
         for a, e in self.submitted.items():
             raw = e.get("plan")
@@ -137,10 +138,10 @@ class Context:
 
     def rounds(self, pair: tuple[str, str]) -> list[Round]:
         """`rounds_of` the pair's events, worked out once for every check that asks."""
-        from chaos.checker.rounds import rounds_of  # it builds on this module
-
         got = self._rounds.get(pair)
         if got is None:
+            from chaos.checker.rounds import rounds_of  # it builds on this module
+
             got = self._rounds[pair] = rounds_of(self.by_pair.get(pair, []))
         return got
 
@@ -184,11 +185,12 @@ def faults_fired(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     fault)."""
     out: dict[str, int] = {}
     for e in events:
-        if e.get("ev") == "fault_fired":
+        ev = e.get("ev")
+        if ev == "fault_fired":
             kind = str(e.get("action") or e.get("fault") or "fault")
-        elif e.get("ev") == "crash":
+        elif ev == "crash":
             kind = f"crash@{e.get('failpoint') or 'unknown'}"
-        elif e.get("ev") == "failpoint_fired" and e.get("action") not in (None, "crash"):
+        elif ev == "failpoint_fired" and e.get("action") not in (None, "crash"):
             kind = f"{e.get('action')}@{e.get('failpoint') or 'unknown'}"
         else:
             continue
@@ -196,9 +198,13 @@ def faults_fired(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+#: The events `fault_windows` reads (every other one is passed over at once).
+_WINDOW_EVENTS = frozenset({"crash", "fault_fired", "failpoint_fired", "worker_exited"})
+
+
 def fault_windows(events: list[dict]) -> list[FaultWindow]:
     """The fault windows of a history sorted by time (see `FaultWindow`)."""
-    end_of_run = max((event_time(e) for e in events), default=0.0)
+    end_of_run = max(map(event_time, events), default=0.0)
     healed: dict[Any, float] = {}
     crashes: dict[Any, float] = {}
     for e in events:
@@ -206,7 +212,10 @@ def fault_windows(events: list[dict]) -> list[FaultWindow]:
             healed.setdefault(e["fault_id"], event_time(e))
     out: list[FaultWindow] = []
     for e in events:
-        ev, t, fid = e.get("ev"), event_time(e), e.get("fault_id")
+        ev = e.get("ev")
+        if ev not in _WINDOW_EVENTS:
+            continue
+        t, fid = event_time(e), e.get("fault_id")
         if ev == "crash":
             crashes[e.get("pid")] = e
         elif ev == "fault_fired":
@@ -303,6 +312,9 @@ class Events(list[dict]):
 def of(events: Iterable[dict], *kinds: str) -> list[dict]:
     """The events of these kinds, in their order."""
     if type(events) is Events:
+        index = events._index
+        if index is not None and len(kinds) == 1 and index[0] == len(events):
+            return list(index[1].get(kinds[0], ()))  # `Events.of`, one call less
         return events.of(kinds)
     return [e for e in events if e.get("ev") in kinds]
 

@@ -37,6 +37,14 @@ def check_dag_order(cx: Context) -> Outcome:
     timeline: the start, the dependency's events, the proof if it came later)."""
     out: list[Violation] = []
     cases = 0
+    proofs: dict[tuple[str, str], dict | None] = {}  # (a, dep): `_durable_at`, asked once
+
+    def durable_at(a: str, dep: str) -> dict | None:
+        key = (a, dep)
+        if key not in proofs:
+            proofs[key] = _durable_at(cx, a, dep)
+        return proofs[key]
+
     for (a, r), evs in sorted(cx.by_pair.items()):
         plan = cx.plans.get(a)
         rule = plan.rules.get(r) if plan is not None else None
@@ -49,7 +57,7 @@ def check_dag_order(cx: Context) -> Outcome:
         early: list[str] = []
         key: list[dict] = [first]
         for dep in deps:
-            proof = _durable_at(cx, a, dep)
+            proof = durable_at(a, dep)
             if proof is not None and sort_key(proof) < sort_key(first):
                 continue
             early.append(dep)
@@ -58,7 +66,7 @@ def check_dag_order(cx: Context) -> Outcome:
             if proof is not None:
                 key.append(proof)
         if early:
-            when = "before" if all(_durable_at(cx, a, d) for d in early) else "without"
+            when = "before" if all(durable_at(a, d) for d in early) else "without"
             out.append(
                 Violation(
                     NAME,

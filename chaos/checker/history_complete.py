@@ -7,7 +7,8 @@ every verdict that reads it is "unknown", never "pass" (see `chaos.checker.check
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
+from collections.abc import Mapping
 
 from chaos.checker.context import Context, Outcome, as_int, listed, timeline
 from chaos.checker.records import Violation
@@ -18,7 +19,7 @@ NAME = "history_complete"
 UNREADABLE = "history_unreadable"
 
 
-def _first_break(counts: Counter[int]) -> tuple[int, str] | None:
+def _first_break(counts: Mapping[int, int]) -> tuple[int, str] | None:
     """The first seq at which a source's numbering breaks, and how. A source restarted
     under the same name numbers from 1 again, so with c[s] the events numbered s, an
     unbroken history has c[1] >= c[2] >= ... >= c[max] >= 1."""
@@ -61,11 +62,19 @@ def check_history_complete(cx: Context) -> Outcome:
         by_src[str(e.get("src", ""))].append(e)
     gaps = 0
     for src, evs in sorted(by_src.items()):
-        numbered = [e for e in evs if as_int(e.get("seq"), 0) >= 1]
+        numbered: list[dict] = []
+        unnumbered: list[dict] = []
+        counts: dict[int, int] = {}  # events numbered s, by s
+        for e in evs:
+            s = as_int(e.get("seq"), 0)
+            if s >= 1:
+                numbered.append(e)
+                counts[s] = counts.get(s, 0) + 1
+            else:
+                unnumbered.append(e)
         if not numbered:
             continue
         cases += 1
-        unnumbered = [e for e in evs if as_int(e.get("seq"), 0) < 1]
         if unnumbered:
             out.append(
                 Violation(
@@ -77,7 +86,7 @@ def check_history_complete(cx: Context) -> Outcome:
                     timeline(unnumbered[:6], numbered),
                 )
             )
-        broken = _first_break(Counter(as_int(e.get("seq")) for e in numbered))
+        broken = _first_break(counts)
         if broken is None:
             continue
         gaps += 1

@@ -30,9 +30,12 @@ from chaos.checker.context import (
 from chaos.checker.records import Violation
 from engine.core.results import RuleResult
 
+#: `int | float` as a tuple: built once, not at every call (the union is an expression)
+_NUMBER = (int, float)
+
 
 def _key(verdict: Any, score: Any) -> tuple[str, float | None]:
-    s = round(float(score), 6) if isinstance(score, int | float) else None
+    s = round(float(score), 6) if isinstance(score, _NUMBER) else None
     return (str(verdict), s)
 
 
@@ -112,9 +115,20 @@ def check_idempotent_results(cx: Context) -> Outcome:
         pairs |= {(a, r) for r in fin.results}
     judged = 0
     for a, r in sorted(pairs):
-        evs = cx.by_pair.get((a, r), [])
-        persisted = of(evs, "result_persisted")
-        first = next((e for e in persisted if e.get("won") is True), None)
+        # one pass over the pair's events: its writes, and its executions' and writes'
+        # answers in order (every seed asks this of every pair)
+        persisted: list[dict] = []
+        answers: list[dict] = []
+        first = None
+        for e in cx.by_pair.get((a, r), ()):
+            ev = e.get("ev")
+            if ev == "result_persisted":
+                persisted.append(e)
+                answers.append(e)
+                if first is None and e.get("won") is True:
+                    first = e
+            elif ev == "rule_finished":
+                answers.append(e)
         final = None
         if first is not None:
             judged += 1
@@ -126,9 +140,9 @@ def check_idempotent_results(cx: Context) -> Outcome:
                 continue
         if drift > 0:
             continue  # a rerun may answer otherwise: only the first durable write binds
-        seen: list[tuple[tuple[str, float | None], dict | None]] = []
-        for e in of(evs, "rule_finished", "result_persisted"):
-            seen.append((_key(e.get("verdict"), e.get("score")), e))
+        seen: list[tuple[tuple[str, float | None], dict | None]] = [
+            (_key(e.get("verdict"), e.get("score")), e) for e in answers
+        ]
         if first is None:
             final = cx.result_of(a, r)
         if final is not None:

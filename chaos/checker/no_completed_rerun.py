@@ -35,16 +35,30 @@ def check_no_completed_rerun(cx: Context) -> Outcome:
     in `reruns`, which the `max_reruns` budget bounds)."""
     out: list[Violation] = []
     reruns = rerun_tokens = window = duplicated = completed_reruns = 0
-    calls = tokens = 0
+    calls = tokens = judged = 0
     for (a, r), evs in sorted(cx.by_pair.items()):
-        starts = of(evs, "rule_started")
-        calls += len(starts)
-        tokens += sum(as_int(e.get("tokens")) for e in of(evs, "rule_finished", "rule_failed"))
-        finished = of(evs, "rule_finished")
-        duplicated += sum(as_int(e.get("tokens")) for e in finished[1:])
+        # one pass over the pair's events (the hottest check: every seed, every pair)
+        starts: list[dict] = []
+        finished = 0
         # T: the first write, won or not: a losing SET NX found a result already durable
         # (a retried write whose first try landed before its connection dropped finds its own)
-        won = next(iter(of(evs, "result_persisted")), None)
+        won: dict | None = None
+        for e in evs:
+            ev = e.get("ev")
+            if ev == "rule_started":
+                starts.append(e)
+            elif ev == "rule_finished":
+                spent = as_int(e.get("tokens"))
+                tokens += spent
+                if finished:  # every rule_finished but the first is duplicated cost
+                    duplicated += spent
+                finished += 1
+            elif ev == "rule_failed":
+                tokens += as_int(e.get("tokens"))
+            elif ev == "result_persisted" and won is None:
+                won = e
+        calls += len(starts)
+        judged += bool(starts)
         late = [e for e in starts if won is not None and event_time(e) > event_time(won)]
         if won is not None and late:
             completed_reruns += len({id(e) for e in late if as_int(e.get("try_no"), 1) == 1})
@@ -63,8 +77,11 @@ def check_no_completed_rerun(cx: Context) -> Outcome:
                     ),
                 )
             )
+        rounds_of_pair = cx.rounds((a, r))
+        if len(rounds_of_pair) < 2:
+            continue  # no second execution: no rerun
         by_attempt: dict[int, list[Round]] = defaultdict(list)
-        for rnd in cx.rounds((a, r)):
+        for rnd in rounds_of_pair:
             by_attempt[rnd.attempt].append(rnd)
         for rounds in by_attempt.values():
             for prev, rnd in itertools.pairwise(rounds):
@@ -89,5 +106,4 @@ def check_no_completed_rerun(cx: Context) -> Outcome:
             "after_completion": completed_reruns,
         },
     )
-    judged = sum(1 for evs in cx.by_pair.values() if of(evs, "rule_started"))
     return judged, out

@@ -54,6 +54,9 @@ def delay_bounds(settings: RetrySettings, time_scale: float, failed: int) -> Del
 def dependents_of(plan: Any, roots: Iterable[str]) -> frozenset[str]:
     """Every rule that depends, directly or not, on one of `roots` (the roots excluded
     unless a cycle leads back to them), from each rule's `depends_on` alone."""
+    roots = list(roots)
+    if not roots:  # the common case (no rule failed for good): nothing to walk
+        return frozenset()
     rules: Mapping[str, Any] = plan.rules
     children: dict[str, list[str]] = {r: [] for r in rules}
     for rid, rule in rules.items():

@@ -21,7 +21,6 @@ from typing import Any
 from chaos.checker.context import (
     FINISHED_STATES,
     Context,
-    Events,
     Outcome,
     event_time,
     listed,
@@ -43,17 +42,23 @@ from chaos.checker.records import Violation
 def _known_terminal(evs: list[dict], pub: dict, plan: Any) -> set[str]:
     """The rules the announcing process could know terminal when it announced."""
     t, proc = event_time(pub), proc_of(pub)
-    before = Events(e for e in evs if event_time(e) <= t)  # asked three times: indexed
-    done = {str(e.get("rule_id")) for e in of(before, "result_persisted")}
-    failed = {
-        str(e.get("rule_id"))
-        for e in of(before, "status_written")
-        if (e.get("kept") or e.get("status")) == PERMANENTLY_FAILED
-    }
-    loaded = [e for e in of(before, "recovered") if proc_of(e) == proc]
-    if loaded:
-        done |= {str(r) for r in loaded[-1].get("loaded") or []}
-        failed |= {str(r) for r in loaded[-1].get("failed") or []}
+    done: set[str] = set()
+    failed: set[str] = set()
+    loaded = None  # the announcing process's last `recovered` up to then
+    for e in evs:  # one pass: asked of every announcement of every run
+        if event_time(e) > t:
+            continue
+        ev = e.get("ev")
+        if ev == "result_persisted":
+            done.add(str(e.get("rule_id")))
+        elif ev == "status_written":
+            if (e.get("kept") or e.get("status")) == PERMANENTLY_FAILED:
+                failed.add(str(e.get("rule_id")))
+        elif ev == "recovered" and proc_of(e) == proc:
+            loaded = e
+    if loaded is not None:
+        done |= {str(r) for r in loaded.get("loaded") or []}
+        failed |= {str(r) for r in loaded.get("failed") or []}
     failed -= done
     return done | failed | set(dependents_of(plan, failed))
 

@@ -24,6 +24,7 @@ leases and reruns work must fail).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from typing import Any
 
@@ -94,31 +95,48 @@ def check_reruns_explained(cx: Context) -> Outcome:
     rerun (a round after the first of its attempt) no fault explains, with both starts and
     what their processes did in between."""
     out: list[Violation] = []
-    dead = deaths(cx.events)
-    windows = _windows(cx)
-    stalls = _stalls(cx)
+    faults: tuple[Any, ...] = ()  # deaths, windows, stalls: worked out at the first rerun
     slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)
     cases = reruns = 0
     why: dict[str, int] = defaultdict(int)
+    # per evaluation, its `_AROUND` events and their times: the evidence of a rerun is
+    # looked up by bisection (a scan per rerun is quadratic on a long history)
+    around: dict[str, tuple[list[dict], list[float]]] = {}
     for a, r in sorted(cx.by_pair):
+        rounds = cx.rounds((a, r))
+        if len(rounds) < 2:  # one round: judged, and no rerun (most pairs of most runs)
+            cases += len(rounds)
+            continue
         by_attempt: dict[int, list[Round]] = defaultdict(list)
-        for rnd in cx.rounds((a, r)):
+        for rnd in rounds:
             by_attempt[rnd.attempt].append(rnd)
         for attempt_rounds in by_attempt.values():
             cases += len(attempt_rounds)  # a first round is judged too: it is no rerun
             for i in range(1, len(attempt_rounds)):
                 prev, rnd = attempt_rounds[i - 1], attempt_rounds[i]
                 reruns += 1
+                if not faults:
+                    faults = (deaths(cx.events), _windows(cx), _stalls(cx))
+                dead, windows, stalls = faults
                 reason = _explained(cx, a, prev, rnd, dead, windows, stalls, slack)
                 if reason is not None:
                     why[reason] += 1
                     continue
+                if a not in around:
+                    kept = of(cx.by_eval[a], *_AROUND)
+                    times = [event_time(e) for e in kept]
+                    if any(t != t for t in times):  # NaN: not sorted, no bisection
+                        times = []
+                    around[a] = (kept, times)
+                kept, times = around[a]
+                t0, t1 = event_time(prev.start), event_time(rnd.start)
+                if times:
+                    kept = kept[bisect_left(times, t0) : bisect_right(times, t1)]
                 between = [
                     e
-                    for e in cx.by_eval[a]
-                    if event_time(prev.start) <= event_time(e) <= event_time(rnd.start)
+                    for e in kept
+                    if t0 <= event_time(e) <= t1
                     and (proc_of(e) in (prev.proc, rnd.proc) or e.get("ev") == "sweeper_resumed")
-                    and e.get("ev") in _AROUND
                 ]
                 out.append(
                     Violation(

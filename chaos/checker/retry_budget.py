@@ -17,7 +17,7 @@ checker's own table, never from the `retryable` flag the engine recorded.
 
 from __future__ import annotations
 
-from chaos.checker.context import Context, Outcome, as_int, of, sort_key, timeline
+from chaos.checker.context import Context, Outcome, as_int, sort_key, timeline
 from chaos.checker.oracle import is_permanent_error
 from chaos.checker.records import Violation
 from chaos.checker.rounds import Round
@@ -53,6 +53,14 @@ def check_retry_budget(cx: Context) -> Outcome:
         rounds = cx.rounds((a, r))
         if not rounds:
             continue
+        firsts: dict[int, dict] = {}  # each attempt's first start
+        writes: list[dict] = []
+        for e in evs:  # one pass: asked of every pair of every run
+            ev = e.get("ev")
+            if ev == "rule_started":
+                firsts.setdefault(as_int(e.get("attempt"), 1), e)
+            elif ev == "status_written":
+                writes.append(e)
         cases += 1
         limit = cx.max_attempts(a, r)
 
@@ -74,9 +82,6 @@ def check_retry_budget(cx: Context) -> Outcome:
                         [fail, nxt],
                     )
                     break
-        firsts: dict[int, dict] = {}
-        for e in of(evs, "rule_started"):
-            firsts.setdefault(as_int(e.get("attempt"), 1), e)
         for k, start in sorted(firsts.items()):
             if k < 2:
                 continue
@@ -94,7 +99,7 @@ def check_retry_budget(cx: Context) -> Outcome:
                     f"failure(s) before it; level 1 needs {calls}",
                     ([*shown.starts, *shown.outcomes] if shown else []) + [start],
                 )
-        for write in of(evs, "status_written"):
+        for write in writes:
             if write.get("status") != "permanently_failed" or write.get("kept"):
                 continue
             before = [rnd for rnd in rounds if sort_key(rnd.start) < sort_key(write)]

@@ -35,17 +35,20 @@ def rounds_of(events: list[dict]) -> list[Round]:
     rounds: list[Round] = []
     current: dict[tuple[str, Any], Round] = {}
     for e in events:
-        ev, proc = e.get("ev"), proc_of(e)
-        attempt = as_int(e.get("attempt"), 1)
-        rnd = current.get(proc)
+        ev = e.get("ev")
         if ev == "rule_started":
+            proc, attempt = proc_of(e), as_int(e.get("attempt"), 1)
+            rnd = current.get(proc)
             if as_int(e.get("try_no"), 1) == 1 or rnd is None or rnd.attempt != attempt:
                 rnd = current[proc] = Round(e, attempt, proc)
                 rounds.append(rnd)
             rnd.starts.append(e)
-        elif ev in ("rule_finished", "rule_failed"):
-            if rnd is not None and rnd.attempt == attempt:
+        elif ev == "rule_finished" or ev == "rule_failed":
+            rnd = current.get(proc_of(e))
+            if rnd is not None and rnd.attempt == as_int(e.get("attempt"), 1):
                 rnd.outcomes.append(e)
-        elif ev == "result_persisted" and rnd is not None:
-            rnd.persisted = True
+        elif ev == "result_persisted":
+            rnd = current.get(proc_of(e))
+            if rnd is not None:
+                rnd.persisted = True
     return rounds
