@@ -41,11 +41,11 @@ async def drive(step: fx.Step, rt: Runtime) -> Any:
 
 
 def _record(e: fx.Record, rt: Runtime) -> None:
-    rt.history.record(e.event, **e.fields)
+    rt.history.write(e.event, e.fields)
 
 
 def _count(e: fx.Count, rt: Runtime) -> None:
-    rt.metrics.counter(e.metric, e.labels).inc(e.amount)
+    rt.metrics.count(e.metric, e.labels, e.amount)
 
 
 def _gauge(e: fx.Gauge, rt: Runtime) -> None:
