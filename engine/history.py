@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,6 @@ class History:
     source = "-"
 
     def record(self, ev: str, **fields: Any) -> None:
-        return None
-
-    def write(self, ev: str, fields: Mapping[str, Any]) -> None:
-        """`record(ev, **fields)`, the fields given as they are (the driver's way: a
-        history event a few times a rule, its fields already a dict)."""
         return None
 
     def close(self) -> None:
@@ -45,9 +39,6 @@ class FileHistory(History):
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def record(self, ev: str, **fields: Any) -> None:
-        self.write(ev, fields)
-
-    def write(self, ev: str, fields: Mapping[str, Any]) -> None:
         self._seq += 1
         line = {"t": time.time(), "src": self.source, "pid": self._pid, "seq": self._seq, "ev": ev}
         line.update(fields)
