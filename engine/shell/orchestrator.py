@@ -208,20 +208,14 @@ class PassExecutionOrchestrator:
         may be seconds old), so the store is asked again, fenced, before any start."""
         return now > self._lease_until - self.config.heartbeat_ms / 1000
 
-    def _still_ours(self, sent: float) -> Generator[Effect, Any, bool]:
-        """Right before a call, the lease short at `sent` (`_run_rule` looks first): a
-        worker paused since the store last ran its lease on (the start was allowed seconds
-        ago) asks again, fenced, until the lease is long enough or the evaluation over; a
-        refusal raises `LeaseLost`."""
-        while True:
+    def _still_ours(self) -> Generator[Effect, Any, bool]:
+        """Right before a call: a worker paused since the store last ran its lease on (the
+        start was allowed seconds ago) asks again, fenced; a refusal raises `LeaseLost`."""
+        while self._over is None and self._lease_short(sent := (yield MONO)):
             _, over = yield Store("mark_started", (self.attempt_id, [], self.fence))
             self._leased(sent)
             self._look(over)
-            if self._over is not None:
-                return False
-            sent = yield MONO
-            if not self._lease_short(sent):
-                return True
+        return self._over is None
 
     def _mark_starts(self, counts: list[int]) -> None:
         for (rule_id, _), count in zip(self._starts, counts, strict=True):
@@ -348,10 +342,11 @@ class PassExecutionOrchestrator:
             rerun = action.try_no == 1 and execution > 1
             rule = self.core.plan.rules[action.rule_id]
             yield Failpoint("rule_before_call", rule.id, a)
+            # `_still_ours`, its usual case (the lease long enough) without its generator;
+            # a short lease leaves it to `_still_ours`, which reads the clock again.
             if self._over is not None:
                 return
-            sent = yield MONO
-            if self._lease_short(sent) and not (yield from self._still_ours(sent)):
+            if self._lease_short((yield MONO)) and not (yield from self._still_ours()):
                 return
             if action.try_no > 1:
                 yield _RETRIED_AT_ONCE
