@@ -69,6 +69,38 @@ judge the target, still well short of 1.0. On a quiet machine the CPU cut predic
 0.55 to 0.6 (0.46 at 03:50 today with 280 us a rule); 1.0 needs the CPU a rule near 140
 us, and what is left is spread thin: the effect-driven shell and driver, the event loop,
 and aiormq/pamqp's Python framing of six confirmed publishes an evaluation.
+
+The engine's own code, cut (2026-12-02, second session): the same work in fewer
+instructions, counted under callgrind, which a busy machine does not disturb (the slope
+between two run lengths, so start-up drops out). The live shell, driver, store and agent in
+one process on the real Redis with an in-memory broker: 695k -> 486k instructions a rule
+(-30 %). The real worker of this benchmark (100 and 300 evaluations under callgrind):
+991k -> about 780k a rule (-21 %; most of the rest is aiormq/pamqp's publishes and the event
+loop). By change, each measured alone, in instructions a rule: effects as plain slotted
+dataclasses rather than frozen ones (-56k: a frozen one builds itself through
+`object.__setattr__`, a dozen effects a rule); the core (-64k; 1.39 M -> 0.63 M an
+evaluation: each pass counts its rules not yet terminal instead of rereading them at every
+input, states as plain names rather than read through their enum class, `dag.ready`
+without a generator, actions not frozen); `RuleResult.to_json` written out with `json`'s
+own escaper and float repr (-36k; 29.6k -> 10.2k an encoding, two a rule; the same text);
+the counters as plain numbers that a collector shows at a scrape, and the default history,
+which discards, not called (-31k); the fake agent's draw (-21k; 89.7k -> 66.6k, the same
+values); a rule's task without the `_task` generator, its sub-steps inline (-11k); locks and
+slots taken in place when free (-4k). Simulated histories stay byte-identical (2,900 runs
+of 11 scenarios), and the simulator does 95.0 M -> 81.9 M instructions a seed (-14 %).
+
+Measured by this benchmark, on the busy machine (load 1.6 to 2.5), `--against` the commit
+before, 7 rounds each: 4,551 against 3,570 rules/s (+27 %), 162 against 254 us of CPU a
+rule (-36 %); again 4,070 against 3,155 (+29 %), 215 against 269 us (-20 %). A plain run of
+7 rounds (load 1.6): median ratio 0.62 +- 5 %, 208 us a rule. Not at 1.0 yet. A rule now
+costs the worker about 7 event-loop callbacks (counted on asyncio's loop: its task's
+first step and done callback, 3.3 task wake-ups of which about 1.4 are waits for the
+evaluation's lock, rules finishing together), about 15 effects through two to four
+generator frames, and its share of six aiormq publishes. Left for later: a mailbox per
+evaluation instead of its lock, or a rule's task running the next ready rule itself instead
+of spawning it (each would save a task switch a rule, but changes the simulator's
+interleavings: a deliberate change, to be made with the planted-bug seeds re-checked), and
+the batch's replies read straight from hiredis rather than through redis-py.
 """
 
 from __future__ import annotations
