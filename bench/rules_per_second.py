@@ -89,10 +89,14 @@ values); a rule's task without the `_task` generator, its sub-steps inline (-11k
 slots taken in place when free (-4k). Simulated histories stay byte-identical (2,900 runs
 of 11 scenarios), and the simulator does 95.0 M -> 81.9 M instructions a seed (-14 %).
 
-Measured by this benchmark, on the busy machine (load 1.6 to 2.5), `--against` the commit
-before, 7 rounds each: 4,551 against 3,570 rules/s (+27 %), 162 against 254 us of CPU a
-rule (-36 %); again 4,070 against 3,155 (+29 %), 215 against 269 us (-20 %). A plain run of
-7 rounds (load 1.6): median ratio 0.62 +- 5 %, 208 us a rule. Not at 1.0 yet. A rule now
+Measured by this benchmark, `--against` the commit before, 7 rounds each: at load 1.6 to
+2.5, 4,551 against 3,570 rules/s (+27 %), 162 against 254 us of CPU a rule (-36 %), and
+4,070 against 3,155 (+29 %), 215 against 269 us (-20 %); quieter (load 0.5 to 1.3), 4,523
+against 4,080 (+11 %), 185 against 215 us (-14 %), and 5,128 against 4,623 (+11 %), 173
+against 188 us (-8 %): the CPU falls less than the instructions (the kernel's share, the
+socket writes, is unchanged). Plain runs of 7 rounds: median ratio 0.62 +- 5 % (load 1.6,
+208 us a rule) and 0.68 +- 8 % (load 1.1, 188 us; SET 7,600 to 8,900/s). Not at 1.0 yet
+(it needs about 110 to 130 us a rule). A rule now
 costs the worker about 7 event-loop callbacks (counted on asyncio's loop: its task's
 first step and done callback, 3.3 task wake-ups of which about 1.4 are waits for the
 evaluation's lock, rules finishing together), about 15 effects through two to four
