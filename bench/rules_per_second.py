@@ -99,6 +99,42 @@ aiormq and aio-pika (three frames through pamqp, the channel's queue and reader 
 `IncomingMessage`, two tasks), about 80 us, 6 us a rule; and the publishes' `send`s, where
 py-spy finds the worker about a tenth of its wall time (preempted while the broker it woke
 runs; its system time is 9 us a rule).
+
+The engine's own code, cut (2026-12-02, second session): the same work in fewer
+instructions, counted under callgrind, which a busy machine does not disturb (the slope
+between two run lengths, so start-up drops out). The live shell, driver, store and agent in
+one process on the real Redis with an in-memory broker: 695k -> 486k instructions a rule
+(-30 %). The real worker of this benchmark (100 and 300 evaluations under callgrind):
+991k -> about 780k a rule (-21 %; most of the rest is aiormq/pamqp's publishes and the event
+loop). By change, each measured alone, in instructions a rule: effects as plain slotted
+dataclasses rather than frozen ones (-56k: a frozen one builds itself through
+`object.__setattr__`, a dozen effects a rule); the core (-64k; 1.39 M -> 0.63 M an
+evaluation: each pass counts its rules not yet terminal instead of rereading them at every
+input, states as plain names rather than read through their enum class, `dag.ready`
+without a generator, actions not frozen); `RuleResult.to_json` written out with `json`'s
+own escaper and float repr (-36k; 29.6k -> 10.2k an encoding, two a rule; the same text);
+the counters as plain numbers that a collector shows at a scrape, and the default history,
+which discards, not called (-31k); the fake agent's draw (-21k; 89.7k -> 66.6k, the same
+values); a rule's task without the `_task` generator, its sub-steps inline (-11k); locks and
+slots taken in place when free (-4k). Simulated histories stay byte-identical (2,900 runs
+of 11 scenarios), and the simulator does 95.0 M -> 81.9 M instructions a seed (-14 %).
+
+Measured by this benchmark, `--against` the commit before, 7 rounds each: at load 1.6 to
+2.5, 4,551 against 3,570 rules/s (+27 %), 162 against 254 us of CPU a rule (-36 %), and
+4,070 against 3,155 (+29 %), 215 against 269 us (-20 %); quieter (load 0.5 to 1.3), 4,523
+against 4,080 (+11 %), 185 against 215 us (-14 %), and 5,128 against 4,623 (+11 %), 173
+against 188 us (-8 %): the CPU falls less than the instructions (the kernel's share, the
+socket writes, is unchanged). Plain runs of 7 rounds: median ratio 0.62 +- 5 % (load 1.6,
+208 us a rule) and 0.68 +- 8 % (load 1.1, 188 us; SET 7,600 to 8,900/s). Not at 1.0 yet
+(it needs about 110 to 130 us a rule). A rule now
+costs the worker about 7 event-loop callbacks (counted on asyncio's loop: its task's
+first step and done callback, 3.3 task wake-ups of which about 1.4 are waits for the
+evaluation's lock, rules finishing together), about 15 effects through two to four
+generator frames, and its share of six aiormq publishes. Left for later: a mailbox per
+evaluation instead of its lock, or a rule's task running the next ready rule itself instead
+of spawning it (each would save a task switch a rule, but changes the simulator's
+interleavings: a deliberate change, to be made with the planted-bug seeds re-checked), and
+the batch's replies read straight from hiredis rather than through redis-py.
 """
 
 from __future__ import annotations

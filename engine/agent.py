@@ -430,23 +430,33 @@ class Draw:
 
 def _stable_digest(*parts: object) -> bytes:
     # repr of a tuple of str and int is unambiguous and the same in every process
-    return hashlib.blake2b(repr(parts).encode(), digest_size=64).digest()
+    return _digest(repr(parts))
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=64).digest()
+
+
+def _uniform(digest: bytes, i: int) -> float:
+    """The `i`th uniform of a digest (of eight), as `_HashStream` reads it."""
+    return (int.from_bytes(digest[8 * i : 8 * i + 8], "big") >> 11) * (2.0**-53)
 
 
 class _HashStream(random.Random):
     """Uniforms read straight from a 64-byte digest (eight of them), then from a seeded
-    Mersenne Twister: building a `random.Random` per call costs more than the hash."""
+    Mersenne Twister: building a `random.Random` per call costs more than the hash.
+    `start` skips the uniforms a caller read itself (`_uniform`)."""
 
-    def __init__(self, digest: bytes) -> None:  # no super().__init__: seeding is the cost
+    def __init__(self, digest: bytes, start: int = 0) -> None:  # no seeding: that's the cost
         self._digest = digest
-        self._next = 0
+        self._next = start
         self._fallback: random.Random | None = None
 
     def random(self) -> float:
         i = self._next
         if i < 8:
             self._next = i + 1
-            return (int.from_bytes(self._digest[8 * i : 8 * i + 8], "big") >> 11) * (2.0**-53)
+            return _uniform(self._digest, i)
         if self._fallback is None:
             self._fallback = random.Random(int.from_bytes(self._digest, "big"))
         return self._fallback.random()
@@ -510,12 +520,17 @@ class FakeAgent:
         set (the client gave up there).
         """
         p = self.profile
-        rng = _HashStream(_stable_digest("call", p.seed, attempt_id, rule_id, attempt, try_no))
+        # `_stable_digest("call", seed, attempt_id, rule_id, attempt, try_no)`, its repr
+        # written out (a tuple's repr is its items' reprs): the draw a rule costs, halved.
+        call = f"('call', {p.seed!r}, {attempt_id!r}, {rule_id!r}, {attempt!r}, {try_no!r})"
+        digest = _digest(call)
         # Fixed draw order, whatever branch is taken, so one knob does not reshuffle the rest.
-        u_err = rng.random()
-        u_kind = rng.random()
-        u_tok = rng.random()
-        latency = p.latency_ms.sample(rng)  # last: some distributions use a variable count
+        u_err, u_kind, u_tok = _uniform(digest, 0), _uniform(digest, 1), _uniform(digest, 2)
+        lat = p.latency_ms
+        if lat.kind == "fixed":  # draws nothing
+            latency = lat.value_ms if lat.cap_ms is None else min(lat.value_ms, lat.cap_ms)
+        else:  # last: some distributions use a variable count
+            latency = lat.sample(_HashStream(digest, start=3))
         spread = p.tokens * p.token_spread
         tokens = max(0, round(p.tokens - spread + 2 * spread * u_tok))
 
@@ -559,12 +574,14 @@ class FakeAgent:
         self, attempt_id: str, rule_id: str, attempt: int, try_no: int, execution: int, tokens: int
     ) -> RuleResult:
         p = self.profile
-        key: tuple[object, ...] = ("verdict", p.seed, attempt_id, rule_id)
+        key = ("verdict", p.seed, attempt_id, rule_id)
         if self.nondeterministic:
-            key = (*key, self.salt, attempt, try_no, execution)
+            digest = _stable_digest(*key, self.salt, attempt, try_no, execution)
         elif self.drifts(attempt_id, rule_id, attempt, try_no, execution):
-            key = (*key, attempt, try_no, execution)
-        u = _HashStream(_stable_digest(*key)).random()
+            digest = _stable_digest(*key, attempt, try_no, execution)
+        else:  # `_stable_digest(*key)`, written out as in `draw`
+            digest = _digest(f"('verdict', {p.seed!r}, {attempt_id!r}, {rule_id!r})")
+        u = _uniform(digest, 0)
         if u < p.pass_rate:
             verdict = "pass"
         elif u < p.pass_rate + (1.0 - p.pass_rate) * p.review_share:

@@ -1,55 +1,96 @@
-"""Prometheus metrics of one worker, named after the second seed's `*_retries_total`."""
+"""Prometheus metrics of one worker, named after the second seed's `*_retries_total`.
+
+The counters are plain numbers, moved by `count` and read by a collector when Prometheus
+scrapes: a `prometheus_client.Counter` validates and takes a lock on every increment, and
+a rule moves two or three of them. A scrape shows them exactly as `Counter`s would (the
+`_total` and `_created` samples, children in the order they first moved). The scrape runs
+in the server's thread; the event loop's thread is the only writer, so a scrape reads
+each number whole, at worst one increment old.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+
+Labels = tuple[tuple[str, str], ...]
+
+#: name -> (exposed name, help, label names): the worker's counters, in exposition order.
+COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "retries": (
+        "engine_retries",
+        "Retries by level (1 immediate, 2 delayed, 3 permanent)",
+        ("level",),
+    ),
+    "resumes": ("engine_resume", "Evaluations resumed from Redis state", ("reason",)),
+    "reruns": ("engine_reruns", "Rule attempts started again after a crash lost them", ()),
+    "calls": ("engine_agent_calls", "Agent calls by outcome", ("outcome",)),
+    "tokens": ("engine_tokens", "Tokens spent on agent calls", ()),
+    "rerun_tokens": ("engine_rerun_tokens", "Tokens spent on reruns (duplicated cost)", ()),
+    "loaded": ("engine_rules_loaded", "Rule results loaded from Redis, not rerun", ()),
+    "evaluations": ("engine_evaluations", "Evaluations finished, by status", ("status",)),
+}
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.retries = Counter(
-            "engine_retries_total",
-            "Retries by level (1 immediate, 2 delayed, 3 permanent)",
-            ["level"],
-            registry=r,
+        now = time.time()
+        # (metric, labels) -> [value, created]; the unlabelled ones exist from the start.
+        self._counts: dict[tuple[str, Labels], list[float]] = {
+            (name, ()): [0.0, now] for name, (_, _, labels) in COUNTERS.items() if not labels
+        }
+        self.registry.register(_Counters(self._counts))
+        self.running = Gauge(
+            "engine_evaluations_running", "Evaluations in memory", registry=self.registry
         )
-        self.resumes = Counter(
-            "engine_resume_total", "Evaluations resumed from Redis state", ["reason"], registry=r
-        )
-        self.reruns = Counter(
-            "engine_reruns_total",
-            "Rule attempts started again after a crash lost them",
-            registry=r,
-        )
-        self.calls = Counter(
-            "engine_agent_calls_total", "Agent calls by outcome", ["outcome"], registry=r
-        )
-        self.tokens = Counter("engine_tokens_total", "Tokens spent on agent calls", registry=r)
-        self.rerun_tokens = Counter(
-            "engine_rerun_tokens_total", "Tokens spent on reruns (duplicated cost)", registry=r
-        )
-        self.loaded = Counter(
-            "engine_rules_loaded_total", "Rule results loaded from Redis, not rerun", registry=r
-        )
-        self.evaluations = Counter(
-            "engine_evaluations_total", "Evaluations finished, by status", ["status"], registry=r
-        )
-        self.running = Gauge("engine_evaluations_running", "Evaluations in memory", registry=r)
-        self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], Counter] = {}
 
-    def counter(self, metric: str, labels: tuple[tuple[str, str], ...] = ()) -> Counter:
-        """The counter `metric` (its child for `labels`), looked up once: `labels()`
-        validates and takes a lock on every call, and a rule moves a few counters."""
-        key = (metric, labels)
-        found = self._counters.get(key)
+    def count(self, metric: str, labels: Labels = (), amount: float = 1) -> None:
+        """Move the counter `metric` (its child for `labels`) by `amount` (>= 0)."""
+        found = self._counts.get((metric, labels))
         if found is None:
-            found = getattr(self, metric)
-            if labels:
-                found = found.labels(**dict(labels))
-            self._counters[key] = found
+            found = self._first(metric, labels)
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        found[0] += amount
+
+    def _first(self, metric: str, labels: Labels) -> list[float]:
+        """A labelled counter's child, made when it first moves (as `Counter.labels`)."""
+        if metric not in COUNTERS:
+            raise AttributeError(f"no counter {metric!r}; known: {sorted(COUNTERS)}")
+        names = COUNTERS[metric][2]
+        if tuple(k for k, _ in labels) != names:
+            raise ValueError(f"counter {metric!r} takes the labels {names}, got {labels}")
+        found = self._counts[(metric, labels)] = [0.0, time.time()]
         return found
+
+    def value(self, metric: str, labels: Labels = ()) -> float:
+        """A counter's value now (0 for a child that never moved)."""
+        found = self._counts.get((metric, labels))
+        return 0.0 if found is None else found[0]
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+
+class _Counters:
+    """The collector that shows `Metrics`' numbers as Prometheus counters."""
+
+    def __init__(self, counts: dict[tuple[str, Labels], list[float]]) -> None:
+        self._counts = counts
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(name, doc, labels=ls) for name, doc, ls in COUNTERS.values()]
+
+    def collect(self) -> Iterator[Metric]:
+        children: dict[str, list[tuple[Labels, float, float]]] = {m: [] for m in COUNTERS}
+        for (metric, labels), (value, created) in list(self._counts.items()):
+            children[metric].append((labels, value, created))
+        for metric, (name, doc, names) in COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=names)
+            for labels, value, created in children[metric]:
+                family.add_metric([v for _, v in labels], value, created=created)
+            yield family

@@ -4,6 +4,10 @@ Ordering matters and is part of the contract: a `PersistResult` or `PersistStatu
 before any action that depends on it (a `RunRule` of a dependent, a `ScheduleRetry`, an
 `AckRetry`), so a shell that executes the list front to back, awaiting each durable write,
 keeps the write window as small as the protocol allows.
+
+Not frozen, though nobody changes an action once returned: a frozen dataclass builds
+itself through `object.__setattr__`, three times the cost, and the core returns a few
+actions a rule.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from engine.core.results import RuleResult
 from engine.core.states import EvaluationStatus
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunRule:
     """Call the agent for one rule. `try_no` > 1 is a level-1 (immediate) retry."""
 
@@ -24,13 +28,13 @@ class RunRule:
     try_no: int = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PersistResult:
     rule_id: str
     result: RuleResult
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PersistStatus:
     """Write `failed_attempt_N` or `permanently_failed` (level 2 / level 3)."""
 
@@ -40,7 +44,7 @@ class PersistStatus:
     retry_due_in_ms: int | None = None  # for failed_attempt_N: when the retry is due
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduleRetry:
     """Publish a retry message to delay queue (tier, bucket); it runs `attempt`."""
 
@@ -51,7 +55,7 @@ class ScheduleRetry:
     delay_ms: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AckRetry:
     """The retry message that asked for (rule, attempt) is done with: its outcome is durable."""
 
@@ -59,7 +63,7 @@ class AckRetry:
     attempt: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SkipRules:
     """Dependents of a permanently failed rule; independent branches never appear here."""
 
@@ -67,14 +71,14 @@ class SkipRules:
     because_of: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PublishPassResult:
     pass_id: str
     outcome: str  # "complete" | "partial"
     rules: Mapping[str, str] = field(default_factory=dict)  # rule id -> verdict or state
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Recovered:
     """ReEvaluateUseCase's classification of what Redis remembered."""
 
@@ -84,14 +88,14 @@ class Recovered:
     fresh: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Park:
     """Only delayed retries are left: drop the evaluation from memory until one arrives."""
 
     waiting: Mapping[str, int]  # rule id -> the attempt it waits to run
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finish:
     status: EvaluationStatus
     verdicts: Mapping[str, str] = field(default_factory=dict)

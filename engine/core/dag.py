@@ -17,9 +17,16 @@ from engine.plan import Pass, Plan
 States = Mapping[str, RuleState]
 
 
+_SUCCEEDED = RuleState.SUCCEEDED  # a plain name: read for every pending rule, every input
+
+
 def ready(plan: Plan, state: States, rule_id: str) -> bool:
     """A pending rule may start once every rule it depends on has succeeded."""
-    return all(state[d] is RuleState.SUCCEEDED for d in plan.rules[rule_id].depends_on)
+    # `all(...)` without its generator: asked for every pending rule at every input
+    for d in plan.rules[rule_id].depends_on:  # noqa: SIM110
+        if state[d] is not _SUCCEEDED:
+            return False
+    return True
 
 
 def pruned(plan: Plan, state: States, failed: str) -> tuple[str, ...]:

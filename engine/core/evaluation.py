@@ -48,6 +48,18 @@ from engine.core.states import (
 from engine.plan import Plan
 from engine.policy import RetryPolicy
 
+# The states as plain names: an enum member read through its class is a descriptor lookup
+# each time, and `_advance` reads them for every rule of every input.
+_PENDING = RuleState.PENDING
+_RUNNING = RuleState.RUNNING
+_WAITING = RuleState.WAITING_RETRY
+_SUCCEEDED = RuleState.SUCCEEDED
+_FAILED = RuleState.PERMANENTLY_FAILED
+_SKIPPED = RuleState.SKIPPED
+_RULE_STATES = tuple(RuleState)
+_LOADED, _RETRYING, _RECOVERY_FAILED = Recovery.LOADED, Recovery.RETRYING, Recovery.FAILED
+_EVALUATION_RUNNING = EvaluationStatus.RUNNING
+
 
 class ProtocolError(RuntimeError):
     """The shell fed the core an input its state does not allow: a shell bug."""
@@ -85,35 +97,45 @@ class Evaluation:
         self._parked = False
         self._classification = classify(plan, self.snapshot)
         due = dict(due or {})
-        unknown = sorted(set(due) - set(plan.rules))
+        unknown = sorted(set(due) - set(plan.rules)) if due else []
         if unknown:
             raise ProtocolError(f"due names unknown rule(s) {unknown}")
         for rid, (kind, n) in self._classification.items():
             self.tries[rid] = 0
-            if kind is Recovery.LOADED:
-                self.state[rid] = RuleState.SUCCEEDED
+            if kind is _LOADED:
+                self.state[rid] = _SUCCEEDED
                 self.results[rid] = self.snapshot.results[rid]
                 self.attempt[rid] = self.results[rid].attempt
-            elif kind is Recovery.FAILED:
-                self.state[rid] = RuleState.PERMANENTLY_FAILED
+            elif kind is _RECOVERY_FAILED:
+                self.state[rid] = _FAILED
                 self.attempt[rid] = self.max_attempts(rid)
-            elif kind is Recovery.RETRYING:
+            elif kind is _RETRYING:
                 self.attempt[rid] = n + 1
                 if due.get(rid) == n + 1:
-                    self.state[rid] = RuleState.PENDING
+                    self.state[rid] = _PENDING
                     self._retry_tokens[rid] = n + 1
                 else:
-                    self.state[rid] = RuleState.WAITING_RETRY
+                    self.state[rid] = _WAITING
             else:
-                self.state[rid] = RuleState.PENDING
+                self.state[rid] = _PENDING
                 self.attempt[rid] = 1
         # A retry message that is not the next attempt of a waiting rule is stale: it is
         # acked at start (or cancel), exactly as `retry_due` acks one, never left unacked.
         self._stale_due = sorted((r, a) for r, a in due.items() if self._retry_tokens.get(r) != a)
         # Rules per state, kept by `_move`: `_advance` runs after every input and asks.
-        self._count: dict[RuleState, int] = dict.fromkeys(RuleState, 0)
+        self._count: dict[RuleState, int] = dict.fromkeys(_RULE_STATES, 0)
         for st in self.state.values():
             self._count[st] += 1
+        # Rules of each pass not terminal yet, kept by `_move` too: a pass is announced when
+        # its count reaches 0, without looking at its rules again at every input.
+        self._passes_of: dict[str, list[str]] = {rid: [] for rid in self.state}
+        self._open: dict[str, int] = {}
+        for p in plan.passes:
+            self._open[p.id] = 0
+            for rid in p.rule_ids:
+                self._passes_of[rid].append(p.id)
+                if self.state[rid] not in TERMINAL_RULE_STATES:
+                    self._open[p.id] += 1
         # Terminal rules when the passes were last looked at: a terminal state is never
         # left, so a pass can only become announceable when this count grows.
         self._terminal_seen = -1
@@ -155,18 +177,18 @@ class Evaluation:
                 )
             )
         actions.extend(self._ack_stale_due())
-        failed = self.rules_in(RuleState.PERMANENTLY_FAILED)
-        if failed:
-            actions.extend(self._skip_dependents(failed))
+        if self._count[_FAILED]:
+            actions.extend(self._skip_dependents(self.rules_in(_FAILED)))
         actions.extend(self._advance())
         return actions
 
     def rule_succeeded(self, rule_id: str, result: RuleResult) -> list[Action]:
-        self._expect(rule_id, RuleState.RUNNING)
-        self._move(rule_id, RuleState.SUCCEEDED)
+        self._expect(rule_id, _RUNNING)
+        self._move(rule_id, _SUCCEEDED)
         self.results[rule_id] = result
         actions: list[Action] = [PersistResult(rule_id, result)]
-        actions.extend(self._ack_token(rule_id))
+        if self._retry_tokens:
+            actions.extend(self._ack_token(rule_id))
         actions.extend(self._advance())
         return actions
 
@@ -247,31 +269,32 @@ class Evaluation:
     # --- the rules ------------------------------------------------------------------------
 
     def _advance(self) -> list[Action]:
-        if self._finished or self.status is not EvaluationStatus.RUNNING:
+        if self._finished or self.status is not _EVALUATION_RUNNING:
             return []
         actions: list[Action] = []
         count = self._count
-        if count[RuleState.PENDING] and count[RuleState.RUNNING] < self.max_parallel:
-            for rid in self.plan.order:
-                if count[RuleState.RUNNING] >= self.max_parallel:
+        if count[_PENDING] and count[_RUNNING] < self.max_parallel:
+            plan, state, ready = self.plan, self.state, dag.ready
+            for rid in plan.order:
+                if count[_RUNNING] >= self.max_parallel:
                     break
-                if self.state[rid] is RuleState.PENDING and dag.ready(self.plan, self.state, rid):
-                    self._move(rid, RuleState.RUNNING)
+                if state[rid] is _PENDING and ready(plan, state, rid):
+                    self._move(rid, _RUNNING)
                     self.tries[rid] = 1
                     actions.append(RunRule(rid, self.attempt[rid], 1))
-        terminal = sum(count[st] for st in TERMINAL_RULE_STATES)
+        terminal = count[_SUCCEEDED] + count[_FAILED] + count[_SKIPPED]
         if terminal != self._terminal_seen:  # a rule became terminal: a pass may be done
             self._terminal_seen = terminal
             for p in self.plan.passes:
                 if p.id in self._published:
                     continue
-                if all(self.state[r] in TERMINAL_RULE_STATES for r in p.rule_ids):
+                if not self._open[p.id]:  # every rule of the pass is terminal
                     self._published.add(p.id)
                     outcome = dag.pass_outcome(p, self.state)
                     actions.append(
                         PublishPassResult(p.id, outcome, {r: self._verdict(r) for r in p.rule_ids})
                     )
-        rules, succeeded = len(self.state), count[RuleState.SUCCEEDED]
+        rules, succeeded = len(self.state), count[_SUCCEEDED]
         if terminal == rules:
             self._finished = True
             if succeeded == rules:
@@ -281,7 +304,7 @@ class Evaluation:
             else:
                 self.status = EvaluationStatus.FAILED
             actions.append(Finish(self.status, self._verdicts()))
-        elif not count[RuleState.RUNNING] and not self._parked:
+        elif not count[_RUNNING] and not self._parked:
             # Nothing in flight and nothing startable (a ready rule would have started
             # above): only delayed retries are left, even if dependents of them are pending.
             self._parked = True
@@ -331,3 +354,6 @@ class Evaluation:
         self.state[rule_id] = to
         self._count[here] -= 1
         self._count[to] += 1
+        if to in TERMINAL_RULE_STATES:  # entered once: a terminal state has no way out
+            for pass_id in self._passes_of[rule_id]:
+                self._open[pass_id] -= 1

@@ -39,19 +39,23 @@ class Snapshot:
         return not self.results and not self.statuses
 
 
+_LOADED, _FRESH, _FAILED = (Recovery.LOADED, 0), (Recovery.FRESH, 0), (Recovery.FAILED, 0)
+
+
 def classify(plan: Plan, snapshot: Snapshot) -> dict[str, tuple[Recovery, int]]:
     """Each rule's category and the number of failed attempts it carries."""
     out: dict[str, tuple[Recovery, int]] = {}
+    results, statuses = snapshot.results, snapshot.statuses
     for rid in plan.order:
-        if rid in snapshot.results:
-            out[rid] = (Recovery.LOADED, 0)
+        if rid in results:
+            out[rid] = _LOADED
             continue
-        status = snapshot.statuses.get(rid)
+        status = statuses.get(rid)
         if status is None:
-            out[rid] = (Recovery.FRESH, 0)
+            out[rid] = _FRESH
             continue
         n = parse_status(status)
-        out[rid] = (Recovery.FAILED, 0) if n is None else (Recovery.RETRYING, n)
+        out[rid] = _FAILED if n is None else (Recovery.RETRYING, n)
     return out
 
 

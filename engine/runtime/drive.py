@@ -8,11 +8,13 @@ steps that spawn tasks of their own as asyncio tasks.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from engine.history import History
 from engine.runtime.context import Runtime, cancelled, log, settle
 from engine.runtime.store import LeaseLost, now_ms
 from engine.shell import effects as fx
@@ -40,11 +42,13 @@ async def drive(step: fx.Step, rt: Runtime) -> Any:
 
 
 def _record(e: fx.Record, rt: Runtime) -> None:
-    rt.history.record(e.event, **e.fields)
+    history = rt.history
+    if type(history) is not History:  # the default one discards: not even called
+        history.record(e.event, **e.fields)
 
 
 def _count(e: fx.Count, rt: Runtime) -> None:
-    rt.metrics.counter(e.metric, e.labels).inc(e.amount)
+    rt.metrics.count(e.metric, e.labels, e.amount)
 
 
 def _gauge(e: fx.Gauge, rt: Runtime) -> None:
@@ -71,11 +75,12 @@ _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
     fx.Clock: lambda e, rt: now_ms(),
     fx.Monotonic: lambda e, rt: time.monotonic(),
     fx.Failpoint: lambda e, rt: fx.WAIT if rt.failpoints.armed else None,
+    fx.Acquire: lambda e, rt: None if e.lock.take() else fx.WAIT,
 }
 #: Effects awaited: each handler returns the awaitable of the service call itself.
 _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
     fx.Store: lambda e, rt: getattr(rt.store, e.op)(*e.args),
-    fx.Acquire: lambda e, rt: e.lock.acquire(),
+    fx.Acquire: lambda e, rt: e.lock.wait(),
     fx.Settle: lambda e, rt: settle(e.delivery, ack=e.ack, timeout_s=rt.config.read_timeout_s),
     fx.CallAgent: lambda e, rt: rt.agent.evaluate(
         e.attempt_id, e.rule, e.attempt, e.try_no, execution=e.execution
@@ -127,8 +132,54 @@ class LiveHost:
     def current(self) -> Any:
         return asyncio.current_task()
 
-    def lock(self) -> asyncio.Lock:
-        return asyncio.Lock()
+    def lock(self) -> Semaphore:
+        return Semaphore(1)
 
-    def semaphore(self, value: int) -> asyncio.Semaphore:
-        return asyncio.Semaphore(value)
+    def semaphore(self, value: int) -> Semaphore:
+        return Semaphore(value)
+
+
+class Semaphore:
+    """asyncio's FIFO semaphore (and, of one unit, its lock), as `sim.sync` has it: a free
+    unit is taken in place (`take`, no coroutine: the driver's `Acquire` when nobody
+    waits), and `release` hands the unit straight to the first waiter. A waiter cancelled
+    before its turn leaves the queue; one cancelled just after it was handed the unit
+    hands it on."""
+
+    __slots__ = ("_free", "_waiters")
+
+    def __init__(self, value: int = 1) -> None:
+        self._free = value
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def locked(self) -> bool:
+        """An `Acquire` now would wait."""
+        return self._free <= 0 or bool(self._waiters)
+
+    def take(self) -> bool:
+        """Take a unit if one is free and nobody waits for it."""
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return True
+        return False
+
+    async def wait(self) -> None:
+        """Wait for a unit (after `take` found none)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed over just before: pass it on
+                self.release()
+            elif fut in self._waiters:
+                self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():  # a cancelled waiter is skipped
+                fut.set_result(None)
+                return
+        self._free += 1

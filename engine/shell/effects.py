@@ -2,6 +2,10 @@
 
 A driver carries each one out and sends the result back into the generator (or throws the
 error in: a store that is down, a publish that is refused, a cancellation).
+
+Values that nobody changes once yielded, though not frozen: a frozen dataclass builds
+itself through `object.__setattr__`, three times the cost of a plain slotted one, and a
+worker builds about a dozen effects a rule.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ if TYPE_CHECKING:
     from engine.plan import Rule
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Store:
     """A store operation: a `RedisStore` method live, its reference in `sim.redis` (the
     table `sim.redis.REFERENCES`); the reply is sent back."""
@@ -23,7 +27,7 @@ class Store:
     args: tuple[Any, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PublishWork:
     """A message for the work queue (mandatory: an unroutable one raises)."""
 
@@ -31,7 +35,7 @@ class PublishWork:
     message_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Record:
     """A history event of this worker."""
 
@@ -39,7 +43,7 @@ class Record:
     fields: Mapping[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PublishEvent:
     """An event for the `evaluation.*` exchange (`evaluation.completed`, a pass result)."""
 
@@ -48,7 +52,7 @@ class PublishEvent:
     message_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PublishRetry:
     """A retry for delay queue `tier` (its TTL bucket), dead-lettered to the work queue."""
 
@@ -58,7 +62,7 @@ class PublishRetry:
     message_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Forward:
     """Hand a delivery to the private queue of the worker `holder` (mandatory: `Unroutable`
     when that queue is gone)."""
@@ -67,7 +71,7 @@ class Forward:
     delivery: Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Settle:
     """ACK a delivery, or NACK it back to its queue (`ack=False`)."""
 
@@ -75,7 +79,7 @@ class Settle:
     ack: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CallAgent:
     """One agent call: the rule's result is sent back, or its `AgentError` thrown in."""
 
@@ -86,7 +90,7 @@ class CallAgent:
     execution: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Failpoint:
     """A named point where `engine.failpoints` may crash, raise, stall or freeze."""
 
@@ -95,7 +99,7 @@ class Failpoint:
     attempt_id: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Count:
     """A metric moves (`engine.metrics`; the simulator keeps none)."""
 
@@ -104,7 +108,7 @@ class Count:
     labels: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Gauge:
     """A metric is set (`engine.metrics`; the simulator keeps none)."""
 
@@ -112,7 +116,7 @@ class Gauge:
     value: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Acquire:
     """Wait for `lock` or a unit of a semaphore (the host's); the step releases it itself,
     synchronously."""
@@ -120,7 +124,7 @@ class Acquire:
     lock: Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Join:
     """Wait for a task the host spawned; its error is thrown in. Cancelling the waiter
     does not cancel the task (asyncio's `shield`)."""
@@ -128,7 +132,7 @@ class Join:
     task: Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Log:
     """A log line; with `error`, a task failed with it. Live it is logged; the simulator
     re-raises an error no live failure explains (its own bug, not a fault)."""
@@ -138,19 +142,19 @@ class Log:
     error: BaseException | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sleep:
     """Wait `seconds` (of the worker's clock: wall live, simulated in sim)."""
 
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Clock:
     """The time in ms: the wall clock live, the simulated one in sim."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Monotonic:
     """A monotonic time in seconds (leases are timed on it)."""
 

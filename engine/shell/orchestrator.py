@@ -55,6 +55,11 @@ from engine.shell.effects import (
     Store,
 )
 
+#: Effects a rule yields as they are, built once.
+_CALLED_OK = Count("calls", labels=(("outcome", "ok"),))
+_RETRIED_AT_ONCE = Count("retries", labels=(("level", "1"),))
+_RERUN = Count("reruns")
+
 
 class PassExecutionOrchestrator:
     def __init__(
@@ -139,8 +144,10 @@ class PassExecutionOrchestrator:
 
     # --- machinery ----------------------------------------------------------------------
 
-    def _spawn(self, step: Step) -> None:
-        task = self.host.spawn(self._task(step), self._tasks.discard)
+    def _spawn(self, step: Step, caught: bool = False) -> None:
+        """Run `step` as a task of this evaluation; `caught`: it catches its own errors as
+        `_task` does (a rule's task: one generator less for each of its effects)."""
+        task = self.host.spawn(step if caught else self._task(step), self._tasks.discard)
         if task is not None:
             self._tasks.add(task)
 
@@ -149,9 +156,12 @@ class PassExecutionOrchestrator:
         try:
             yield from step
         except Exception as exc:
-            yield Log("error", f"evaluation {self.attempt_id}: {exc}", exc)
-            if not self._closed:
-                self._spawn(self.abandon(f"{type(exc).__name__}: {exc}"))
+            yield from self._failed(exc)
+
+    def _failed(self, exc: Exception) -> Step:
+        yield Log("error", f"evaluation {self.attempt_id}: {exc}", exc)
+        if not self._closed:
+            self._spawn(self.abandon(f"{type(exc).__name__}: {exc}"))
 
     def _feed(self, fn: Callable[..., list[Action]], *args: object, **kw: object) -> Step:
         yield Acquire(self._lock)
@@ -162,7 +172,9 @@ class PassExecutionOrchestrator:
             # Rules about to start for the first time in their attempt get a start marker
             # (to count reruns), written with the result that made them ready when there
             # is one, so a rule's durable bookkeeping stays within two round trips.
-            self._starts = [(x.rule_id, x.attempt) for x in actions if _first_try(x)]
+            self._starts = [
+                (x.rule_id, x.attempt) for x in actions if isinstance(x, RunRule) and x.try_no == 1
+            ]
             self._looked = False  # the evaluation state not read yet for these actions
             for action in actions:
                 if self._closed:
@@ -228,7 +240,8 @@ class PassExecutionOrchestrator:
                     return  # the evaluation is over: this rule does not start
                 if action.try_no == 1:
                     self._execution[action.rule_id] = self._counted.pop(action.rule_id, 1)
-                self._spawn(self._run_rule(action, self._execution.get(action.rule_id, 1)))
+                execution = self._execution.get(action.rule_id, 1)
+                self._spawn(self._run_rule(action, execution), caught=True)
             case PersistResult(rule_id=rule_id, result=result):
                 sent = yield MONO
                 existing, counts, over = yield Store(
@@ -321,63 +334,79 @@ class PassExecutionOrchestrator:
                 yield from self._finish(action)
 
     def _run_rule(self, action: RunRule, execution: int) -> Step:
+        """A rule's task. Its errors are caught here as `_task` catches them, and its
+        sub-steps are written inline: every generator between the driver and an effect is
+        resumed for each effect, and a rule yields about a dozen."""
         a = self.attempt_id
-        rerun = action.try_no == 1 and execution > 1
-        rule = self.core.plan.rules[action.rule_id]
-        yield Failpoint("rule_before_call", rule.id, a)
-        if not (yield from self._still_ours()):
-            return
-        if action.try_no > 1:
-            yield Count("retries", labels=(("level", "1"),))
-        if rerun:
-            yield Count("reruns")
-        yield Record(
-            "rule_started",
-            {
-                "attempt_id": a,
-                "rule_id": rule.id,
-                "attempt": action.attempt,
-                "try_no": action.try_no,
-                "rerun": rerun,
-                "execution": execution,
-            },
-        )
         try:
-            result = yield CallAgent(a, rule, action.attempt, action.try_no, execution)
-        except AgentError as err:
-            tokens = int(getattr(err, "tokens", 0) or 0)
-            yield from _spend(tokens, rerun)
-            yield Count("calls", labels=(("outcome", err.kind),))
+            rerun = action.try_no == 1 and execution > 1
+            rule = self.core.plan.rules[action.rule_id]
+            yield Failpoint("rule_before_call", rule.id, a)
+            # `_still_ours`, its usual case (the lease long enough) without its generator;
+            # a short lease leaves it to `_still_ours`, which reads the clock again.
+            if self._over is not None:
+                return
+            if self._lease_short((yield MONO)) and not (yield from self._still_ours()):
+                return
+            if action.try_no > 1:
+                yield _RETRIED_AT_ONCE
+            if rerun:
+                yield _RERUN
             yield Record(
-                "rule_failed",
+                "rule_started",
                 {
                     "attempt_id": a,
                     "rule_id": rule.id,
                     "attempt": action.attempt,
                     "try_no": action.try_no,
-                    "kind": err.kind,
-                    "retryable": err.retryable,
-                    "tokens": tokens,
+                    "rerun": rerun,
+                    "execution": execution,
                 },
             )
-            yield from self._feed(self.core.rule_failed, rule.id, err.kind, retryable=err.retryable)
-            return
-        yield from _spend(result.tokens, rerun)
-        yield Count("calls", labels=(("outcome", "ok"),))
-        yield Record(
-            "rule_finished",
-            {
-                "attempt_id": a,
-                "rule_id": rule.id,
-                "attempt": action.attempt,
-                "try_no": action.try_no,
-                "verdict": result.verdict,
-                "score": result.score,
-                "tokens": result.tokens,
-            },
-        )
-        yield Failpoint("rule_after_call_before_write", rule.id, a)
-        yield from self._feed(self.core.rule_succeeded, rule.id, result)
+            try:
+                result = yield CallAgent(a, rule, action.attempt, action.try_no, execution)
+            except AgentError as err:
+                tokens = int(getattr(err, "tokens", 0) or 0)
+                yield Count("tokens", tokens)
+                if rerun:
+                    yield Count("rerun_tokens", tokens)
+                yield Count("calls", labels=(("outcome", err.kind),))
+                yield Record(
+                    "rule_failed",
+                    {
+                        "attempt_id": a,
+                        "rule_id": rule.id,
+                        "attempt": action.attempt,
+                        "try_no": action.try_no,
+                        "kind": err.kind,
+                        "retryable": err.retryable,
+                        "tokens": tokens,
+                    },
+                )
+                yield from self._feed(
+                    self.core.rule_failed, rule.id, err.kind, retryable=err.retryable
+                )
+                return
+            yield Count("tokens", result.tokens)
+            if rerun:
+                yield Count("rerun_tokens", result.tokens)
+            yield _CALLED_OK
+            yield Record(
+                "rule_finished",
+                {
+                    "attempt_id": a,
+                    "rule_id": rule.id,
+                    "attempt": action.attempt,
+                    "try_no": action.try_no,
+                    "verdict": result.verdict,
+                    "score": result.score,
+                    "tokens": result.tokens,
+                },
+            )
+            yield Failpoint("rule_after_call_before_write", rule.id, a)
+            yield from self._feed(self.core.rule_succeeded, rule.id, result)
+        except Exception as exc:
+            yield from self._failed(exc)
 
     def _adopt(self, rule_id: str, kept: RuleResult) -> Generator[Effect, Any, bool]:
         """Another write of `rule_id`'s result came first. Without the lease (this worker
@@ -477,16 +506,6 @@ def release(attempt_id: str, worker_id: str) -> Step:
         yield Store("release", (attempt_id, worker_id))
     except Exception as exc:
         yield Log("warning", f"evaluation {attempt_id}: lease left to expire ({exc})")
-
-
-def _first_try(action: Action) -> bool:
-    return isinstance(action, RunRule) and action.try_no == 1
-
-
-def _spend(tokens: int, rerun: bool) -> Step:
-    yield Count("tokens", tokens)
-    if rerun:
-        yield Count("rerun_tokens", tokens)
 
 
 def publish_completed(
