@@ -12,6 +12,27 @@ deviation), and what one rule costs the worker: CPU time and the Redis scripts i
 Target: a ratio of at least 1.0 (with group commit, a rule's durable bookkeeping should
 cost no more than one amortised round trip), within +-15 %.
 
+Where it stands (2026-12-02, 08:33 UTC, a quiet machine, load 0.6 to 0.9, with every cut
+below merged): four plain runs of 7 rounds, median ratio 0.90 +- 6 %, 0.83 +- 8 %, 0.83 +- 6
+% and 0.92 +- 2 % (rounds 0.76 to 1.05; 73 to 96 us of the worker's CPU a rule; SET 8,000 to
+10,700/s, rules up to 9,900/s); `--against` the session's starting commit 1203731, 5 rounds:
+9,496 against 7,102 rules/s (1.34x), 73 against 131 us of CPU a rule (-44 %). Below the
+target of 1.0, and no longer for lack of CPU: at 9,000 rules/s and 73 to 96 us a rule the
+worker is busy 65 to 85 % of the time. What holds it is an evaluation's latency (64 at once,
+so rules/s = 64 x 13 / latency): `bench/evaluation_latency.py` times every effect the worker
+awaits, and an evaluation waits in turn for about twenty round trips, each one or two batch
+cycles of 2 to 5 ms under load: begin (9 ms), the started event (5), the first start markers
+(9), thirteen result writes (3.7 ms each, 49 ms: the evaluation's lock is held across each
+write, so the rules of a pass that finish together write one batch after another instead of
+in one), four pass results each published (2.6 ms) then marked (4.6 ms), finish (5), the
+completed event and done (12). The next step is there: the inputs that queue on the
+evaluation's lock fed to the core together and the results they persist sent in one batch
+(each still durable before any action that follows it), which changes the simulator's
+interleavings too (a deliberate change: the planted bugs' seeds to be re-checked). A second
+batch in flight (`AutoPipeline(max_in_flight=2)`) measured no different (0.82 against 0.80,
+5 rounds each) and would let a later call overtake an earlier one (a cancelled task's write
+landing after the lease's release).
+
 With `--against`, the engine of another checkout (a `git worktree` of the commit before a
 change) runs too, in rounds interleaved with this one's, and the median rates of both are
 compared: the cost of a change, measured on the same machine in the same minutes, as the
@@ -202,6 +223,7 @@ async def rule_rate(
     worker_args: list[str],
     engine_root: Path | None = None,
     redis_url: str = DEFAULT_REDIS_URL,
+    module: tuple[str, ...] = ("engine.worker",),
 ) -> Rate:
     plan = load_plan(plan_path)
     ns = f"bench{uuid.uuid4().hex[:6]}."
@@ -212,6 +234,7 @@ async def rule_rate(
         env={"REDIS_URL": redis_url},
         log_path=log,
         cwd=engine_root,
+        module=module,
     )
     ids = [f"{ns}{i}" for i in range(evaluations)]
     try:

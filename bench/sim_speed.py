@@ -17,6 +17,15 @@ alternating), and the median rates are compared: the cost of a change measured o
 same machine in the same minutes. On this shared machine rates drift by half within
 minutes, so read the ratio of medians, never one round.
 
+Where it stands (2026-12-02, 08:32 to 08:40 UTC, a quiet machine, load 0.3 to 2, with the
+checker's cuts below and the engine's shell and core cuts of `bench/rules_per_second.py`
+merged): two plain runs took 15.4 s and 13.9 s for 10,000 seeds measured whole (651 and 720
+seeds/s; the pool's start-up 0.42 s); `--against` the session's starting commit 1203731, 5
+rounds of 10,000 seeds: median 575 against 475 seeds/s (1.21x), 17.4 s against 21.1 s
+(rounds 407 to 614 seeds/s here, 404 to 519 there; a first run of 3 rounds, the host
+noisier, gave 424 against 468, rounds 404 to 717 against 367 to 485: read several rounds'
+medians, never one). Target met: at most 20 s.
+
 2026-12-02, commit 54c8d50 against this one (`--against`, 2 processes), on a busy 2-core
 machine (other engineers' test runs, load average 1 to 7): 2,000 seeds, 7 rounds, median
 278 against 234 seeds/s (ratio 1.19, rounds 1.04 to 1.37), and again 227 against 197 (1.15,
