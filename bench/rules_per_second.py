@@ -17,21 +17,23 @@ below merged): four plain runs of 7 rounds, median ratio 0.90 +- 6 %, 0.83 +- 8 
 % and 0.92 +- 2 % (rounds 0.76 to 1.05; 73 to 96 us of the worker's CPU a rule; SET 8,000 to
 10,700/s, rules up to 9,900/s); `--against` the session's starting commit 1203731, 5 rounds:
 9,496 against 7,102 rules/s (1.34x), 73 against 131 us of CPU a rule (-44 %). Below the
-target of 1.0, and no longer for lack of CPU: at 9,000 rules/s and 73 to 96 us a rule the
-worker is busy 65 to 85 % of the time. What holds it is an evaluation's latency (64 at once,
-so rules/s = 64 x 13 / latency): `bench/evaluation_latency.py` times every effect the worker
-awaits, and an evaluation waits in turn for about twenty round trips, each one or two batch
-cycles of 2 to 5 ms under load: begin (9 ms), the started event (5), the first start markers
-(9), thirteen result writes (3.7 ms each, 49 ms: the evaluation's lock is held across each
-write, so the rules of a pass that finish together write one batch after another instead of
-in one), four pass results each published (2.6 ms) then marked (4.6 ms), finish (5), the
-completed event and done (12). The next step is there: the inputs that queue on the
-evaluation's lock fed to the core together and the results they persist sent in one batch
-(each still durable before any action that follows it), which changes the simulator's
-interleavings too (a deliberate change: the planted bugs' seeds to be re-checked). A second
-batch in flight (`AutoPipeline(max_in_flight=2)`) measured no different (0.82 against 0.80,
-5 rounds each) and would let a later call overtake an earlier one (a cancelled task's write
-landing after the lease's release).
+target of 1.0, and the worker alone no longer explains it: at 9,000 rules/s and 73 to 96 us
+a rule it is busy 65 to 85 % of the time. Read from /proc over rounds of 1,000 evaluations
+(09:05, quiet): the worker 106 to 146 us a rule, Redis 42 to 57 and RabbitMQ 40 to 50 (the
+submissions included, so upper bounds), an EVALSHA 20 to 27 us inside Redis: the three share
+two cores at about 200 to 250 us a rule. `bench/evaluation_latency.py` times every effect
+the worker awaits: an evaluation waits in turn for about twenty round trips of 2 to 5 ms
+under load (begin 9 ms, the started event 5, the first start markers 9, thirteen result
+writes 3.7 ms each, one after another since the evaluation's lock is held across each, four
+pass results published 2.6 ms then marked 4.6 ms, finish 5, the completed event and done
+12). Those serial writes are not what holds the rate: a trial that released the lock across
+the write (so that rules finishing together write in one batch) measured slower, 6,647
+against 7,220 rules/s and +15 % CPU a rule over 7 interleaved rounds (more, smaller
+batches). Left to try: cheaper scripts inside Redis (each one defines the shared Lua
+functions and reads the fence and the lease), and the worker's own CPU. A second batch in
+flight (`AutoPipeline(max_in_flight=2)`) measured no different (0.82 against 0.80, 5 rounds
+each) and would let a later call overtake an earlier one (a cancelled task's write landing
+after the lease's release).
 
 With `--against`, the engine of another checkout (a `git worktree` of the commit before a
 change) runs too, in rounds interleaved with this one's, and the median rates of both are
