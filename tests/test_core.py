@@ -1048,3 +1048,26 @@ def test_a_result_kept_by_the_store_replaces_the_one_computed() -> None:
     }
     with pytest.raises(ProtocolError):
         ev.result_kept("nope", kept)
+
+
+@given(
+    rule_id=st.text(),
+    verdict=st.text(),
+    score=st.floats(allow_nan=True, allow_infinity=True) | st.integers(),
+    tokens=st.integers(),
+    attempt=st.integers(),
+    rationale=st.text(),
+)
+def test_a_result_is_written_as_json_writes_it(
+    rule_id: str, verdict: str, score: float, tokens: int, attempt: int, rationale: str
+) -> None:
+    """`RuleResult.to_json` writes the usual types out by hand: the same text as `json`'s
+    compact encoder, whatever the strings (escapes, non-ASCII) and numbers (special floats,
+    an int score, large ints)."""
+    import json
+
+    result = RuleResult(rule_id, verdict, score, tokens, attempt, rationale)
+    fields = ("attempt", "rationale", "rule_id", "score", "tokens", "verdict")
+    expected = json.dumps({k: getattr(result, k) for k in fields}, separators=(",", ":"))
+    assert result.to_json() == expected
+    assert RuleResult.from_json(expected) == result or score != score  # NaN is not NaN
