@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from chaos.containers import (
 from chaos.images import IMAGE_LABEL, LOCAL_IMAGES
 from chaos.mutants import MUTANTS
 from chaos.stack import StackError
+from tests.rabbit import dump_queue_records, wait_for_queue
 from tests.test_chaos_runs import chaos
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,17 +216,11 @@ def test_durable_queues_survive_a_container_restart(images: None) -> None:
     broker = RabbitContainer().start()
     try:
         asyncio.run(_fill(broker.url))
-        # As in tests/test_stack.py's twin: the queue's own record is in Mnesia's log, which
-        # a busy machine may not have written yet when the container is killed; and a node
-        # answers AMQP while its queues may still be recovering: wait for the queue.
-        assert "dumped" in broker.ctl("eval", "mnesia:dump_log().")
+        dump_queue_records(broker)
         broker.kill()
         assert not broker.alive
         broker.restart()
-        deadline = time.monotonic() + 60
-        while "kept\t1" not in (listed := broker.ctl("list_queues", "name", "messages", "--quiet")):
-            assert time.monotonic() < deadline, f"durable queue not recovered: {listed!r}"
-            time.sleep(0.2)
+        wait_for_queue(broker, "kept", 1)
         body, transient_left = asyncio.run(_after_restart(broker.url))
         assert body == b"persistent"
         assert not transient_left  # the restart was real: what was not durable went

@@ -34,6 +34,7 @@ from chaos.stack import (
     redis_ping,
     stop_all,
 )
+from tests.rabbit import dump_queue_records, wait_for_queue
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -274,9 +275,7 @@ def test_rabbit_durable_queue_survives_sigkill_and_stop_leaves_nothing() -> None
         assert _pgrep(str(data_dir))  # beam's command line carries its private HOME
 
         asyncio.run(_publish(node.url))
-        # The confirm covers the message; the queue's own record is in Mnesia's log, which
-        # a busy machine may not have written yet when beam is SIGKILLed: write it first.
-        assert "dumped" in node.ctl("eval", "mnesia:dump_log().")
+        dump_queue_records(node)
         first_beam = node.beam_pid
 
         node.kill()
@@ -287,14 +286,7 @@ def test_rabbit_durable_queue_survives_sigkill_and_stop_leaves_nothing() -> None
 
         node.restart()
         assert node.dir == data_dir and node.beam_pid != first_beam
-        # A node answers AMQP while its queues may still be recovering: wait for the queue
-        # (a busy machine makes that window wider), never for a fixed time.
-        deadline = time.monotonic() + 60
-        while f"{DURABLE}\t1" not in (
-            listed := node.ctl("list_queues", "name", "messages", "--quiet")
-        ):
-            assert time.monotonic() < deadline, f"durable queue not recovered: {listed!r}"
-            time.sleep(0.2)
+        wait_for_queue(node, DURABLE, 1)
         body, transient_exists = asyncio.run(_fetch(node.url))
         assert body == b"survive"
         assert not transient_exists  # proof that the broker really restarted
