@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -119,29 +120,51 @@ async def probe_redis(config: EngineConfig) -> None:
 
 _TERMINAL = ",".join(sorted(s.value for s in TERMINAL_EVALUATION_STATUSES))
 
+# What a script costs inside Redis (`bench/script_cost.py` counts it under callgrind, in
+# instructions, per evaluation of code_review.yaml): about 10k to run one at all, 1.4k more
+# for each of its KEYS and ARGV (converted into Lua, then collected), and its
+# `redis.call`s: a GET about 3.4k, an MGET of three keys 9.3k (so merging reads saves
+# little), a write with a TTL 6.6k (EXPIRE, PEXPIRE) to 10.7k and 13.6k (SET with PX or
+# EX, which Redis rewrites to PXAT). So the scripts skip writes that would write nothing,
+# and work that changes nothing (decoding a plan to take its rules out of an index that is
+# not there).
+
 # Shared by the scripts below: whether a state is terminal (ARGV carries the list), and
 # taking every rule of an evaluation out of the retries index (its plan names the rules;
 # a terminal evaluation leaves every index, so that no sweeper ever acts on it again).
+# `terminal` looks for the state in the list as it is first: only a state found there
+# (a terminal one, or one that is part of a name in it) builds the two strings of the
+# exact test. `unindex_retries` decodes the plan only when there is a retries index to take
+# its rules out of (decoding code_review.yaml's JSON costs 170k instructions, more than the
+# rest of the script), and takes them out in one ZREM per thousand (Lua's `unpack` has a
+# limit) rather than one each.
 _LUA_TERMINAL = """
 local function terminal(state, list)
-  return state and string.find(',' .. list .. ',', ',' .. state .. ',', 1, true) ~= nil
+  return state and string.find(list, state, 1, true) ~= nil
+    and string.find(',' .. list .. ',', ',' .. state .. ',', 1, true) ~= nil
 end
 """
 _LUA_UNINDEX_RETRIES = """
 local function unindex_retries(plan_key, retries, attempt_id)
   local raw = redis.call('GET', plan_key)
-  if not raw then return end
+  if not raw or redis.call('EXISTS', retries) == 0 then return end
   local ok, plan = pcall(cjson.decode, raw)
   if not ok or type(plan) ~= 'table' or type(plan['passes']) ~= 'table' then return end
+  local members = {}
   for _, p in ipairs(plan['passes']) do
     if type(p) == 'table' and type(p['rules']) == 'table' then
       for _, r in ipairs(p['rules']) do
         if type(r) == 'table' and type(r['id']) == 'string' then
-          redis.call('ZREM', retries, attempt_id .. '\\31' .. r['id'])
+          members[#members + 1] = attempt_id .. '\\31' .. r['id']
+          if #members == 1000 then
+            redis.call('ZREM', retries, unpack(members))
+            members = {}
+          end
         end
       end
     end
   end
+  if #members > 0 then redis.call('ZREM', retries, unpack(members)) end
 end
 """
 
@@ -153,7 +176,9 @@ end
 # runs the lease on from the store's clock: an owner that writes, starts or announces
 # holds a lease good for another `stale_ms`. A token Redis lost is written back (nobody
 # else acquired since: that would have written one). An empty token is an unfenced write
-# (tools and tests, never the owner).
+# (tools and tests, never the owner). A lease the owner still holds only has its TTL
+# renewed (PEXPIRE: the value is the owner's already; 6.6k instructions where SET PX
+# costs 10.7k); a lapsed one is written again.
 _LUA_FENCE = """
 local function fenced(fence_key, owner_key, token, lease_ms, ttl)
   if token == '' then return nil end
@@ -163,9 +188,15 @@ local function fenced(fence_key, owner_key, token, lease_ms, ttl)
   local holder = redis.call('GET', owner_key)
   if holder and holder ~= me then return holder end
   if not cur then redis.call('SET', fence_key, token, 'EX', ttl) end
-  redis.call('SET', owner_key, me, 'PX', lease_ms)
+  if holder then
+    redis.call('PEXPIRE', owner_key, lease_ms)
+  else
+    redis.call('SET', owner_key, me, 'PX', lease_ms)
+  end
   return nil
 end
+"""
+_LUA_NEXT_FENCE = """
 local function next_fence(fence_key, me, ttl)
   local cur = redis.call('GET', fence_key)
   local n = (cur and tonumber(string.match(cur, '^(%d+):'))) or 0
@@ -188,9 +219,20 @@ end
 """
 
 
+_SHARED = {
+    "terminal": _LUA_TERMINAL,
+    "unindex_retries": _LUA_UNINDEX_RETRIES,
+    "fenced": _LUA_FENCE,
+    "next_fence": _LUA_NEXT_FENCE,
+    "now_ms": _LUA_NOW,
+}
+
+
 def _script(body: str) -> str:
-    """A script with the shared functions above defined first."""
-    return _LUA_TERMINAL + _LUA_UNINDEX_RETRIES + _LUA_FENCE + _LUA_NOW + body
+    """A script with the shared functions above that it calls defined first (each one
+    defined costs every run a closure, and the script's compiled code grows)."""
+    used = [src for name, src in _SHARED.items() if re.search(rf"(?<![\w.]){name}\(", body)]
+    return "".join(used) + body
 
 
 def _fenced_script(body: str) -> str:
@@ -348,7 +390,9 @@ return 1
 # The owner's final state, written only once the store holds everything the verdicts name:
 # each result (a Redis that lost acknowledged writes may have dropped some) is written
 # again from the owner's memory (`SET NX`: a result that is there stays), each permanent
-# failure too. One round trip, the one that writes the state anyway.
+# failure too. One round trip, the one that writes the state anyway. Usually nothing was
+# lost: one EXISTS over the results (by the thousand: `unpack`'s limit) says so, and their
+# `SET NX`s, which would write nothing, are skipped (about 12k instructions each).
 # KEYS: state, results..., statuses..., fence, owner. ARGV: status, ttl, terminal list,
 # number of results, result json..., status values..., token, lease_ms, ttl. Returns
 # {'' when written, else the kept terminal state; the positions (1-based, results then
@@ -358,8 +402,14 @@ local cur = redis.call('GET', KEYS[1])
 if terminal(cur, ARGV[3]) then return {cur} end
 local out = {''}
 local n = tonumber(ARGV[4])
-for i = 1, n do
-  if redis.call('SET', KEYS[1 + i], ARGV[4 + i], 'NX', 'EX', ARGV[2]) then out[#out + 1] = i end
+local found = 0
+for i = 2, n + 1, 1000 do
+  found = found + redis.call('EXISTS', unpack(KEYS, i, math.min(i + 999, n + 1)))
+end
+if found < n then
+  for i = 1, n do
+    if redis.call('SET', KEYS[1 + i], ARGV[4 + i], 'NX', 'EX', ARGV[2]) then out[#out + 1] = i end
+  end
 end
 for i = n + 2, NK do
   if redis.call('GET', KEYS[i]) ~= ARGV[i + 3] then
@@ -401,17 +451,26 @@ return {1}
 # owner's again, and any other token means lost. 2 when the state is gone too: a Redis
 # that lost acknowledged writes forgot an evaluation its owner is running (nobody else
 # can have begun it: `begin` writes the state), so it is the owner's again, and the owner
-# writes back its plan.
+# writes back its plan. The state is read once: what this script writes to it is known. A
+# lease still held is renewed with PEXPIRE, as in `fenced`.
 _RENEW = _script("""
 local cur = redis.call('GET', KEYS[1])
 if ARGV[7] ~= '' then
   local fence = redis.call('GET', KEYS[4])
   if (fence and fence ~= ARGV[7]) or (cur and cur ~= ARGV[1]) then return 0 end
   if not fence then redis.call('SET', KEYS[4], ARGV[7], 'EX', ARGV[6]) end
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  local forgotten = redis.call('EXISTS', KEYS[3]) == 0
-  if forgotten then redis.call('SET', KEYS[3], 'running', 'EX', ARGV[6]) end
-  if not terminal(redis.call('GET', KEYS[3]), ARGV[5]) then
+  if cur then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  else
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  end
+  local state = redis.call('GET', KEYS[3])
+  local forgotten = not state
+  if forgotten then
+    redis.call('SET', KEYS[3], 'running', 'EX', ARGV[6])
+    state = 'running'
+  end
+  if not terminal(state, ARGV[5]) then
     redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
     redis.call('EXPIRE', KEYS[2], ARGV[6])
   end

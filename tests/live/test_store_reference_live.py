@@ -373,3 +373,40 @@ class _ParkKeepsTheIndex(SimRedis):
 def test_a_reference_that_drifted_is_caught(live: Live) -> None:
     with pytest.raises(AssertionError):
         _run(live, _ParkKeepsTheIndex, 200, shrink=False)
+
+
+def test_plans_beyond_what_one_unpack_takes(live: Live) -> None:
+    """The scripts that name every rule of a plan in one command (the retries index left in
+    one ZREM, the results' presence in one EXISTS) do it by the thousand: Lua's `unpack`
+    refuses some 8,000 values. 9,000 rules, each with a retry indexed; `begin` is given
+    none of them (its own MGET of every rule's keys would not take that many)."""
+    rules = [f"r{i}" for i in range(9000)]
+    doc = {"passes": [{"id": "p", "rules": [{"id": r, "depends_on": []} for r in rules]}]}
+    a = f"{live.prefix}big"
+    store = RedisStore(live.config())
+    written = set(rules[::3])
+
+    async def scenario() -> tuple[list[str], list[str], list[str]]:
+        begun = await store.begin(a, "w1", [], json.dumps(doc))
+        fence = begun.fence
+        assert fence
+        await asyncio.gather(
+            *(store.write_status(a, r, "failed_attempt_1", FAR_MS, fence) for r in rules)
+        )
+        indexed = await store.redis.zrange(store.retries_index, 0, -1)
+        await asyncio.gather(
+            *(store.write_result(a, RuleResult(r, "pass", 0.9, 10), (), fence) for r in written)
+        )
+        results = {r: RuleResult(r, "pass", 0.9, 10) for r in rules}
+        kept, restored = await store.finish(a, "failed", results, [], fence)
+        assert kept is None
+        assert await store.done(a, "w1")
+        left = await store.redis.zrange(store.retries_index, 0, -1)
+        await store.close()
+        return indexed, restored, left
+
+    indexed, restored, left = asyncio.run(scenario())
+    assert sum(split_member(m)[0] == a for m in indexed) == len(rules)
+    assert restored == [r for r in rules if r not in written]
+    assert not [m for m in left if split_member(m)[0] == a]
+    assert live.redis.ttl(f"attempt:{a}:rule:{rules[-1]}:result") > 0
