@@ -119,6 +119,7 @@ class LiveHost:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        self.recording = type(rt.history) is not History  # the default one discards
 
     def spawn(self, step: fx.Step, on_done: Callable[[Any], None] | None = None) -> Any:
         task = asyncio.ensure_future(drive(step, self.rt))
