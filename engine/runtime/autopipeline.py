@@ -83,7 +83,7 @@ class AutoPipeline:
         self._flush_scheduled = False
         batch, self._queue = self._queue, []
         if batch:
-            task = asyncio.ensure_future(self._flush(batch))
+            task = asyncio.get_running_loop().create_task(self._flush(batch))
             self._flushing.add(task)
             task.add_done_callback(self._flushed)
 
