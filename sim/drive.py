@@ -132,6 +132,7 @@ class SimHost:
     death interrupts, all together)."""
 
     recording = True  # every event goes to the run's history
+    failpoints = True  # every failpoint is a hit the simulated worker sees
 
     def __init__(self, w: SimWorker) -> None:
         self.w = w

@@ -120,6 +120,7 @@ class LiveHost:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.recording = type(rt.history) is not History  # the default one discards
+        self.failpoints = rt.failpoints.armed  # armed at start or never
 
     def spawn(self, step: fx.Step, on_done: Callable[[Any], None] | None = None) -> Any:
         # The loop's own create_task: what `ensure_future` ends in, without its checks in

@@ -73,6 +73,7 @@ class PassExecutionOrchestrator:
     ) -> None:
         self.host = host
         self._recording = host.recording  # False: events are discarded, not even built
+        self._failpoints = host.failpoints  # False: none armed, a rule's are left out
         self.config = config
         self.worker_id = worker_id
         self.core = core
@@ -266,7 +267,8 @@ class PassExecutionOrchestrator:
                     )
                 if existing is not None and not (yield from self._adopt(rule_id, existing)):
                     return
-                yield Failpoint("rule_after_write", rule_id, a)
+                if self._failpoints:
+                    yield Failpoint("rule_after_write", rule_id, a)
             case PersistStatus():
                 self._look((yield from module.persist_status(self.config, a, action, self.fence)))
             case ScheduleRetry():
@@ -295,7 +297,8 @@ class PassExecutionOrchestrator:
                     {"attempt_id": a, "rule_ids": list(rule_ids), "because_of": because_of},
                 )
             case PublishPassResult():
-                yield Failpoint("before_pass_publish", None, a)
+                if self._failpoints:
+                    yield Failpoint("before_pass_publish", None, a)
                 rules = self.core.announced(action.rules)
                 body = {
                     "attempt_id": a,
@@ -344,7 +347,8 @@ class PassExecutionOrchestrator:
         try:
             rerun = action.try_no == 1 and execution > 1
             rule = self.core.plan.rules[action.rule_id]
-            yield Failpoint("rule_before_call", rule.id, a)
+            if self._failpoints:
+                yield Failpoint("rule_before_call", rule.id, a)
             # `_still_ours`, its usual case (the lease long enough) without its generator;
             # a short lease leaves it to `_still_ours`, which reads the clock again.
             if self._over is not None:
@@ -408,7 +412,8 @@ class PassExecutionOrchestrator:
                         "tokens": result.tokens,
                     },
                 )
-            yield Failpoint("rule_after_call_before_write", rule.id, a)
+            if self._failpoints:
+                yield Failpoint("rule_after_call_before_write", rule.id, a)
             yield from self._feed(self.core.rule_succeeded, rule.id, result)
         except Exception as exc:
             yield from self._failed(exc)
