@@ -158,6 +158,23 @@ evaluation instead of its lock, or a rule's task running the next ready rule its
 of spawning it (each would save a task switch a rule, but changes the simulator's
 interleavings: a deliberate change, to be made with the planted-bug seeds re-checked), and
 the batch's replies read straight from hiredis rather than through redis-py.
+
+Third session (branch cpu, 2026-12-02): the worker's instructions a rule under callgrind
+(the slope between 100 and 300 evaluations) 530k -> 465k (-12 %). By change, at 300
+evaluations (runs of one build differ by about 2k a rule): the history's events not built
+where the host discards them (`Host.recording`, -28k), a rule's failpoints left out where
+none is armed (`Host.failpoints`, -15k), the batch's replies read from the connection's
+hiredis reader (-10k), tasks made by the loop's `create_task` (-5k), `RuleResult.to_json`
+encoded once (-4k). This benchmark, `--against` main (7, 9 and 7 rounds of 200
+evaluations, load 0.8 to 1.4): median rate -4.3 %, +8.1 %, -4.3 %, CPU a rule +2.5 %,
+-11.1 %, 0.0 %; 7 rounds of 1,000 evaluations: rate -2.8 %, CPU -1.0 %; the worker's user
+CPU alone, 6 interleaved rounds of 1,000: 133 against 142 us a rule (-6 %), system 16 and
+15: within this machine's noise, smaller than the instructions say. Tried and dropped:
+packing the batch in Python from a cache of each argument's RESP bytes instead of
+`hiredis.pack_command`: replaying the 4,200 calls of a 200-evaluation run (18.1 arguments
+a call, 4.1 of them never seen before: the result's JSON, a new evaluation's keys, the
+clock), 39.9k instructions a call against hiredis's 24.2k; 17.4k against 25.4k only when
+every argument is cached.
 """
 
 from __future__ import annotations

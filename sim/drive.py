@@ -131,6 +131,9 @@ class SimHost:
     """Steps that run tasks of their own, as processes of the simulated worker (which a
     death interrupts, all together)."""
 
+    recording = True  # every event goes to the run's history
+    failpoints = True  # every failpoint is a hit the simulated worker sees
+
     def __init__(self, w: SimWorker) -> None:
         self.w = w
         self._cancelled: set[simpy.Process] = set()

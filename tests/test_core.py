@@ -1071,3 +1071,23 @@ def test_a_result_is_written_as_json_writes_it(
     expected = json.dumps({k: getattr(result, k) for k in fields}, separators=(",", ":"))
     assert result.to_json() == expected
     assert RuleResult.from_json(expected) == result or score != score  # NaN is not NaN
+
+
+def test_a_result_is_encoded_once() -> None:
+    """`to_json` keeps its text (a rule's result is written, then checked by the final
+    state's write): the same text each time, and the kept text is no part of the value."""
+    result = RuleResult("compiles", "pass", 0.9, 10, 2, "ok")
+    text = result.to_json()
+    assert result.to_json() is text
+    twin = RuleResult("compiles", "pass", 0.9, 10, 2, "ok")
+    assert twin == result and hash(twin) == hash(result)
+    assert repr(twin) == repr(result) and "_json" not in repr(result)
+    assert RuleResult.from_json(text) == result
+    assert RuleResult.__match_args__ == (
+        "rule_id",
+        "verdict",
+        "score",
+        "tokens",
+        "attempt",
+        "rationale",
+    )

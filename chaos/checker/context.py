@@ -172,7 +172,7 @@ def as_result(value: Any, rule_id: str) -> RuleResult | None:
         return RuleResult.from_json(value)
     if isinstance(value, Mapping):
         data = {"rule_id": rule_id, "tokens": 0, **value}
-        fields = {f.name for f in dataclasses.fields(RuleResult)}
+        fields = {f.name for f in dataclasses.fields(RuleResult) if f.init}
         return RuleResult(**{k: v for k, v in data.items() if k in fields})
     raise TypeError(f"result of {rule_id!r}: expected a RuleResult, got {type(value).__name__}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
@@ -22,6 +22,9 @@ class RuleResult:
     tokens: int
     attempt: int = 1
     rationale: str = ""
+    # `to_json`'s text, kept: a rule's result is encoded for its write and again for the
+    # final state's check (about 10k instructions an encoding). Not part of the value.
+    _json: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def same_verdict(self, other: RuleResult) -> bool:
         """Idempotence is about the verdict, not about who paid for it or when."""
@@ -32,9 +35,17 @@ class RuleResult:
         )
 
     def to_json(self) -> str:
-        """Compact JSON, keys sorted. The usual types are written out by hand, with the
-        pieces `json` itself uses (a third of its cost, and a rule is encoded twice);
-        anything else goes through `json`, so the text is `json`'s in every case."""
+        """Compact JSON, keys sorted, encoded once (kept for the next call)."""
+        text = self._json
+        if text is None:
+            text = self._encode()
+            object.__setattr__(self, "_json", text)
+        return text
+
+    def _encode(self) -> str:
+        """The usual types are written out by hand, with the pieces `json` itself uses (a
+        third of its cost); anything else goes through `json`, so the text is `json`'s in
+        every case."""
         attempt, tokens, score = self.attempt, self.tokens, self.score
         rule_id, verdict, rationale = self.rule_id, self.verdict, self.rationale
         if (

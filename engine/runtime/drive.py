@@ -108,7 +108,7 @@ async def detached(step: fx.Step, rt: Runtime, running: set[asyncio.Task[Any]]) 
     put in memory and never started. A lost channel is the step's to handle (its ACK
     fails); only the worker's end stops it, as in the simulator.
     """
-    task = asyncio.ensure_future(drive(step, rt))
+    task = asyncio.get_running_loop().create_task(drive(step, rt))
     running.add(task)
     task.add_done_callback(running.discard)
     return await asyncio.shield(task)
@@ -119,9 +119,13 @@ class LiveHost:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        self.recording = type(rt.history) is not History  # the default one discards
+        self.failpoints = rt.failpoints.armed  # armed at start or never
 
     def spawn(self, step: fx.Step, on_done: Callable[[Any], None] | None = None) -> Any:
-        task = asyncio.ensure_future(drive(step, self.rt))
+        # The loop's own create_task: what `ensure_future` ends in, without its checks in
+        # Python (a task a rule).
+        task = asyncio.get_running_loop().create_task(drive(step, self.rt))
         if on_done is not None:
             task.add_done_callback(on_done)
         return task

@@ -56,6 +56,7 @@ _TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
 class EvaluationController:
     def __init__(self, host: Host, config: EngineConfig, worker_id: str) -> None:
         self.host = host
+        self._recording = host.recording  # False: events are discarded, not even built
         self.config = config
         self.worker_id = worker_id
         self.evaluations: dict[str, PassExecutionOrchestrator] = {}
@@ -102,20 +103,21 @@ class EvaluationController:
     def _on_work(
         self, kind: str, attempt_id: str, body: dict[str, Any], delivery: Any, redelivered: bool
     ) -> Step:
-        attempt = int(body.get("attempt", 0))
-        yield Record(
-            "delivered",
-            {
-                "attempt_id": attempt_id,
-                "kind": kind,
-                "rule_id": body.get("rule_id"),
-                "attempt": attempt or None,
-                "redelivered": redelivered,
-                "reason": body.get("reason"),
-                "published_ms": body.get("published_ms"),
-                "delay_ms": body.get("delay_ms"),
-            },
-        )
+        attempt = int(body.get("attempt", 0))  # a malformed one fails here, recorded or not
+        if self._recording:
+            yield Record(
+                "delivered",
+                {
+                    "attempt_id": attempt_id,
+                    "kind": kind,
+                    "rule_id": body.get("rule_id"),
+                    "attempt": attempt or None,
+                    "redelivered": redelivered,
+                    "reason": body.get("reason"),
+                    "published_ms": body.get("published_ms"),
+                    "delay_ms": body.get("delay_ms"),
+                },
+            )
         if (yield from self._passed_on(kind, attempt_id, body, delivery, redelivered)):
             return
         # One delivery of an evaluation is set up at a time in this worker: a second one
@@ -239,10 +241,11 @@ class EvaluationController:
         started = {"attempt_id": attempt_id, "plan": plan.id, "resumed": resumed}
         started["worker"] = self.worker_id
         yield PublishEvent("evaluation.started", started, f"{attempt_id}:started")
-        yield Record(
-            "evaluation_started",
-            {"attempt_id": attempt_id, "plan": plan.id, "resumed": resumed, "kind": kind},
-        )
+        if self._recording:
+            yield Record(
+                "evaluation_started",
+                {"attempt_id": attempt_id, "plan": plan.id, "resumed": resumed, "kind": kind},
+            )
         orch = PassExecutionOrchestrator(
             self.host, self.config, self.worker_id, core, self._done, begun.fence
         )
@@ -252,7 +255,8 @@ class EvaluationController:
         yield Failpoint("before_ack", None, attempt_id)
         if kind == "execute":
             yield Settle(delivery)
-            yield Record("acked", {"attempt_id": attempt_id})
+            if self._recording:
+                yield Record("acked", {"attempt_id": attempt_id})
             yield Failpoint("after_ack", None, attempt_id)
         elif kind == "retry":
             orch.retry_messages[(str(body["rule_id"]), int(body["attempt"]))] = delivery

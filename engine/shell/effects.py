@@ -196,7 +196,16 @@ class Semaphore(Lock, Protocol):
 
 class Host(Protocol):
     """What a driver gives a step that runs tasks of its own: asyncio tasks live, simpy
-    processes in sim. Each call returns at once; waiting is an effect (`Acquire`, `Join`)."""
+    processes in sim. Each call returns at once; waiting is an effect (`Acquire`, `Join`).
+
+    `recording` False: the history discards every event (the live worker's default), so a
+    step may leave out its `Record`s rather than build them (about three a rule, a dict
+    each); the simulator's host always records. `failpoints` False: none is armed in this
+    process, and none can be (they are armed when it starts), so a step may leave out its
+    `Failpoint`s on a rule's path; the simulator's host always has them."""
+
+    recording: bool
+    failpoints: bool
 
     def spawn(self, step: Step, on_done: Callable[[Any], None] | None = None) -> Any | None:
         """Run `step` as a task of its own (None: the process is dead, it never runs)."""

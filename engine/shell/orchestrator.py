@@ -72,6 +72,8 @@ class PassExecutionOrchestrator:
         fence: str = "",
     ) -> None:
         self.host = host
+        self._recording = host.recording  # False: events are discarded, not even built
+        self._failpoints = host.failpoints  # False: none armed, a rule's are left out
         self.config = config
         self.worker_id = worker_id
         self.core = core
@@ -250,21 +252,23 @@ class PassExecutionOrchestrator:
                 self._leased(sent)
                 self._look(over)
                 self._mark_starts(counts)
-                yield Record(
-                    "result_persisted",
-                    {
-                        "attempt_id": a,
-                        "rule_id": rule_id,
-                        "attempt": result.attempt,
-                        "verdict": result.verdict,
-                        "score": result.score,
-                        "won": existing is None,
-                        "kept_verdict": None if existing is None else existing.verdict,
-                    },
-                )
+                if self._recording:
+                    yield Record(
+                        "result_persisted",
+                        {
+                            "attempt_id": a,
+                            "rule_id": rule_id,
+                            "attempt": result.attempt,
+                            "verdict": result.verdict,
+                            "score": result.score,
+                            "won": existing is None,
+                            "kept_verdict": None if existing is None else existing.verdict,
+                        },
+                    )
                 if existing is not None and not (yield from self._adopt(rule_id, existing)):
                     return
-                yield Failpoint("rule_after_write", rule_id, a)
+                if self._failpoints:
+                    yield Failpoint("rule_after_write", rule_id, a)
             case PersistStatus():
                 self._look((yield from module.persist_status(self.config, a, action, self.fence)))
             case ScheduleRetry():
@@ -293,7 +297,8 @@ class PassExecutionOrchestrator:
                     {"attempt_id": a, "rule_ids": list(rule_ids), "because_of": because_of},
                 )
             case PublishPassResult():
-                yield Failpoint("before_pass_publish", None, a)
+                if self._failpoints:
+                    yield Failpoint("before_pass_publish", None, a)
                 rules = self.core.announced(action.rules)
                 body = {
                     "attempt_id": a,
@@ -303,15 +308,16 @@ class PassExecutionOrchestrator:
                 }
                 yield PublishEvent("evaluation.pass_result", body, f"{a}:pass:{action.pass_id}")
                 yield Store("mark_pass_published", (a, action.pass_id, action.outcome, self.fence))
-                yield Record(
-                    "pass_published",
-                    {
-                        "attempt_id": a,
-                        "pass_id": action.pass_id,
-                        "outcome": action.outcome,
-                        "rules": rules,
-                    },
-                )
+                if self._recording:
+                    yield Record(
+                        "pass_published",
+                        {
+                            "attempt_id": a,
+                            "pass_id": action.pass_id,
+                            "outcome": action.outcome,
+                            "rules": rules,
+                        },
+                    )
             case Recovered():
                 yield Count("loaded", len(action.loaded))
                 yield Record(
@@ -341,7 +347,8 @@ class PassExecutionOrchestrator:
         try:
             rerun = action.try_no == 1 and execution > 1
             rule = self.core.plan.rules[action.rule_id]
-            yield Failpoint("rule_before_call", rule.id, a)
+            if self._failpoints:
+                yield Failpoint("rule_before_call", rule.id, a)
             # `_still_ours`, its usual case (the lease long enough) without its generator;
             # a short lease leaves it to `_still_ours`, which reads the clock again.
             if self._over is not None:
@@ -352,17 +359,18 @@ class PassExecutionOrchestrator:
                 yield _RETRIED_AT_ONCE
             if rerun:
                 yield _RERUN
-            yield Record(
-                "rule_started",
-                {
-                    "attempt_id": a,
-                    "rule_id": rule.id,
-                    "attempt": action.attempt,
-                    "try_no": action.try_no,
-                    "rerun": rerun,
-                    "execution": execution,
-                },
-            )
+            if self._recording:
+                yield Record(
+                    "rule_started",
+                    {
+                        "attempt_id": a,
+                        "rule_id": rule.id,
+                        "attempt": action.attempt,
+                        "try_no": action.try_no,
+                        "rerun": rerun,
+                        "execution": execution,
+                    },
+                )
             try:
                 result = yield CallAgent(a, rule, action.attempt, action.try_no, execution)
             except AgentError as err:
@@ -391,19 +399,21 @@ class PassExecutionOrchestrator:
             if rerun:
                 yield Count("rerun_tokens", result.tokens)
             yield _CALLED_OK
-            yield Record(
-                "rule_finished",
-                {
-                    "attempt_id": a,
-                    "rule_id": rule.id,
-                    "attempt": action.attempt,
-                    "try_no": action.try_no,
-                    "verdict": result.verdict,
-                    "score": result.score,
-                    "tokens": result.tokens,
-                },
-            )
-            yield Failpoint("rule_after_call_before_write", rule.id, a)
+            if self._recording:
+                yield Record(
+                    "rule_finished",
+                    {
+                        "attempt_id": a,
+                        "rule_id": rule.id,
+                        "attempt": action.attempt,
+                        "try_no": action.try_no,
+                        "verdict": result.verdict,
+                        "score": result.score,
+                        "tokens": result.tokens,
+                    },
+                )
+            if self._failpoints:
+                yield Failpoint("rule_after_call_before_write", rule.id, a)
             yield from self._feed(self.core.rule_succeeded, rule.id, result)
         except Exception as exc:
             yield from self._failed(exc)
@@ -427,16 +437,17 @@ class PassExecutionOrchestrator:
         kept = yield from self._confirm_final(action)
         status = kept or action.status.value
         verdicts = self.core.announced(action.verdicts)
-        yield Record(
-            "evaluation_terminal",
-            {
-                "attempt_id": a,
-                "status": status,
-                "won": kept is None,
-                "decided": action.status.value,  # the core's own decision (a cancel heard)
-                "verdicts": verdicts,
-            },
-        )
+        if self._recording:
+            yield Record(
+                "evaluation_terminal",
+                {
+                    "attempt_id": a,
+                    "status": status,
+                    "won": kept is None,
+                    "decided": action.status.value,  # the core's own decision (a cancel heard)
+                    "verdicts": verdicts,
+                },
+            )
         if kept is None:
             yield Count("evaluations", labels=(("status", status),))
             # The terminal state is this copy's and durable: its announcement goes out even
@@ -454,7 +465,7 @@ class PassExecutionOrchestrator:
     def _announce(self, action: Finish, status: str, verdicts: dict[str, str]) -> Step:
         a = self.attempt_id
         yield Failpoint("before_final_publish", None, a)
-        held = yield from publish_completed(self.worker_id, a, status, verdicts)
+        held = yield from publish_completed(self.worker_id, a, status, verdicts, self._recording)
         for _ in range(3):
             if held is not False:
                 break
@@ -509,7 +520,11 @@ def release(attempt_id: str, worker_id: str) -> Step:
 
 
 def publish_completed(
-    worker_id: str, attempt_id: str, status: str, verdicts: Mapping[str, str]
+    worker_id: str,
+    attempt_id: str,
+    status: str,
+    verdicts: Mapping[str, str],
+    recording: bool = True,
 ) -> Generator[Effect, Any, bool]:
     """Publish evaluation.completed for the final state, then flag it, unindex, release.
 
@@ -520,5 +535,6 @@ def publish_completed(
     body = {"attempt_id": attempt_id, "status": status, "verdicts": dict(verdicts)}
     yield PublishEvent("evaluation.completed", body, f"{attempt_id}:completed")
     held = yield Store("done", (attempt_id, worker_id))
-    yield Record("final_published", {"attempt_id": attempt_id, "status": status})
+    if recording:
+        yield Record("final_published", {"attempt_id": attempt_id, "status": status})
     return bool(held)
