@@ -25,11 +25,15 @@ from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
-from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+try:  # redis-py's internals, read by `_read_replies`; without them, its public path
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
+except ImportError:  # pragma: no cover - another redis-py than the one tested (8.x)
+    NOT_ENOUGH_DATA = _AsyncHiredisParser = None
 
 
 class NotReplicated(ConnectionError):
@@ -177,8 +181,10 @@ def _plain(conn: Any) -> bool:
     `Connection` (a Sentinel-managed one turns a READONLY reply into a failover) with
     hiredis's parser and no health checks to schedule."""
     return (
-        type(conn).read_response is Connection.read_response
+        _AsyncHiredisParser is not None
+        and type(conn).read_response is Connection.read_response
         and type(conn._parser) is _AsyncHiredisParser
+        and hasattr(conn._parser, "_reader")
         and not conn.health_check_interval
     )
 
@@ -192,7 +198,7 @@ async def _read_replies(conn: Any, n: int) -> list[Any]:
     a reply that is a connection error (`LOADING`...) or a lost socket raise."""
     parser = conn._parser
     gets = parser._reader.gets
-    push = parser._hiredis_PushNotificationType  # RESP3's out-of-band messages
+    push = getattr(parser, "_hiredis_PushNotificationType", None)  # RESP3's out-of-band
     replies: list[Any] = []
     try:
         while len(replies) < n:
