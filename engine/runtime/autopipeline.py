@@ -162,13 +162,16 @@ class AutoPipeline:
             conn = await pool.get_connection()
 
         async def once() -> list[Any]:
-            await conn.send_packed_command(packed, check_health=False)
+            plain = _plain(conn)
+            if not plain:
+                await conn.send_packed_command(packed, check_health=False)
             replies: list[Any] = []
             try:
-                # One read timeout for the batch, not one a reply (a timer each); a read
-                # cut short by it drops the connection, so none is left half read.
+                # One timeout for the batch, not one a reply (a timer each); a read cut
+                # short by it drops the connection, so none is left half read.
                 async with asyncio.timeout(conn.socket_timeout):
-                    if _plain(conn):
+                    if plain:
+                        await _write(conn, packed)
                         return await _read_replies(conn, n)
                     for _ in range(n):
                         try:
@@ -206,6 +209,23 @@ def _plain(conn: Any) -> bool:
         and hasattr(conn._parser, "_reader")
         and not conn.health_check_interval
     )
+
+
+async def _write(conn: Any, packed: bytes) -> None:
+    """What `conn.send_packed_command` does, less the task and timer its
+    `asyncio.wait_for` costs each write (the caller's timeout covers this one): a
+    failed or interrupted write drops the connection."""
+    if not conn.is_connected:
+        await conn.connect()
+    try:
+        conn._writer.write(packed)
+        await conn._writer.drain()
+    except OSError as exc:
+        await conn.disconnect(nowait=True)
+        raise RedisConnectionError(f"Error while writing to {conn._host_error()}: {exc}") from None
+    except BaseException:
+        await conn.disconnect(nowait=True)
+        raise
 
 
 async def _read_replies(conn: Any, n: int) -> list[Any]:
