@@ -52,7 +52,7 @@ def drive(step: fx.Step, w: SimWorker) -> Generator[Any, Any, Any]:
 
 
 def _record(e: fx.Record, w: SimWorker) -> None:
-    w.record(e.event, **e.fields)
+    w.history.record_fields(e.event, e.fields)
 
 
 def _log(e: fx.Log, w: SimWorker) -> None:

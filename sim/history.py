@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -28,6 +29,16 @@ class Source:
         self.alive = True
 
     def record(self, ev: str, **fields: Any) -> None:
+        if not self.alive:
+            raise RuntimeError(f"{self.src} recorded {ev!r} after it died")
+        self._seq += 1
+        line = {"t": self._env.now, "src": self.src, "pid": self.pid, "seq": self._seq, "ev": ev}
+        line.update(fields)
+        self._events.append(line)
+
+    def record_fields(self, ev: str, fields: Mapping[str, Any]) -> None:
+        """`record(ev, **fields)`, the fields as they come (a `Record` effect's): no
+        keyword dict built for each event of a run."""
         if not self.alive:
             raise RuntimeError(f"{self.src} recorded {ev!r} after it died")
         self._seq += 1

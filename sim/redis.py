@@ -375,6 +375,19 @@ class SimRedis:
             return -1
         return int((round((exp - self.env.now) * 1000) + 500) // 1000)
 
+    def ttls(self, prefix: str) -> dict[str, int]:
+        """`ttl_of` each of `keys(prefix)`, in its order: one look at each key, not three
+        (the final state reads every key of a run)."""
+        now, data, expires = self.env.now, self.data, self.expires
+        out: dict[str, int] = {}
+        for k in sorted(k for k in data if k.startswith(prefix)):
+            exp = expires.get(k)
+            if exp is not None and exp < now:  # `get`: expired once now > when
+                self._del(k)
+            elif data.get(k) is not None:
+                out[k] = -1 if exp is None else int((round((exp - now) * 1000) + 500) // 1000)
+        return out
+
     def keys(self, prefix: str) -> list[str]:
         return sorted(
             k for k in list(self.data) if k.startswith(prefix) and self.get(k) is not None

@@ -38,6 +38,9 @@ from chaos.checker.expect import (
 from chaos.checker.oracle import dependents_of
 from chaos.checker.records import Violation
 
+#: The events `_known_terminal` reads.
+_KNOWN_KINDS = ("result_persisted", "status_written", "recovered")
+
 
 def _known_terminal(evs: list[dict], pub: dict, plan: Any) -> set[str]:
     """The rules the announcing process could know terminal when it announced."""
@@ -45,7 +48,9 @@ def _known_terminal(evs: list[dict], pub: dict, plan: Any) -> set[str]:
     done: set[str] = set()
     failed: set[str] = set()
     loaded = None  # the announcing process's last `recovered` up to then
-    for e in evs:  # one pass: asked of every announcement of every run
+    # only the kinds read, in history order (the index's list, built once a run for every
+    # announcement, not the evaluation's whole history each time)
+    for e in of(evs, *_KNOWN_KINDS):
         if event_time(e) > t:
             continue
         ev = e.get("ev")

@@ -235,7 +235,16 @@ def _drop_history_events() -> None:
             return
         record(self, ev, **fields)
 
+    record_fields = Source.record_fields
+
+    def lossy_record_fields(self: Source, ev: str, fields: Any) -> None:
+        if self.src != "runner" and history_drops(self._seq + 1):
+            self._seq += 1
+            return
+        record_fields(self, ev, fields)
+
     Source.record = lossy_record  # type: ignore[method-assign]
+    Source.record_fields = lossy_record_fields  # type: ignore[method-assign]
 
 
 #: Mutants of a Lua script, of the broker's topology or of the history writer, patched on

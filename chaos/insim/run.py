@@ -136,7 +136,9 @@ class SimRun:
         tag = f"sim:{self.seed}"
         self.net_rng = random.Random(f"{tag}:net")
         self.boot_rng = random.Random(f"{tag}:boot")
-        self.salt_rng = random.Random(f"{tag}:salt")
+        # a salt matters only to a mutant's agent (`nondeterministic_agent`): without one
+        # none is drawn (seeding a generator from a string costs a sha512 and more)
+        self.salt_rng = random.Random(f"{tag}:salt") if mutant is not None else None
         self.id_prefix = loaded.id_prefix(self.seed)
         self.plans: dict[str, Plan] = loaded.evaluations(self.seed)
         self.attempt_ids: list[str] = list(self.plans)
@@ -226,7 +228,7 @@ class SimRun:
     def _agent(self) -> FakeAgent:
         """The agent of a new worker process, salted as a live one is (`os.urandom`), from
         the seed (its salt matters only to the `nondeterministic_agent` mutant)."""
-        salt = self.salt_rng.getrandbits(64)
+        salt = 0 if self.salt_rng is None else self.salt_rng.getrandbits(64)
         if self.draws is not None:
             return _KeepingAgent(
                 self.draws,
@@ -449,9 +451,9 @@ class SimRun:
                 passes={str(p): str(o) for p, o in sorted(passes.items())},
             )
         ns = self.config.name("")
-        ttls = {k: redis.ttl_of(k) for k in redis.keys(f"attempt:{self.id_prefix}")}
+        ttls = redis.ttls(f"attempt:{self.id_prefix}")
         ttls.update(
-            {k.removeprefix(ns): redis.ttl_of(k) for k in redis.keys(self.config.name("engine:"))}
+            {k.removeprefix(ns): t for k, t in redis.ttls(self.config.name("engine:")).items()}
         )
         indexes = {
             key.removeprefix(ns): {

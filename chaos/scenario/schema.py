@@ -931,7 +931,8 @@ class Scenario(_Model):
         """Worker settings for this scenario; pass URLs and the namespace as overrides."""
         values: dict[str, Any] = {
             "time_scale": self.time_scale,
-            "policy": self.retry_policy(),
+            # not built (and validated) again when given: the simulator gives it each seed
+            "policy": overrides["policy"] if "policy" in overrides else self.retry_policy(),
             **self.engine.model_dump(exclude={"amqp_heartbeat_s"}),  # the URL carries it
         }
         values.update(overrides)
