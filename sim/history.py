@@ -29,16 +29,12 @@ class Source:
         self.alive = True
 
     def record(self, ev: str, **fields: Any) -> None:
-        if not self.alive:
-            raise RuntimeError(f"{self.src} recorded {ev!r} after it died")
-        self._seq += 1
-        line = {"t": self._env.now, "src": self.src, "pid": self.pid, "seq": self._seq, "ev": ev}
-        line.update(fields)
-        self._events.append(line)
+        self.record_fields(ev, fields)
 
     def record_fields(self, ev: str, fields: Mapping[str, Any]) -> None:
         """`record(ev, **fields)`, the fields as they come (a `Record` effect's): no
-        keyword dict built for each event of a run."""
+        keyword dict built for each event of a run. Every event is written here (the
+        history mutant patches this one)."""
         if not self.alive:
             raise RuntimeError(f"{self.src} recorded {ev!r} after it died")
         self._seq += 1
