@@ -12,8 +12,32 @@ deviation), and what one rule costs the worker: CPU time and the Redis scripts i
 Target: a ratio of at least 1.0 (with group commit, a rule's durable bookkeeping should
 cost no more than one amortised round trip), within +-15 %.
 
-Where it stands (2026-12-02, 08:33 UTC, a quiet machine, load 0.6 to 0.9, with every cut
-below merged): four plain runs of 7 rounds, median ratio 0.90 +- 6 %, 0.83 +- 8 %, 0.83 +- 6
+Where it stands (2026-12-02, third session, 13:00 UTC, a quiet machine): six plain runs of 7
+rounds, median ratio 1.05 +- 7 %, 1.00 +- 9 %, 1.08 +- 5 %, 1.05 +- 5 %, 1.02 +- 4 %, 0.96 +- 9
+% (rounds 0.78 to 1.39; 81 to 127 us of the worker's CPU a rule as the machine's speed
+drifted): the target met at the median in five runs of six, narrowly. `--against` the
+session's starting commit 9507016, 7 rounds: 6,080 against 5,043 rules/s (+21 %), 119
+against 146 us of CPU a rule (-18 %). By change, each A/B against the commit before, 7
+rounds: the group commit keeping its connection between batches instead of checking one
+out of redis-py's pool each time (its lock, a read that must find nothing, its counters)
++13 % rules/s; writing the batch itself instead of through `send_packed_command`, whose
+`asyncio.wait_for` costs a task and a timer a write, +3.8 %; the Lua scripts 17.5 % fewer
+instructions inside Redis (`bench/script_cost.py`) and the shell's cuts below (530k -> 465k
+instructions a rule), each within the noise alone. This benchmark now listens to the first
+evaluation.started only (it unbinds the rest: 199 deliveries a round less for the broker
+and itself, which share the worker's cores). A second or third batch in flight on the one
+connection (a reader task reading them in order, so none can overtake another) measured no
+better than one (+18.7 %, +17.4 % and +12.8 % for depths 2, 1 and 3 against the pool's
+path): keeping the connection was the gain, not the overlap. Where a rule's wall time goes
+now, at about 5,500 rules/s (1,000 evaluations; `/proc/PID/schedstat` and
+`bench/evaluation_latency.py --idle`): about 181 us, of which the worker runs 128 to 132,
+waits runnable 21 to 25 (Redis, RabbitMQ and this process on its core) and waits for
+Redis's replies about 30 (an EVALSHA 21 us inside Redis, 1.62 a rule). Raising the
+worker's concurrency to 128 evaluations changed nothing (-1.0 %, 7 rounds): it is not short
+of work, it waits for Redis between batches.
+
+Earlier (2026-12-02, 08:33 UTC, a quiet machine, load 0.6 to 0.9, with every cut below
+merged): four plain runs of 7 rounds, median ratio 0.90 +- 6 %, 0.83 +- 8 %, 0.83 +- 6
 % and 0.92 +- 2 % (rounds 0.76 to 1.05; 73 to 96 us of the worker's CPU a rule; SET 8,000 to
 10,700/s, rules up to 9,900/s); `--against` the session's starting commit 1203731, 5 rounds:
 9,496 against 7,102 rules/s (1.34x), 73 against 131 us of CPU a rule (-44 %). Below the
@@ -189,6 +213,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -272,11 +297,17 @@ async def rule_rate(
             first_start: list[float] = []
             cpu_at_start: list[float] = []  # the worker's start-up is not the rules' cost
 
+            unbinding: list[asyncio.Task[Any]] = []
+
             async def on_event(message: aio_pika.abc.AbstractIncomingMessage) -> None:
                 if message.routing_key == "evaluation.started":
                     if not first_start:
                         first_start.append(time.perf_counter())
                         cpu_at_start.append(_cpu_s(worker.pid))
+                        # Only the first is needed: the others would cost the broker and
+                        # this process, which share the worker's two cores, 199 deliveries.
+                        unbind = events.unbind(client.broker.events, "evaluation.started")
+                        unbinding.append(asyncio.ensure_future(unbind))
                 else:
                     pending.discard(json.loads(message.body)["attempt_id"])
                 if not pending:
@@ -291,6 +322,7 @@ async def rule_rate(
             except TimeoutError:
                 raise SystemExit(f"timed out; worker log: {log.read_text()[-500:]}") from None
             elapsed = time.perf_counter() - first_start[0]
+            await asyncio.gather(*unbinding)
             cpu_s = _cpu_s(worker.pid) - cpu_at_start[0]
             scripts = await _scripts(client.store.redis) - scripts
             final = await client.wait(ids, timeout_s=5)
