@@ -151,7 +151,7 @@ class AutoPipeline:
         The connection is kept from one batch to the next rather than taken from the pool
         and given back each time: redis-py's pool checks a connection out with a lock, a
         read that must find nothing waiting and its counters, which cost the worker more
-        than the batch's own write (an A/B: +17 % rules a second, -9 % CPU a rule). One
+        than the batch's own write (an A/B: +13 % rules a second, 7 rounds). One
         that failed in any way, or whose read was cut short, is dropped and goes back to
         the pool, so that no reply of a batch is ever read as another's. Through Sentinel
         each batch still takes one from the pool, which finds the primary after a
