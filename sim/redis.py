@@ -370,10 +370,7 @@ class SimRedis:
         """`TTL key`: seconds left, rounded as Redis rounds; -1 no TTL; -2 no key."""
         if self.get(key) is None:
             return -2
-        exp = self.expires.get(key)
-        if exp is None:
-            return -1
-        return int((round((exp - self.env.now) * 1000) + 500) // 1000)
+        return _seconds_left(self.expires.get(key), self.env.now)
 
     def ttls(self, prefix: str) -> dict[str, int]:
         """`ttl_of` each of `keys(prefix)`, in its order: one look at each key, not three
@@ -385,7 +382,7 @@ class SimRedis:
             if exp is not None and exp < now:  # `get`: expired once now > when
                 self._del(k)
             elif data.get(k) is not None:
-                out[k] = -1 if exp is None else int((round((exp - now) * 1000) + 500) // 1000)
+                out[k] = _seconds_left(exp, now)
         return out
 
     def keys(self, prefix: str) -> list[str]:
@@ -950,3 +947,11 @@ class RedisClient:
             return reply.value
         conn.close("client")  # a timeout: redis-py disconnects; a close: already gone
         return _LOST
+
+
+def _seconds_left(expires_at: float | None, now: float) -> int:
+    """What `TTL` answers for a key that exists: seconds left, rounded as Redis rounds
+    them; -1 without a TTL."""
+    if expires_at is None:
+        return -1
+    return int((round((expires_at - now) * 1000) + 500) // 1000)
