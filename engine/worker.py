@@ -145,7 +145,8 @@ class Worker:
         except (AMQPError, OSError) as exc:
             raise amqp_unavailable(exc, cfg.amqp_url, cfg.connect_timeout_s) from None
         held = self.controller.evaluations
-        self._tasks.append(asyncio.create_task(drive(heartbeat(cfg, self.worker_id, held), rt)))
+        beating = heartbeat(cfg, self.worker_id, held, self.controller.host.recording)
+        self._tasks.append(asyncio.create_task(drive(beating, rt)))
         if cfg.sweeper:
             self._tasks.append(asyncio.create_task(drive(sweeper(cfg, held), rt)))
         rt.history.record("worker_started", sweeper=cfg.sweeper)

@@ -244,7 +244,13 @@ class EvaluationController:
         if self._recording:
             yield Record(
                 "evaluation_started",
-                {"attempt_id": attempt_id, "plan": plan.id, "resumed": resumed, "kind": kind},
+                {
+                    "attempt_id": attempt_id,
+                    "plan": plan.id,
+                    "resumed": resumed,
+                    "kind": kind,
+                    "fence": begun.fence,
+                },
             )
         orch = PassExecutionOrchestrator(
             self.host, self.config, self.worker_id, core, self._done, begun.fence

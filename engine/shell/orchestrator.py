@@ -37,9 +37,11 @@ from engine.core import (
 )
 from engine.core.results import RuleResult
 from engine.core.states import EvaluationStatus, RuleState
+from engine.runtime.replies import LeaseLost
 from engine.shell import module
 from engine.shell.effects import (
     MONO,
+    NOW,
     Acquire,
     CallAgent,
     Count,
@@ -246,9 +248,14 @@ class PassExecutionOrchestrator:
                 self._spawn(self._run_rule(action, execution), caught=True)
             case PersistResult(rule_id=rule_id, result=result):
                 sent = yield MONO
-                existing, counts, over = yield Store(
-                    "write_result", (a, result, self._starts, self.fence)
-                )
+                sent_ms = (yield NOW) if self._recording else 0
+                try:
+                    existing, counts, over = yield Store(
+                        "write_result", (a, result, self._starts, self.fence)
+                    )
+                except LeaseLost:
+                    yield from self._refused("result", rule_id, sent_ms)
+                    raise
                 self._leased(sent)
                 self._look(over)
                 self._mark_starts(counts)
@@ -263,6 +270,9 @@ class PassExecutionOrchestrator:
                             "score": result.score,
                             "won": existing is None,
                             "kept_verdict": None if existing is None else existing.verdict,
+                            "fence": self.fence,
+                            "landed": True,
+                            "sent_ms": sent_ms,
                         },
                     )
                 if existing is not None and not (yield from self._adopt(rule_id, existing)):
@@ -270,7 +280,15 @@ class PassExecutionOrchestrator:
                 if self._failpoints:
                     yield Failpoint("rule_after_write", rule_id, a)
             case PersistStatus():
-                self._look((yield from module.persist_status(self.config, a, action, self.fence)))
+                sent_ms = (yield NOW) if self._recording else 0
+                try:
+                    over = yield from module.persist_status(
+                        self.config, a, action, self.fence, sent_ms
+                    )
+                except LeaseLost:
+                    yield from self._refused("status", action.rule_id, sent_ms)
+                    raise
+                self._look(over)
             case ScheduleRetry():
                 if self._over is not None:  # over: a retry would only be dropped
                     yield Record(
@@ -418,6 +436,22 @@ class PassExecutionOrchestrator:
         except Exception as exc:
             yield from self._failed(exc)
 
+    def _refused(self, write: str, rule_id: str | None, sent_ms: int) -> Step:
+        """A write of this copy the fence refused (its lease is another's): recorded, so
+        that the checker sees every write sent with the token it carried."""
+        if self._recording:
+            yield Record(
+                "write_refused",
+                {
+                    "attempt_id": self.attempt_id,
+                    "rule_id": rule_id,
+                    "write": write,
+                    "fence": self.fence,
+                    "landed": False,
+                    "sent_ms": sent_ms,
+                },
+            )
+
     def _adopt(self, rule_id: str, kept: RuleResult) -> Generator[Effect, Any, bool]:
         """Another write of `rule_id`'s result came first. Without the lease (this worker
         ran the rule after its lease lapsed: a frozen process) its view is stale: it steps
@@ -434,7 +468,12 @@ class PassExecutionOrchestrator:
 
     def _finish(self, action: Finish) -> Step:
         a = self.attempt_id
-        kept = yield from self._confirm_final(action)
+        sent_ms = (yield NOW) if self._recording else 0
+        try:
+            kept = yield from self._confirm_final(action)
+        except LeaseLost:
+            yield from self._refused("final", None, sent_ms)
+            raise
         status = kept or action.status.value
         verdicts = self.core.announced(action.verdicts)
         if self._recording:
@@ -446,6 +485,9 @@ class PassExecutionOrchestrator:
                     "won": kept is None,
                     "decided": action.status.value,  # the core's own decision (a cancel heard)
                     "verdicts": verdicts,
+                    "fence": self.fence,
+                    "landed": True,
+                    "sent_ms": sent_ms,
                 },
             )
         if kept is None:
