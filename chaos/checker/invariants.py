@@ -17,6 +17,7 @@ from chaos.checker.context import Context, Outcome
 from chaos.checker.dag_order import check_dag_order
 from chaos.checker.history_complete import check_history_complete
 from chaos.checker.idempotent_results import check_idempotent_results
+from chaos.checker.leases import check_leases_renewed, check_leases_respected
 from chaos.checker.matches_reference import check_matches_reference
 from chaos.checker.no_completed_rerun import check_no_completed_rerun
 from chaos.checker.pass_results_correct import check_pass_results_correct
@@ -27,6 +28,7 @@ from chaos.checker.retry_budget import check_retry_budget
 from chaos.checker.retry_delays_respected import check_retry_delays_respected
 from chaos.checker.single_final_result import check_single_final_result
 from chaos.checker.state_keys_expire import check_state_keys_expire
+from chaos.checker.writes_fenced import check_writes_fenced
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,23 @@ REGISTRY: tuple[Invariant, ...] = (
         "every repeated start of a rule attempt follows a crash, kill, stall or service "
         "fault that explains it",
         check_reruns_explained,
+    ),
+    Invariant(
+        "leases_renewed",
+        "a running worker renews every lease it holds before it runs out, unless a fault "
+        "of that process or its Redis stopped it",
+        check_leases_renewed,
+    ),
+    Invariant(
+        "leases_respected",
+        "no sweeper claims and no worker begins an evaluation before the lease its holder "
+        "last renewed ran out",
+        check_leases_respected,
+    ),
+    Invariant(
+        "writes_fenced",
+        "every write that landed carried the evaluation's current fence token",
+        check_writes_fenced,
     ),
 )
 
