@@ -40,7 +40,8 @@ from engine.plan import Plan
 from engine.policy import RetryPolicy
 from engine.runtime import store
 from engine.runtime.broker import Broker
-from engine.shell import orchestrator
+from engine.shell import heartbeat, orchestrator
+from engine.shell import sweeper as shell_sweeper
 from engine.shell.controller import EvaluationController
 from engine.shell.effects import PublishEvent, Step, Stepper, Store
 from engine.shell.reevaluate import ReEvaluateUseCase
@@ -549,6 +550,128 @@ def no_fencing() -> None:
     orchestrator.PassExecutionOrchestrator._lease_short = lambda self, now: False  # type: ignore[method-assign]
 
 
+# --- the lease machinery ------------------------------------------------------------------
+
+
+def heartbeat_stops_when_idle() -> None:
+    """leases_renewed: the heartbeat stops at its first idle beat. A worker that holds no
+    evaluation when its heartbeat first beats never renews a lease again: its leases live
+    only as long as its fenced writes run them on, and lapse during any long call."""
+    beat = heartbeat.beat
+    stopped: set[str] = set()
+
+    def beat_until_idle(worker_id: str, evaluations: Any, *args: Any) -> Step:
+        if not evaluations:
+            stopped.add(worker_id)
+        if worker_id in stopped:
+            return
+        yield from beat(worker_id, evaluations, *args)
+
+    heartbeat.beat = beat_until_idle  # type: ignore[assignment]
+
+
+#: `slow_heartbeat`: how many times longer than `heartbeat_ms` the heartbeat sleeps.
+SLOW_HEARTBEAT = 10
+
+
+def slow_heartbeat() -> None:
+    """leases_renewed: the heartbeat beats ten times too slowly (it sleeps ten times
+    `heartbeat_ms`, longer than the lease at every shipped setting): between two beats a
+    lease lapses unless a fenced write happens to run it on."""
+    sleep = heartbeat.Sleep
+
+    def slow(seconds: float) -> Any:
+        return sleep(seconds * SLOW_HEARTBEAT)
+
+    heartbeat.Sleep = slow  # type: ignore[assignment,misc]
+
+
+def renew_never_extends() -> None:
+    """leases_respected: the renewal answers that the lease is still held and stamps the
+    running index, but never extends the lease (its `PEXPIRE` is gone): the lease runs out
+    `stale_ms` after the owner's last fenced write, and a delivery to another worker takes
+    the evaluation from its living owner. The source is edited before `RedisStore.__init__`
+    registers it."""
+    extend = "redis.call('PEXPIRE', KEYS[1], ARGV[2])\n"
+    if store._RENEW.count(extend) != 2:
+        raise RuntimeError("renew_never_extends: the renew script changed")
+    store._RENEW = store._RENEW.replace(extend, "")
+
+
+#: `sweeper_claims_early`: the fraction of `stale_ms` the sweeper waits for.
+EARLY_CLAIM = 10
+#: The line of the claim script that leaves a lease still held alone.
+_LEASE_HELD = "if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end\n"
+
+
+def _sweep_early(config: EngineConfig, held: Any) -> Step:
+    """`sweep` with a tenth of `stale_ms` as the age a stamp must reach (one generator
+    between the loop and the real sweep, each store call's threshold rewritten)."""
+    step = _real_sweep(config, held)
+    early = max(1, config.stale_ms // EARLY_CLAIM)
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            effect = step.throw(error) if error is not None else step.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(effect, Store) and effect.op in ("stale_evaluations", "claim_stale"):
+            effect = Store(effect.op, (*effect.args[:-1], early))
+        try:
+            reply, error = (yield effect), None
+        except BaseException as exc:
+            reply, error = None, exc
+
+
+_real_sweep = shell_sweeper.sweep
+
+
+def early_sweep() -> None:
+    """The shell half of `sweeper_claims_early` (the simulator's too)."""
+    global _real_sweep
+    _real_sweep = shell_sweeper.sweep
+    shell_sweeper.sweep = _sweep_early  # type: ignore[assignment]
+
+
+def sweeper_claims_early() -> None:
+    """leases_respected: the sweeper claims far too early. It takes an evaluation whose
+    stamp is a tenth of `stale_ms` old, whether or not its lease is still held (the claim
+    script no longer looks at the lease), and re-publishes it while its owner is running
+    it. The script's source is edited before `RedisStore.__init__` registers it."""
+    if store._CLAIM_STALE.count(_LEASE_HELD) != 1:
+        raise RuntimeError("sweeper_claims_early: the claim script changed")
+    store._CLAIM_STALE = store._CLAIM_STALE.replace(_LEASE_HELD, "")
+    early_sweep()
+
+
+#: The line of a fenced script that refuses a write whose token is not the current one.
+_REFUSED = f"if other then return {{'{store.FENCED}', other}} end"
+
+
+def _unfence(name: str, mutant: str) -> None:
+    source = getattr(store, name)
+    if source.count(_REFUSED) != 1:
+        raise RuntimeError(f"{mutant}: the script {name} changed")
+    setattr(store, name, source.replace(_REFUSED, ""))
+
+
+def status_unfenced() -> None:
+    """writes_fenced: status writes are not fenced. The status script no longer refuses a
+    stale token, so an owner that lost its lease (paused past it while a call was failing)
+    still writes `failed_attempt_N` over its successor's state. The source is edited before
+    `RedisStore.__init__` registers it."""
+    _unfence("_WRITE_STATUS", "status_unfenced")
+
+
+def final_unfenced() -> None:
+    """writes_fenced: final-state writes are not fenced. The finish script no longer refuses
+    a stale token, so an owner that lost its lease (paused before its final write) still
+    writes its terminal state. The source is edited before `RedisStore.__init__` registers
+    it."""
+    _unfence("_FINISH", "final_unfenced")
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -694,6 +817,36 @@ MUTANTS: dict[str, Mutant] = {
             no_fencing,
             "no_completed_rerun",
             "the owner's writes are not fenced: a worker that lost its lease writes on",
+        ),
+        _mutant(
+            heartbeat_stops_when_idle,
+            "leases_renewed",
+            "the heartbeat stops at its first idle beat: leases live on fenced writes alone",
+        ),
+        _mutant(
+            slow_heartbeat,
+            "leases_renewed",
+            "the heartbeat beats ten times too slowly: leases lapse between beats",
+        ),
+        _mutant(
+            renew_never_extends,
+            "leases_respected",
+            "the renewal says the lease is held but never extends it",
+        ),
+        _mutant(
+            sweeper_claims_early,
+            "leases_respected",
+            "the sweeper claims evaluations whose lease is still held, at a tenth of stale_ms",
+        ),
+        _mutant(
+            status_unfenced,
+            "writes_fenced",
+            "status writes are not fenced: an owner that lost its lease writes statuses",
+        ),
+        _mutant(
+            final_unfenced,
+            "writes_fenced",
+            "final-state writes are not fenced: an owner that lost its lease writes its end",
         ),
     )
 }

@@ -25,7 +25,7 @@ from engine.core import dag, evaluation
 from engine.core.evaluation import Evaluation
 from engine.keys import eval_key
 from engine.policy import RetryPolicy
-from engine.shell import controller, orchestrator, reevaluate
+from engine.shell import controller, heartbeat, orchestrator, reevaluate
 from engine.shell import sweeper as shell_sweeper
 from sim.broker import SHARED_DELAY_QUEUE, Message, Queue, SimBroker
 from sim.history import Source
@@ -53,6 +53,8 @@ CORE: tuple[str, ...] = (
     "give_up_early",
     "slow_tier",
     "all_passes_complete",
+    "heartbeat_stops_when_idle",
+    "slow_heartbeat",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
@@ -67,6 +69,7 @@ _OWNERS: tuple[Any, ...] = (
     orchestrator.PassExecutionOrchestrator,
     controller.EvaluationController,
     reevaluate.ReEvaluateUseCase,
+    heartbeat,
 )
 
 _active: list[str] = []
@@ -238,6 +241,69 @@ def _drop_history_events() -> None:
     Source.record_fields = lossy_record_fields  # type: ignore[method-assign]
 
 
+def _renew_never_extends() -> None:
+    """The live patch's renew script without its `PEXPIRE`: a lease still held keeps the
+    expiry it had (a lapsed one is still written again, as the script's `SET` does)."""
+    renew = SimRedis.renew
+
+    def renew_in_place(self: SimRedis, ids: Any, me: str, now_ms: int) -> dict[str, int]:
+        keys = [eval_key(a, "owner") for a in ids]
+        before = {k: self.expires.get(k) for k in keys if self.get(k) is not None}
+        out = renew(self, ids, me, now_ms)
+        for key, expires in before.items():
+            if expires is not None and self.get(key) is not None:
+                self.expires[key] = expires
+        return out
+
+    SimRedis.renew = renew_in_place  # type: ignore[method-assign]
+
+
+def _sweeper_claims_early() -> None:
+    """The live patch: the shell's sweep at a tenth of `stale_ms` (chaos.mutants' own) and
+    the claim script blind to the lease."""
+    from chaos.mutants import early_sweep
+
+    early_sweep()
+    claim_stale = SimRedis.claim_stale
+
+    def lease_blind_claim(self: SimRedis, a: str, *args: Any) -> bool:
+        key = eval_key(a, "owner")
+        holder, expires = self.get(key), self.expires.get(key)
+        if holder is None:
+            return claim_stale(self, a, *args)
+        self._del(key)  # the script no longer looks at it
+        try:
+            return claim_stale(self, a, *args)
+        finally:
+            self._restore(key, holder, expires)
+
+    SimRedis.claim_stale = lease_blind_claim  # type: ignore[method-assign]
+
+
+def _status_unfenced() -> None:
+    """The live patch's status script that no longer refuses a stale token."""
+    write_status = SimRedis.write_status
+
+    def unfenced(self: SimRedis, a: str, *args: Any) -> Any:
+        *rest, fence = args if len(args) == 4 else (*args, None)
+        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
+        return write_status(self, a, *rest, None)
+
+    SimRedis.write_status = unfenced  # type: ignore[method-assign]
+
+
+def _final_unfenced() -> None:
+    """The live patch's finish script that no longer refuses a stale token."""
+    finish = SimRedis.finish
+
+    def unfenced(self: SimRedis, a: str, *args: Any) -> Any:
+        *rest, fence = args if len(args) == 4 else (*args, None)
+        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
+        return finish(self, a, *rest, None)
+
+    SimRedis.finish = unfenced  # type: ignore[method-assign]
+
+
 #: Mutants of a Lua script, of the broker's topology or of the history writer, patched on
 #: their model in `SimRedis`, `SimBroker` or `Source` with `patched`, like the core's.
 PATCHED: dict[str, Callable[[], None]] = {
@@ -249,6 +315,10 @@ PATCHED: dict[str, Callable[[], None]] = {
     "needless_rerun": _needless_rerun,
     "ignore_lease": _ignore_lease,
     "no_fencing": _no_fencing,
+    "renew_never_extends": _renew_never_extends,
+    "sweeper_claims_early": _sweeper_claims_early,
+    "status_unfenced": _status_unfenced,
+    "final_unfenced": _final_unfenced,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
 _SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source)
