@@ -587,11 +587,11 @@ def slow_heartbeat() -> None:
 
 
 def renew_never_extends() -> None:
-    """leases_respected: the renewal answers that the lease is still held and stamps the
+    """leases_renewed: the renewal answers that the lease is still held and stamps the
     running index, but never extends the lease (its `PEXPIRE` is gone): the lease runs out
-    `stale_ms` after the owner's last fenced write, and a delivery to another worker takes
-    the evaluation from its living owner. The source is edited before `RedisStore.__init__`
-    registers it."""
+    `stale_ms` after the owner's last fenced write, and a delivery to another worker may
+    take the evaluation from its living owner. The source is edited before
+    `RedisStore.__init__` registers it."""
     extend = "redis.call('PEXPIRE', KEYS[1], ARGV[2])\n"
     if store._RENEW.count(extend) != 2:
         raise RuntimeError("renew_never_extends: the renew script changed")
@@ -830,7 +830,7 @@ MUTANTS: dict[str, Mutant] = {
         ),
         _mutant(
             renew_never_extends,
-            "leases_respected",
+            "leases_renewed",
             "the renewal says the lease is held but never extends it",
         ),
         _mutant(

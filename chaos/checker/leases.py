@@ -10,7 +10,9 @@ lease it asked for) and never count a write as a renewal.
   and from each renewal's reply, the next renewal is sent within the lease. A gap is
   excused only by a fault that touched that process or its Redis (its pause, a freeze or
   stall, a fault on its own link to Redis, Redis down or paused), plus the scenario's
-  `fault_recovery_s`.
+  `fault_recovery_s`. And a renewal the store answered `held` left a whole lease, by the
+  store's own clock (`lease_left_ms`, its PTTL just after; the millisecond of its clock
+  aside).
 - `leases_respected` (safety): nobody takes a lease before it ran out. A sweeper claims
   an evaluation only once the stamp of its latest renewal is older than the lease (a
   renewal answered before the claim was sent stamped the index when it was sent, at the
@@ -120,6 +122,24 @@ def check_leases_renewed(cx: Context) -> Outcome:
                         timeline([x for x in (before, after) if x is not None], evs),
                     )
                 )
+    for e in renewals:
+        left, asked = e.get("lease_left_ms"), e.get("lease_ms")
+        if e.get("held") == LOST or not isinstance(left, int) or not isinstance(asked, int):
+            continue
+        cases += 1
+        if left >= asked - 1:
+            continue
+        a = str(e.get("attempt_id"))
+        out.append(
+            Violation(
+                "leases_renewed",
+                a,
+                None,
+                f"{e.get('src')}'s renewal of {a} was answered held, but the store left "
+                f"{left} ms of the {asked} ms lease it asked for",
+                timeline([e], cx.by_eval.get(a, [])),
+            )
+        )
     cx.stats["renewals"] = len(renewals)
     return cases, out
 

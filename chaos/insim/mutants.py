@@ -25,6 +25,7 @@ from engine.core import dag, evaluation
 from engine.core.evaluation import Evaluation
 from engine.keys import eval_key
 from engine.policy import RetryPolicy
+from engine.runtime.replies import Renewal
 from engine.shell import controller, heartbeat, orchestrator, reevaluate
 from engine.shell import sweeper as shell_sweeper
 from sim.broker import SHARED_DELAY_QUEUE, Message, Queue, SimBroker
@@ -246,14 +247,17 @@ def _renew_never_extends() -> None:
     expiry it had (a lapsed one is still written again, as the script's `SET` does)."""
     renew = SimRedis.renew
 
-    def renew_in_place(self: SimRedis, ids: Any, me: str, now_ms: int) -> dict[str, int]:
+    def renew_in_place(self: SimRedis, ids: Any, me: str, now_ms: int) -> dict[str, Any]:
         keys = [eval_key(a, "owner") for a in ids]
         before = {k: self.expires.get(k) for k in keys if self.get(k) is not None}
         out = renew(self, ids, me, now_ms)
         for key, expires in before.items():
             if expires is not None and self.get(key) is not None:
                 self.expires[key] = expires
-        return out
+        # the PTTL the script returns is read after the (missing) PEXPIRE
+        return {
+            a: Renewal(int(v), self._pttl(eval_key(a, "owner"))) if v else v for a, v in out.items()
+        }
 
     SimRedis.renew = renew_in_place  # type: ignore[method-assign]
 

@@ -13,6 +13,22 @@ class LeaseLost(Exception):
     """An owner's write was refused: another worker acquired the lease since (the fence)."""
 
 
+class Renewal(int):
+    """`renew`'s answer for one evaluation: 0 lost, 1 still ours, 2 forgotten by Redis and
+    ours again (an int, as it always was), and `lease_ms`: what the store left of the lease
+    right after renewing it, by its own clock (None: lost, or not told)."""
+
+    lease_ms: int | None
+
+    def __new__(cls, code: int, lease_ms: int | None = None) -> Renewal:
+        out = super().__new__(cls, code)
+        out.lease_ms = lease_ms
+        return out
+
+    def __repr__(self) -> str:
+        return f"Renewal({int(self)}, lease_ms={self.lease_ms})"
+
+
 class StatusWritten(NamedTuple):
     """What `RedisStore.write_status` did."""
 
