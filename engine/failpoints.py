@@ -37,6 +37,8 @@ FAILPOINTS: dict[str, str] = {
     "before_pass_publish": "a pass is terminal; its result is not published",
     "before_final_publish": "the final state is in Redis; evaluation.completed is not published",
     "after_final_publish": "evaluation.completed is published; the evaluation is still indexed",
+    "rule_after_call_failed": "the agent failed; the rule's status is not in Redis",
+    "before_final_write": "the evaluation is decided; its final state is not in Redis",
 }
 
 #: Failpoints hit with no rule: a `rule` filter on one of them would never match.
@@ -47,6 +49,7 @@ RULELESS_FAILPOINTS: frozenset[str] = frozenset(
         "before_pass_publish",
         "before_final_publish",
         "after_final_publish",
+        "before_final_write",
     }
 )
 

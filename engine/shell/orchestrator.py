@@ -409,6 +409,8 @@ class PassExecutionOrchestrator:
                         "tokens": tokens,
                     },
                 )
+                if self._failpoints:
+                    yield Failpoint("rule_after_call_failed", rule.id, a)
                 yield from self._feed(
                     self.core.rule_failed, rule.id, err.kind, retryable=err.retryable
                 )
@@ -468,6 +470,8 @@ class PassExecutionOrchestrator:
 
     def _finish(self, action: Finish) -> Step:
         a = self.attempt_id
+        if self._failpoints:
+            yield Failpoint("before_final_write", None, a)
         sent_ms = (yield NOW) if self._recording else 0
         try:
             kept = yield from self._confirm_final(action)
