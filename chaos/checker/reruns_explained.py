@@ -12,9 +12,12 @@ start and the rerun's, something broke what the earlier round's process held:
   fault open meanwhile;
 - a failpoint stalled or raised in either process (`failpoint_fired`, a stall lasting its
   `stall_ms`);
-- a fault of the run's services or links was open meanwhile: a Redis or broker kill until
-  its restart, any runner fault other than a worker kill or a cancel (network faults,
-  consumer timeouts, data loss), each until healed, plus `fault_recovery_s`.
+- a fault that touched that execution was open meanwhile (`chaos.checker.touching`): of a
+  service it used (a Redis or broker kill until its restart, a pause, a Sentinel failover),
+  or of one of its two processes (a pause of it, a network fault on its own link, a
+  consumer timeout of its channel), each until healed, plus `fault_recovery_s`. A fault
+  elsewhere in the run (another worker paused, another process's link cut) explains
+  nothing about it.
 
 Anything else is an engine that gave up work it held, and a violation with its evidence:
 the two starts and what each process did in between (an engine that needlessly gives up its
@@ -23,7 +26,6 @@ leases and reruns work must fail).
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from typing import Any
@@ -40,9 +42,8 @@ from chaos.checker.context import (
 from chaos.checker.holding import Proc, death_of, deaths
 from chaos.checker.records import Violation
 from chaos.checker.rounds import Round
+from chaos.checker.touching import Touch, touches, touching
 
-#: Runner fault actions scoped to one worker (their echo names the process) or harmless.
-_SCOPED = frozenset({"kill_worker", "restart_worker", "cancel"})
 #: What a process records while it resumes or takes over an evaluation: shown as evidence.
 _AROUND = (
     "delivered",
@@ -53,33 +54,6 @@ _AROUND = (
     "evaluation_started",
     "forwarded",
 )
-
-
-def _windows(cx: Context) -> list[tuple[float, float, dict]]:
-    """The run-wide fault windows: service kills until their restart, every other runner
-    fault (not a worker kill or a cancel) until its `fault_healed`."""
-    end_of_run = max((event_time(e) for e in cx.events), default=0.0)
-    healed: dict[Any, float] = {}
-    for e in of(cx.events, "fault_healed"):
-        if e.get("fault_id") is not None:
-            healed.setdefault(e["fault_id"], event_time(e))
-    out: list[tuple[float, float, dict]] = []
-    down: dict[str, dict] = {}
-    for e in cx.events:
-        ev, t = e.get("ev"), event_time(e)
-        if ev == "service_killed":
-            down.setdefault(str(e.get("service")), e)
-        elif ev == "service_restarted":
-            start = down.pop(str(e.get("service")), None)
-            out.append((event_time(start) if start else t, t, start or e))
-        elif ev == "fault_fired" and str(e.get("action")) not in _SCOPED:
-            fid = e.get("fault_id")
-            end = healed.get(fid, end_of_run) if fid is not None else t
-            out.append((t, max(t, end), e))
-        elif ev in ("consumer_timeout", "channel_closed"):
-            out.append((t, t, e))
-    out += [(event_time(e), math.inf, e) for e in down.values()]
-    return out
 
 
 def _stalls(cx: Context) -> dict[Proc, list[tuple[float, float, dict]]]:
@@ -116,7 +90,7 @@ def check_reruns_explained(cx: Context) -> Outcome:
                 prev, rnd = attempt_rounds[i - 1], attempt_rounds[i]
                 reruns += 1
                 if not faults:
-                    faults = (deaths(cx.events), _windows(cx), _stalls(cx))
+                    faults = (deaths(cx.events), touches(cx.events), _stalls(cx))
                 dead, windows, stalls = faults
                 reason = _explained(cx, a, prev, rnd, dead, windows, stalls, slack)
                 if reason is not None:
@@ -160,7 +134,7 @@ def _explained(
     prev: Round,
     rnd: Round,
     dead: Any,
-    windows: list[tuple[float, float, dict]],
+    windows: list[Touch],
     stalls: dict[Proc, list[tuple[float, float, dict]]],
     slack: float,
 ) -> str | None:
@@ -173,8 +147,10 @@ def _explained(
         for s, e, _ in stalls.get(proc, []):
             if s <= t1 and e + slack >= t0:
                 return "failpoint"
-    if any(s <= t1 and e + slack >= t0 for s, e, _ in windows):
-        return "service_fault"
+    for proc in (prev.proc, rnd.proc):
+        touched = touching(windows, proc[1], t0, t1, slack)
+        if touched is not None:
+            return "service_fault" if touched.pids is None else "process_fault"
     for e in of(cx.by_eval[a], "evaluation_abandoned", "delivery_failed"):
         if proc_of(e) == prev.proc and t0 <= event_time(e) <= t1:
             text = str(e.get("reason") or e.get("error") or "")
