@@ -58,6 +58,12 @@ CATCHES = {
     "no_restore": "redis_data_loss",  # the restarted Redis lost results the owner announces
     "unmitigated": "sentinel_failover_with_partition",  # no_wait's, and nothing restored
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
+    "heartbeat_stops_when_idle": "calls_outlast_lease",  # only the heartbeat keeps leases
+    "slow_heartbeat": "calls_outlast_lease",
+    "renew_never_extends": "calls_outlast_lease",  # the store says what it left
+    "sweeper_claims_early": "calls_outlast_lease",  # long calls: stamps a beat old
+    "status_unfenced": "stale_owner_status",  # the frozen owner's status write lands
+    "final_unfenced": "stale_owner_final_write",  # the frozen owner's final write lands
 }
 
 

@@ -943,3 +943,135 @@ def test_sweep_wrong_attempt() -> None:
     # the attempt that failed: a stale retry, dropped on arrival, and nothing wakes the
     # evaluation (lost_dead_letter fails all_terminal, live and in sim, from this one patch)
     assert after == {"attempts": [2]}
+
+
+# --- the lease machinery and the fence -----------------------------------------------------
+
+
+class _Held:
+    """An evaluation in memory, as the heartbeat sees it (its fence token)."""
+
+    fence = "1:w"
+
+
+def probe_heartbeat() -> dict[str, Any]:
+    """The heartbeat's first beats: idle, then holding an evaluation; what each asks of the
+    world, and how long the loop sleeps."""
+    from engine.shell import heartbeat
+
+    idle = [type(e).__name__ for e in heartbeat.beat("w", {}, 600)]
+    busy = heartbeat.beat("w", {"a": _Held()}, 600)  # type: ignore[dict-item]
+    asked = [type(next(busy)).__name__, type(busy.send(0)).__name__]
+    loop = heartbeat.heartbeat(EngineConfig(heartbeat_ms=100, stale_ms=600), "w", {})
+    return {"idle": idle, "busy": asked, "sleeps": next(loop).seconds}
+
+
+def _busy_after_idle() -> dict[str, Any]:
+    from engine.shell import heartbeat
+
+    list(heartbeat.beat("w", {}, 600))  # the first beat finds nothing held
+    busy = heartbeat.beat("w", {"a": _Held()}, 600)  # type: ignore[dict-item]
+    asked = []
+    with contextlib.suppress(StopIteration):
+        asked.append(type(next(busy)).__name__)
+        asked.append(type(busy.send(0)).__name__)
+    return {"busy": asked}
+
+
+def probe_heartbeat_after_idle() -> dict[str, Any]:
+    return _busy_after_idle()
+
+
+def test_heartbeat_stops_when_idle() -> None:
+    before, after = _probe("probe_heartbeat_after_idle", "heartbeat_stops_when_idle")
+    assert before == {"busy": ["Clock", "Store"]}  # the clock, then the renewal
+    assert after == {"busy": []}  # stopped at the idle beat: nothing renewed ever again
+
+
+def test_slow_heartbeat() -> None:
+    before, after = _probe("probe_heartbeat", "slow_heartbeat")
+    assert before == {"idle": [], "busy": ["Clock", "Store"], "sleeps": 0.1}
+    assert after == {"idle": [], "busy": ["Clock", "Store"], "sleeps": 1.0}  # ten times
+
+
+def probe_renewal_extends() -> dict[str, Any]:
+    """An owner's lease with 100 ms left is renewed: what the store says is left after."""
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
+        a = ids[0]
+        begun = await store.begin(a, "w", TINY.order, TINY.to_json())
+        await store.redis.pexpire(eval_key(a, "owner"), 100)
+        got = (await store.renew({a: begun.fence}, "w"))[a]
+        left = await store.redis.pttl(eval_key(a, "owner"))
+        return {"held": int(got), "reported": got.lease_ms > 100, "left": left > 100}
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_renew_never_extends() -> None:
+    before, after = _probe("probe_renewal_extends", "renew_never_extends")
+    assert before == {"held": 1, "reported": True, "left": True}
+    # Still answered held, and the store reports (truly) that the lease was not extended.
+    assert after == {"held": 1, "reported": False, "left": False}
+
+
+def probe_early_claim() -> dict[str, Any]:
+    """w begins an evaluation (its lease held, its stamp fresh); a sweeper sweeps at once."""
+    from engine.shell import sweeper
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
+        a = ids[0]
+        await store.begin(a, "w", TINY.order, TINY.to_json())
+        claimed = await store.claim_stale(a, 0)  # the stamp is old enough; the lease is not
+        asked = []
+        step = sweeper.sweep(EngineConfig(stale_ms=600), set())
+        effect = next(step)
+        asked.append(list(effect.args))
+        return {"claimed": claimed, "stale_evaluations": asked}
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_sweeper_claims_early() -> None:
+    before, after = _probe("probe_early_claim", "sweeper_claims_early")
+    assert before == {"claimed": False, "stale_evaluations": [[600]]}
+    assert after == {"claimed": True, "stale_evaluations": [[60]]}  # a tenth, lease or not
+
+
+def probe_stale_writes() -> dict[str, Any]:
+    """w1 begins an evaluation; its lease lapses; w2 begins it (a new token); w1, awake,
+    writes a status and the final state with its old token. What lands?"""
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for a, what in zip(ids, ("status", "final"), strict=True):
+            first = await store.begin(a, "w1", TINY.order, TINY.to_json())
+            await store.redis.delete(eval_key(a, "owner"))  # the lease lapses
+            await store.begin(a, "w2", TINY.order, None)
+            try:
+                if what == "status":
+                    await store.write_status(a, "compiles", "failed_attempt_1", None, first.fence)
+                else:
+                    await store.finish(a, "completed", {}, [], first.fence)
+                out[what] = "landed"
+            except LeaseLost:
+                out[what] = "refused"
+        return out
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_status_unfenced() -> None:
+    before, after = _probe("probe_stale_writes", "status_unfenced")
+    assert before == {"status": "refused", "final": "refused"}
+    assert after == {"status": "landed", "final": "refused"}  # the status alone is unfenced
+
+
+@live
+def test_final_unfenced() -> None:
+    before, after = _probe("probe_stale_writes", "final_unfenced")
+    assert before == {"status": "refused", "final": "refused"}
+    assert after == {"status": "refused", "final": "landed"}  # the final state alone

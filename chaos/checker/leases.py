@@ -71,8 +71,9 @@ def check_leases_renewed(cx: Context) -> Outcome:
     renewal to the session's end); a violation per interval longer than the lease that no
     fault of that process or its Redis explains."""
     renewals = of(cx.events, "lease_renewed")
-    leases = [x for x in map(_lease, renewals) if x is not None]
-    if not leases:
+    begun = of(cx.events, "evaluation_started")
+    leases = [x for x in map(_lease, [*renewals, *begun]) if x is not None]
+    if not leases:  # a history from before leases were recorded: nothing to judge by
         return 0, []
     lease = min(leases)
     slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)

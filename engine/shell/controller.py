@@ -250,6 +250,7 @@ class EvaluationController:
                     "resumed": resumed,
                     "kind": kind,
                     "fence": begun.fence,
+                    "lease_ms": self.config.stale_ms,  # what begin's lease runs for
                 },
             )
         orch = PassExecutionOrchestrator(
