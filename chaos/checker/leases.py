@@ -25,6 +25,7 @@ lease it asked for) and never count a write as a renewal.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from chaos.checker.context import Context, Outcome, event_time, of, proc_of, timeline
@@ -145,22 +146,53 @@ def check_leases_renewed(cx: Context) -> Outcome:
     return cases, out
 
 
+@dataclass(frozen=True)
+class _Mark:
+    """A moment a holder's lease and stamp ran on: a renewal answered held, or a begin.
+    `sent`: when it was sent at the latest bound we have (the renewal's `sent_ms`, the
+    delivery before the begin); `reply`: when its answer was recorded (it was applied
+    before); `lease`: the lease it asked for (run seconds)."""
+
+    proc: Any
+    sent: float
+    reply: float
+    lease: float
+    fence: Any
+    event: dict
+
+
+def _marks(evs: list[dict], dead: Any) -> list[_Mark]:
+    out = [
+        _Mark(proc_of(e), _sent(e), event_time(e), lease, e.get("fence"), e)
+        for e in of(evs, "lease_renewed")
+        if e.get("held") != LOST and (lease := _lease(e)) is not None
+    ]
+    for s in sessions(evs, dead):
+        lease = _lease(s.started)
+        if lease is not None:
+            out.append(_Mark(s.proc, s.begun_after, s.t0, lease, s.started.get("fence"), s.started))
+    return out
+
+
 def check_leases_respected(cx: Context) -> Outcome:
-    """One case per sweeper claim and per begin after a renewal of another holder; a
+    """One case per sweeper claim and per begin after another holder's renewal or begin; a
     violation per one that took a lease before it could have run out."""
-    renewals = of(cx.events, "lease_renewed")
-    if not renewals:
-        return 0, []
+    if not of(cx.events, "lease_renewed") and not any(
+        _lease(e) for e in of(cx.events, "evaluation_started")
+    ):
+        return 0, []  # a history from before leases were recorded
     slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)
     windows = touches(cx.events)
+    dead = deaths(cx.events)
     cases = 0
     out: list[Violation] = []
     for a in cx.evaluations:
         evs = cx.by_eval.get(a, [])
-        held = [e for e in of(evs, "lease_renewed") if e.get("held") != LOST and _lease(e)]
-        if not held:
+        marks = _marks(evs, dead)
+        if not marks:
             continue
-        # A renewal stamps the running index only while the state is not terminal.
+        # A renewal or a begin stamps the running index only while the state is not
+        # terminal: only those answered before the first terminal write was sent count.
         over = [
             _sent(e) for e in of(evs, "evaluation_terminal", "cancel_requested", "cancel_written")
         ]
@@ -169,13 +201,13 @@ def check_leases_respected(cx: Context) -> Outcome:
             t = event_time(claim)
             sent_from = claim.get("claimed_from_ms")
             t_from = float(sent_from) / 1000 if isinstance(sent_from, int | float) else t
-            stamped = [e for e in held if event_time(e) < min(t_from, first_over)]
+            stamped = [m for m in marks if m.reply < min(t_from, first_over)]
             if not stamped:
                 continue
             cases += 1
-            last = max(stamped, key=_sent)
-            due = _sent(last) + (_lease(last) or 0.0)
-            if t + _MS >= due or _redis_fault(windows, _sent(last), t, slack) is not None:
+            last = max(stamped, key=lambda m: m.sent)
+            due = last.sent + last.lease
+            if t + _MS >= due or _redis_fault(windows, last.sent, t, slack) is not None:
                 continue
             out.append(
                 Violation(
@@ -183,38 +215,44 @@ def check_leases_respected(cx: Context) -> Outcome:
                     a,
                     None,
                     f"{claim.get('src')}'s sweeper claimed {a} {due - t:.3f} s before the "
-                    f"stamp of {last.get('src')}'s renewal went stale",
-                    timeline([last, claim], evs),
+                    f"stamp {last.proc[0]} left ({last.event.get('ev')}) went stale",
+                    timeline([last.event, claim], evs),
                 )
             )
-        for begin in of(evs, "evaluation_started"):
-            t, proc = event_time(begin), proc_of(begin)
+        for s in sessions(evs, dead):
+            begin, t, proc = s.started, s.t0, s.proc
             me = _worker_of(begin.get("fence"))
+            # Another holder's renewal answered held was applied before this begin (it
+            # would have been refused after it); another begin, only if answered before
+            # this one was sent.
             others = [
-                e
-                for e in held
-                if proc_of(e) != proc
-                and _sent(e) <= t
-                and (me is None or _worker_of(e.get("fence")) != me)
+                m
+                for m in marks
+                if m.proc != proc
+                and m.event is not begin
+                and (me is None or _worker_of(m.fence) != me)
+                and (
+                    m.sent <= t if m.event.get("ev") == "lease_renewed" else m.reply < s.begun_after
+                )
             ]
-            if not others:
+            if not others or begin.get("fence") is None:
                 continue
             cases += 1
-            last = max(others, key=_sent)
-            due = _sent(last) + (_lease(last) or 0.0)
-            if t + _MS >= due or _redis_fault(windows, _sent(last), t, slack) is not None:
+            last = max(others, key=lambda m: m.sent)
+            due = last.sent + last.lease
+            if t + _MS >= due or _redis_fault(windows, last.sent, t, slack) is not None:
                 continue
             let_go = [
                 e
                 for e in evs
-                if proc_of(e) == proc_of(last)
-                and _sent(last) <= event_time(e) <= t
+                if proc_of(e) == last.proc
+                and last.sent <= event_time(e) <= t
                 and (
                     e.get("ev") in _LET_GO
                     or (e.get("ev") == "evaluation_terminal" and e.get("won") is False)
                 )
             ]
-            if let_go or begin.get("fence") is None:
+            if let_go:
                 continue
             out.append(
                 Violation(
@@ -222,8 +260,9 @@ def check_leases_respected(cx: Context) -> Outcome:
                     a,
                     None,
                     f"{begin.get('src')} began {a} {due - t:.3f} s before the lease "
-                    f"{last.get('src')} renewed ran out, {last.get('src')} still holding it",
-                    timeline([last, begin], evs),
+                    f"{last.proc[0]} took ({last.event.get('ev')}) ran out, "
+                    f"{last.proc[0]} still holding it",
+                    timeline([last.event, begin], evs),
                 )
             )
     return cases, out
