@@ -635,7 +635,7 @@ class SimRedis:
     def renew(
         self, ids: Iterable[str] | Mapping[str, str], me: str, now_ms: int
     ) -> dict[str, Renewal]:
-        """`_RENEW`: each answer with the lease's PTTL once renewed (`_pttl`)."""
+        """`_RENEW`: each answer with the lease's PEXPIRETIME once renewed."""
         fences = ids if isinstance(ids, Mapping) else dict.fromkeys(ids, "")
         out: dict[str, Renewal] = {}
         for a, token in fences.items():
@@ -654,25 +654,26 @@ class SimRedis:
                     self._set(eval_key(a, "state"), "running", self.ttl)
                 if self._over(a) is None:
                     self._zadd(self.running_index, a, now_ms)
-                out[a] = Renewal(2 if forgotten else 1, self._pttl(owner))
+                out[a] = Renewal(2 if forgotten else 1, self._pexpiretime(owner))
             elif cur == me:
                 self._expire(owner, self.lease_s)
                 if self._over(a) is None:
                     self._zadd(self.running_index, a, now_ms)
-                out[a] = Renewal(1, self._pttl(owner))
+                out[a] = Renewal(1, self._pexpiretime(owner))
             elif cur is not None or self.get(eval_key(a, "state")) is not None:
                 out[a] = Renewal(0)
             else:  # forgotten by a lossy restart: the owner's again
                 self._set(owner, me, self.lease_s)
                 self._set(eval_key(a, "state"), "running", self.ttl)
                 self._zadd(self.running_index, a, now_ms)
-                out[a] = Renewal(2, self._pttl(owner))
+                out[a] = Renewal(2, self._pexpiretime(owner))
         return out
 
-    def _pttl(self, key: str) -> int:
-        """`PTTL` of a key that exists: its milliseconds left (-1: no TTL)."""
+    def _pexpiretime(self, key: str) -> int:
+        """`PEXPIRETIME` of a key that exists: when it expires, in ms of the simulated clock
+        (-1: no TTL)."""
         exp = self.expires.get(key)
-        return -1 if exp is None else max(0, round((exp - self.env.now) * 1000))
+        return -1 if exp is None else round(exp * 1000)
 
     def reinstate(self, a: str, plan: Any) -> bool:
         key = eval_key(a, "plan")

@@ -27,7 +27,7 @@ def renew(h: H, src: str = "w1", pid: int = 11, dt: float = 0.1, **f: Any) -> di
         "held": 1,
         "sent_ms": round(h.t * 1000),
         "lease_ms": LEASE_MS,
-        "lease_left_ms": LEASE_MS,
+        "expires_ms": round(h.t * 1000) + LEASE_MS,
         **f,
     }
     return h.ev("lease_renewed", src, pid, dt=0.0, **fields)
@@ -89,15 +89,15 @@ def test_a_pause_of_that_process_excuses_a_gap_and_another_s_does_not() -> None:
 
 def test_a_renewal_that_does_not_extend_the_lease_is_a_violation() -> None:
     h = held(1, park=False)
-    renew(h, lease_left_ms=250)
+    renew(h, expires_ms=round((h.t + 0.1) * 1000) + 250)
     h.ev("parked", "w1", 11, attempt_id=A, waiting={})
     (v,) = failing(check(h, "leases_renewed"), "leases_renewed")
-    assert "left 250 ms of the 600 ms lease" in v.message
+    assert "runs out 350 ms before the 600 ms it asked for" in v.message
 
 
 def test_the_store_s_millisecond_is_no_violation() -> None:
     h = held(1, park=False)
-    renew(h, lease_left_ms=LEASE_MS - 1)
+    renew(h, expires_ms=round((h.t + 0.1) * 1000) + LEASE_MS - 1)
     h.ev("parked", "w1", 11, attempt_id=A, waiting={})
     passing(check(h, "leases_renewed"), "leases_renewed")
 

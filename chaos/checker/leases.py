@@ -10,9 +10,10 @@ lease it asked for) and never count a write as a renewal.
   and from each renewal's reply, the next renewal is sent within the lease. A gap is
   excused only by a fault that touched that process or its Redis (its pause, a freeze or
   stall, a fault on its own link to Redis, Redis down or paused), plus the scenario's
-  `fault_recovery_s`. And a renewal the store answered `held` left a whole lease, by the
-  store's own clock (`lease_left_ms`, its PTTL just after; the millisecond of its clock
-  aside).
+  `fault_recovery_s`. And a renewal the store answered `held` extended the lease to a
+  whole lease after it was sent at least, by the store's own clock (`expires_ms`, its
+  PEXPIRETIME once renewed; the store and the worker share the host's clock, which both
+  read in whole milliseconds).
 - `leases_respected` (safety): nobody takes a lease before it ran out. A sweeper claims
   an evaluation only once the stamp of its latest renewal is older than the lease (a
   renewal answered before the claim was sent stamped the index when it was sent, at the
@@ -125,11 +126,12 @@ def check_leases_renewed(cx: Context) -> Outcome:
                     )
                 )
     for e in renewals:
-        left, asked = e.get("lease_left_ms"), e.get("lease_ms")
-        if e.get("held") == LOST or not isinstance(left, int) or not isinstance(asked, int):
+        expires, sent, asked = e.get("expires_ms"), e.get("sent_ms"), e.get("lease_ms")
+        if e.get("held") == LOST or not all(isinstance(x, int) for x in (expires, sent, asked)):
             continue
         cases += 1
-        if left >= asked - 1:
+        short = sent + asked - expires  # the renewal landed after it was sent: never > 0
+        if short <= 1:
             continue
         a = str(e.get("attempt_id"))
         out.append(
@@ -137,8 +139,9 @@ def check_leases_renewed(cx: Context) -> Outcome:
                 "leases_renewed",
                 a,
                 None,
-                f"{e.get('src')}'s renewal of {a} was answered held, but the store left "
-                f"{left} ms of the {asked} ms lease it asked for",
+                f"{e.get('src')}'s renewal of {a} was answered held, but the store says the "
+                f"lease runs out {short} ms before the {asked} ms it asked for, counted from "
+                f"when it was sent",
                 timeline([e], cx.by_eval.get(a, [])),
             )
         )

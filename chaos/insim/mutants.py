@@ -254,10 +254,9 @@ def _renew_never_extends() -> None:
         for key, expires in before.items():
             if expires is not None and self.get(key) is not None:
                 self.expires[key] = expires
-        # the PTTL the script returns is read after the (missing) PEXPIRE
-        return {
-            a: Renewal(int(v), self._pttl(eval_key(a, "owner"))) if v else v for a, v in out.items()
-        }
+        # the PEXPIRETIME the script returns is read after the (missing) PEXPIRE
+        owner = self._pexpiretime
+        return {a: Renewal(int(v), owner(eval_key(a, "owner"))) if v else v for a, v in out.items()}
 
     SimRedis.renew = renew_in_place  # type: ignore[method-assign]
 

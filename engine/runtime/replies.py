@@ -15,18 +15,19 @@ class LeaseLost(Exception):
 
 class Renewal(int):
     """`renew`'s answer for one evaluation: 0 lost, 1 still ours, 2 forgotten by Redis and
-    ours again (an int, as it always was), and `lease_ms`: what the store left of the lease
-    right after renewing it, by its own clock (None: lost, or not told)."""
+    ours again (an int, as it always was), and `expires_ms`: when the lease runs out once
+    renewed, as the store computed it (its `PEXPIRETIME`, Unix ms by its clock; None: lost,
+    or not told)."""
 
-    lease_ms: int | None
+    expires_ms: int | None
 
-    def __new__(cls, code: int, lease_ms: int | None = None) -> Renewal:
+    def __new__(cls, code: int, expires_ms: int | None = None) -> Renewal:
         out = super().__new__(cls, code)
-        out.lease_ms = lease_ms
+        out.expires_ms = expires_ms
         return out
 
     def __repr__(self) -> str:
-        return f"Renewal({int(self)}, lease_ms={self.lease_ms})"
+        return f"Renewal({int(self)}, expires_ms={self.expires_ms})"
 
 
 class StatusWritten(NamedTuple):

@@ -8,8 +8,8 @@ written back, so that a resume can still find it. Redis away: leases may lapse, 
 keeps going, and its next fenced write tells it whether it still may.
 
 Each renewal is recorded (`lease_renewed`: the evaluation, the token, what the store
-answered, when it was sent, the lease it asked for and what the store left of it, by its
-own clock, once renewed), so that the checker can prove the
+answered, when it was sent, the lease it asked for and when the store says it runs out
+once renewed), so that the checker can prove the
 heartbeat keeps every lease it holds and that no one takes a lease before it ran out: a
 fenced write keeps a lease alive too, and would hide a heartbeat that does not.
 """
@@ -68,7 +68,7 @@ def beat(
                     "held": int(still),
                     "sent_ms": sent_ms,
                     "lease_ms": lease_ms,
-                    "lease_left_ms": getattr(still, "lease_ms", None),
+                    "expires_ms": getattr(still, "expires_ms", None),
                 },
             )
     for attempt_id, still in ours.items():
