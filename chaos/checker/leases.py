@@ -178,8 +178,8 @@ def _marks(evs: list[dict], dead: Any) -> list[_Mark]:
 
 
 def check_leases_respected(cx: Context) -> Outcome:
-    """One case per sweeper claim and per begin after another holder's renewal or begin; a
-    violation per one that took a lease before it could have run out."""
+    """One case per sweeper claim and per begin; a violation per one that took a lease
+    before the renewal or begin of another holder could have run out."""
     if not of(cx.events, "lease_renewed") and not any(
         _lease(e) for e in of(cx.events, "evaluation_started")
     ):
@@ -205,9 +205,9 @@ def check_leases_respected(cx: Context) -> Outcome:
             sent_from = claim.get("claimed_from_ms")
             t_from = float(sent_from) / 1000 if isinstance(sent_from, int | float) else t
             stamped = [m for m in marks if m.reply < min(t_from, first_over)]
+            cases += 1  # judged: with no stamp known, nothing it could have taken early
             if not stamped:
                 continue
-            cases += 1
             last = max(stamped, key=lambda m: m.sent)
             due = last.sent + last.lease
             if t + _MS >= due or _redis_fault(windows, last.sent, t, slack) is not None:
@@ -238,9 +238,11 @@ def check_leases_respected(cx: Context) -> Outcome:
                     m.sent <= t if m.event.get("ev") == "lease_renewed" else m.reply < s.begun_after
                 )
             ]
-            if not others or begin.get("fence") is None:
+            if begin.get("fence") is None:
                 continue
-            cases += 1
+            cases += 1  # judged: with no other holder before it, nothing taken early
+            if not others:
+                continue
             last = max(others, key=lambda m: m.sent)
             due = last.sent + last.lease
             if t + _MS >= due or _redis_fault(windows, last.sent, t, slack) is not None:
