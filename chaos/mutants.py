@@ -549,6 +549,20 @@ def no_fencing() -> None:
     orchestrator.PassExecutionOrchestrator._lease_short = lambda self, now: False  # type: ignore[method-assign]
 
 
+def results_only_reannounced() -> None:
+    """completed_delivered: an evaluation announced again (its announcer died between the
+    final write and the publish) is announced with the verdicts of its stored results
+    only, as before issue 25's fix: its permanently failed rules and their skipped
+    dependents are missing, so one message id carries another body than the first."""
+    if not hasattr(Evaluation, "stored_verdicts"):
+        raise RuntimeError("results_only_reannounced: Evaluation.stored_verdicts is gone")
+
+    def results_only(self: Evaluation) -> dict[str, str]:
+        return {r: v.verdict for r, v in self.snapshot.results.items()}
+
+    Evaluation.stored_verdicts = results_only  # type: ignore[method-assign]
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -694,6 +708,11 @@ MUTANTS: dict[str, Mutant] = {
             no_fencing,
             "no_completed_rerun",
             "the owner's writes are not fenced: a worker that lost its lease writes on",
+        ),
+        _mutant(
+            results_only_reannounced,
+            "completed_delivered",
+            "an evaluation announced again names its stored results only, not what failed",
         ),
     )
 }

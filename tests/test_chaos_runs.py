@@ -58,6 +58,7 @@ CATCHES = {
     "no_restore": "redis_data_loss",  # the restarted Redis lost results the owner announces
     "unmitigated": "sentinel_failover_with_partition",  # no_wait's, and nothing restored
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
+    "results_only_reannounced": "announcer_dies_after_a_permanent_failure",
 }
 
 

@@ -943,3 +943,26 @@ def test_sweep_wrong_attempt() -> None:
     # the attempt that failed: a stale retry, dropped on arrival, and nothing wakes the
     # evaluation (lost_dead_letter fails all_terminal, live and in sim, from this one patch)
     assert after == {"attempts": [2]}
+
+
+def probe_stored_verdicts() -> dict[str, str]:
+    """code_review read back from a store where static_analysis failed for good."""
+    snapshot = Snapshot(
+        results={"compiles": RuleResult("compiles", "pass", 0.9, 10)},
+        statuses={"static_analysis": "permanently_failed"},
+    )
+    core = Evaluation(CODE_REVIEW, "a", snapshot=snapshot)
+    return {r: v for r, v in core.stored_verdicts().items() if v != "pending"}
+
+
+def test_results_only_reannounced() -> None:
+    # The re-announcement drops what has no result: the failed rule and its skipped chain
+    # (announcer_dies_after_a_permanent_failure, live and in sim: tests/test_chaos_runs.py,
+    # tests/test_sim.py, tests/test_held_out_bugs.py).
+    before, after = _probe("probe_stored_verdicts", "results_only_reannounced")
+    assert before == {
+        "compiles": "pass",
+        "static_analysis": "permanently_failed",
+        **dict.fromkeys(DEPENDENTS, "skipped"),
+    }
+    assert after == {"compiles": "pass"}

@@ -53,6 +53,7 @@ CORE: tuple[str, ...] = (
     "give_up_early",
     "slow_tier",
     "all_passes_complete",
+    "results_only_reannounced",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
