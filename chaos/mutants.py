@@ -15,6 +15,7 @@ loudly if that seam is gone, rather than silently running the correct engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from engine.plan import Plan
 from engine.policy import RetryPolicy
 from engine.runtime import store
 from engine.runtime.broker import Broker
+from engine.runtime.drive import drive
 from engine.shell import orchestrator
 from engine.shell.controller import EvaluationController
 from engine.shell.effects import PublishEvent, Step, Stepper, Store
@@ -563,6 +565,27 @@ def results_only_reannounced() -> None:
     Evaluation.stored_verdicts = results_only  # type: ignore[method-assign]
 
 
+def old_close_order() -> None:
+    """reruns_explained: a stopping worker hands its evaluations back while it still
+    consumes (the close order before issue 25): it abandons them (their held retries
+    requeued, their leases released) and only then closes the broker, so a requeued
+    retry comes straight back to it and is begun again (a new lease), its rules started
+    and dropped once more. No `worker_stopping` is recorded: its abandons mark the stop."""
+
+    async def close(self: engine.worker.Worker) -> None:
+        tasks = [*self._tasks, *self._deliveries]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await drive(self.controller.shutdown(), self.rt)
+        await self.rt.broker.close()
+        await self.rt.store.close()
+        self.rt.history.record("worker_stopped")
+        self.rt.history.close()
+
+    engine.worker.Worker.close = close  # type: ignore[method-assign]
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -713,6 +736,11 @@ MUTANTS: dict[str, Mutant] = {
             results_only_reannounced,
             "completed_delivered",
             "an evaluation announced again names its stored results only, not what failed",
+        ),
+        _mutant(
+            old_close_order,
+            "reruns_explained",
+            "a stopping worker hands work back while it consumes: it begins it again",
         ),
     )
 }

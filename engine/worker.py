@@ -113,12 +113,17 @@ class Worker:
         self.controller = EvaluationController(LiveHost(self.rt), config, self.worker_id)
         self.private_queue = ""
         self._stop = asyncio.Event()
+        self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._deliveries: set[asyncio.Task[Any]] = set()
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
         """A delivery, decoded for the controller; its step runs `detached` from aio-pika's
-        task, which a closing channel cancels."""
+        task, which a closing channel cancels. One that reaches a stopping worker (sent
+        before its consumers were cancelled) is left unacknowledged: the broker requeues it
+        for another worker when the connection closes."""
+        if self._stopping:
+            return
         try:
             body = orjson.loads(message.body)
         except orjson.JSONDecodeError:
@@ -171,10 +176,18 @@ class Worker:
         self._stop.set()
 
     async def close(self) -> None:
+        """Stop: deliveries in flight and the loops end, consuming stops, and only then are
+        the evaluations in memory handed back (their retries requeued, their leases
+        released), so that nothing handed back is delivered to this process again (begun
+        anew, its rules started and dropped once more); then the connections close."""
+        if self.private_queue and not self._stopping:
+            self.rt.history.record("worker_stopping")
+        self._stopping = True
         tasks = [*self._tasks, *self._deliveries]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.rt.broker.stop_consuming()
         await drive(self.controller.shutdown(), self.rt)
         await self.rt.broker.close()
         await self.rt.store.close()

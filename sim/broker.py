@@ -184,6 +184,14 @@ class SimBroker:
         conn.consumers.append(c)
         self._dispatch(q)
 
+    def cancel_consumers(self, conn: Connection) -> None:
+        """basic.cancel of every consumer of `conn`: nothing more is delivered to it; what
+        it has not acknowledged stays its own until settled or the connection drops."""
+        for c in conn.consumers:
+            if c in c.queue.consumers:
+                c.queue.consumers.remove(c)
+        conn.consumers = []
+
     def drop(self, conn: Connection, *, exclusive_too: bool = True, tell: bool = False) -> None:
         """The broker closes `conn`: its unacked messages go back, its queues away."""
         if not conn.open:
@@ -536,6 +544,18 @@ class BrokerClient:
             if self.on_reconnected is not None:
                 self.on_reconnected()
             return
+
+    def stop_consuming(self) -> Generator[simpy.Event, Any, None]:
+        """Cancel every consumer (aio-pika's `queue.cancel`, awaited: the cancel reaches the
+        broker, its CancelOk comes back); deliveries sent before the cancel arrived still
+        arrive. A reconnect no longer restores them."""
+        self._consumers = []
+        conn = self.conn
+        if conn is None or not conn.open:
+            return
+        yield self._frame(conn)
+        self.broker.cancel_consumers(conn)
+        yield self.env.timeout(self.broker.latency())
 
     def close_now(self) -> None:
         """The process died: the kernel closes the socket; the broker notices after the

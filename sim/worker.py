@@ -6,7 +6,8 @@ Every process it starts goes through `spawn`, so that a death reaches all of the
 `die` (a SIGKILL, a `crash` failpoint) interrupts each at the point it is waiting, drops
 its connection (the broker requeues what it had not acknowledged, deletes its private
 queue) and leaves its leases to expire; requests already on their way to Redis still
-land. `terminate` is SIGTERM: evaluations are abandoned, the connection closed, then
+land. `terminate` is SIGTERM: deliveries in flight and the loops stop, the consumers are
+cancelled, and only then are the evaluations abandoned; the connection closed, then
 `worker_stopped`, as the live `Worker.close` does. `freeze` (a `freeze` failpoint) stops
 the process without killing it: every process of the worker takes its next step only
 after the thaw, whatever it waited for meanwhile (replies, deliveries, its heartbeat's
@@ -103,6 +104,8 @@ class SimWorker:
         self.exited = env.event()
         self._procs: dict[simpy.Process, None] = {}
         self._loops: list[simpy.Process] = []
+        self._deliveries: set[simpy.Process] = set()  # the steps of deliveries, running
+        self.stopping = False
         self.spawn(self._boot())
 
     @property
@@ -169,8 +172,14 @@ class SimWorker:
                 error = exc
 
     def on_message(self, d: Delivery) -> None:
-        """A delivery, run as a process of its own (aio-pika runs each as a task)."""
-        self.spawn(drive(self.controller.on_message(d, d.body, d.redelivered), self))
+        """A delivery, run as a process of its own (aio-pika runs each as a task); one that
+        reaches a stopping worker is left unacknowledged, as live."""
+        if self.stopping:
+            return
+        proc = self.spawn(drive(self.controller.on_message(d, d.body, d.redelivered), self))
+        if proc is not None:
+            self._deliveries.add(proc)
+            proc.callbacks.append(self._deliveries.discard)  # type: ignore[arg-type]
 
     def _boot(self) -> Generator[Any, Any, None]:
         run, env = self.run, self.env
@@ -236,9 +245,13 @@ class SimWorker:
         self.die(EXIT_KILLED)
 
     def _close(self) -> Generator[Any, Any, None]:
-        for loop in self._loops:
-            if loop.is_alive:
-                loop.interrupt()
+        if not self.stopping:
+            self.record("worker_stopping")
+        self.stopping = True
+        for proc in [*self._loops, *self._deliveries]:
+            if proc.is_alive:
+                proc.interrupt()
+        yield from self.broker.stop_consuming()
         yield from drive(self.controller.shutdown(), self)
         yield from self.broker.close()
         self.record("worker_stopped")

@@ -59,6 +59,7 @@ CATCHES = {
     "unmitigated": "sentinel_failover_with_partition",  # no_wait's, and nothing restored
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
     "results_only_reannounced": "announcer_dies_after_a_permanent_failure",
+    "old_close_order": "graceful_stop_hands_back",  # the requeued retries come back to it
 }
 
 

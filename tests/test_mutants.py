@@ -966,3 +966,44 @@ def test_results_only_reannounced() -> None:
         **dict.fromkeys(DEPENDENTS, "skipped"),
     }
     assert after == {"compiles": "pass"}
+
+
+def _after_stop(s: Slice) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The worker's graceful stop: its first event (`worker_stopping`, else its first
+    abandon "worker stopping") and what it took on after it (deliveries, begins)."""
+    events = s.history()
+    stop = [
+        e
+        for e in events
+        if e["ev"] == "worker_stopping"
+        or (e["ev"] == "evaluation_abandoned" and e.get("reason") == "worker stopping")
+    ]
+    assert stop, "the worker never stopped"
+    t = stop[0]["t"]
+    taken = [e for e in events if e["ev"] in ("delivered", "evaluation_started") and e["t"] > t]
+    return stop, taken
+
+
+@live
+def test_old_close_order(tmp_path: Path) -> None:
+    # One worker per slice holds the retries of four evaluations (attempt 2 of compiles
+    # running, 300 ms calls) when it is told to stop (SIGTERM).
+    with _pair(tmp_path, "old_close_order", **{"max-evaluations": "4"}) as (mut, ref):
+        agent_profile = {"latency_ms": 300_000, "fail_rules": {"compiles": 1}}
+        workers = _both(mut, ref, agent=agent_profile, immediate_retries="0")
+        for s in (mut, ref):
+            s.submit(TINY, s.ids(4))
+        for s in (mut, ref):
+            s.wait_for(
+                lambda s=s: sum(len(s.events("rule_started", a, attempt=2)) for a in s.ids(4)) >= 4,
+                what="four retries held",
+            )
+        for w in workers:
+            w.terminate()
+        stop, taken = _after_stop(mut)
+        assert stop[0]["ev"] == "evaluation_abandoned"  # no worker_stopping in the old close
+        assert taken, "the requeued retries came back to the stopping worker"
+        stop, taken = _after_stop(ref)
+        assert stop[0]["ev"] == "worker_stopping"
+        assert len([e for e in stop if e["ev"] == "evaluation_abandoned"]) == 4
+        assert taken == []

@@ -16,7 +16,7 @@ No mutant is a switch inside the engine, the simulator or the simulated runner. 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from engine.agent import FakeAgent
@@ -28,8 +28,10 @@ from engine.policy import RetryPolicy
 from engine.shell import controller, orchestrator, reevaluate
 from engine.shell import sweeper as shell_sweeper
 from sim.broker import SHARED_DELAY_QUEUE, Message, Queue, SimBroker
+from sim.drive import drive as sim_drive
 from sim.history import Source
 from sim.redis import SimRedis
+from sim.worker import EXIT_STOPPED, SimWorker
 
 #: Patches of the pure core, the shared shell (`engine.shell`), the worker's config and its
 #: agent, applied with `patched`: chaos.mutants' own patch, exactly as live.
@@ -241,6 +243,22 @@ def _drop_history_events() -> None:
 
 #: Mutants of a Lua script, of the broker's topology or of the history writer, patched on
 #: their model in `SimRedis`, `SimBroker` or `Source` with `patched`, like the core's.
+def _old_close_order() -> None:
+    """The live patch's close on the simulated worker: the evaluations handed back while
+    its consumers stand, its deliveries in flight left running, no `worker_stopping`."""
+
+    def close(self: SimWorker) -> Generator[Any, Any, None]:
+        for loop in self._loops:
+            if loop.is_alive:
+                loop.interrupt()
+        yield from sim_drive(self.controller.shutdown(), self)
+        yield from self.broker.close()
+        self.record("worker_stopped")
+        self.die(EXIT_STOPPED)
+
+    SimWorker._close = close  # type: ignore[method-assign]
+
+
 PATCHED: dict[str, Callable[[], None]] = {
     "drop_history_events": _drop_history_events,
     "per_message_ttl": _per_message_ttl,
@@ -250,6 +268,7 @@ PATCHED: dict[str, Callable[[], None]] = {
     "needless_rerun": _needless_rerun,
     "ignore_lease": _ignore_lease,
     "no_fencing": _no_fencing,
+    "old_close_order": _old_close_order,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
-_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source)
+_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source, SimWorker)

@@ -67,6 +67,11 @@ _TRANSIENT = (
 )
 
 
+#: How long a stopping worker waits for each consumer's cancel: it hands its evaluations
+#: back only after, and a stop is given a few seconds before SIGKILL.
+CANCEL_TIMEOUT_S = 1.0
+
+
 class QueueInUse(RuntimeError):
     """A queue to delete still has consumers (a worker of the namespace is running)."""
 
@@ -150,6 +155,7 @@ class Broker:
         self.declared: list[str] = []  # `queue:NAME` / `exchange:NAME`, for the topology key
         self.timeout = config.read_timeout_s
         self._wire: Wire | None = None  # the current channel's
+        self._consuming: list[tuple[AbstractQueue, str]] = []  # (queue, consumer tag)
 
     async def connect(self, prefetch: int = 32, declare: bool = True) -> None:
         """Connect, open the channel and declare the topology. Any failure on the way is a
@@ -257,7 +263,8 @@ class Broker:
     async def consume_work(self, handler: Handler) -> AbstractQueue:
         t = self.timeout
         queue = await self._ch().declare_queue(self.work_queue_name, durable=True, timeout=t)
-        await queue.consume(handler, no_ack=False, timeout=t)
+        tag = await queue.consume(handler, no_ack=False, timeout=t)
+        self._consuming.append((queue, tag))
         return queue
 
     async def consume_private(self, worker_id: str, handler: Handler) -> str:
@@ -273,8 +280,19 @@ class Broker:
         queue = await self._ch().declare_queue(name, exclusive=True, timeout=t)
         assert self.control is not None
         await queue.bind(self.control, timeout=t)
-        await queue.consume(handler, no_ack=False, timeout=t)
+        tag = await queue.consume(handler, no_ack=False, timeout=t)
+        self._consuming.append((queue, tag))
         return name
+
+    async def stop_consuming(self) -> None:
+        """Cancel this worker's consumers (basic.cancel), before it hands anything back: a
+        message it requeues goes to the other workers, not back to it while it stops. The
+        robust channel forgets them too (no restore after a reconnect). A broker away or
+        slow to answer (`CANCEL_TIMEOUT_S`) leaves them to the connection's close."""
+        consuming, self._consuming = self._consuming, []
+        for queue, tag in consuming:
+            with contextlib.suppress(AMQPError, OSError, RuntimeError):  # TimeoutError too
+                await queue.cancel(tag, timeout=min(self.timeout, CANCEL_TIMEOUT_S))
 
     # --- publishing ---------------------------------------------------------------------
 
