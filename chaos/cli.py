@@ -10,7 +10,8 @@
     python -m chaos images build   # Redis and RabbitMQ images from this machine's own
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
-3 the stack could not be started (containers mode: no Docker engine answers), 130 / 143
+3 the stack could not be started (containers mode: no Docker engine answers), 4 the harness
+failed in a scenario (one `ERROR` line; the other scenarios still run), 130 / 143
 interrupted by SIGINT / SIGTERM (at any moment: everything the command started is stopped
 first; one line on stderr). `clean` exits 0, or 1 when a process would not die. A live run
 starts with the same reaping as `clean`: only what belongs to a dead runner is touched,
@@ -28,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -42,6 +44,7 @@ from engine.config import OneLineParser
 from engine.policy import MAX_SEED
 
 EXIT_OK, EXIT_VIOLATION, EXIT_INPUT, EXIT_STACK = 0, 1, 2, 3
+EXIT_HARNESS = 4  # a fault injector of the harness failed in a scenario: no verdict
 NO_WRAP_WIDTH = 100_000  # the console width off a terminal: wider than any line printed
 
 
@@ -565,7 +568,7 @@ async def _run_all(
     from rich.progress import Progress as Bar
 
     from chaos.journal import Ticker, format_violation, write_junit, write_outputs
-    from chaos.runner import RunRefused, ScenarioRun
+    from chaos.runner import HarnessError, RunRefused, ScenarioRun
 
     out.mkdir(parents=True, exist_ok=True)
     suites = []
@@ -599,8 +602,21 @@ async def _run_all(
 
         run.on_progress = show
         started = time.monotonic()
-        with bar:
-            outcome = await run.run()
+        try:
+            with bar:
+                outcome = await run.run()
+        except HarnessError as exc:  # no verdict for this one; the others still run
+            await _ensure_services(services)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            evidence = run_dir / "harness_error.txt"
+            evidence.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+            spent = time.monotonic() - started
+            console.print(
+                f"ERROR {sc.spec.name} ({_live_mode(args)}): {exc} ({spent:.1f} s)", markup=False
+            )
+            console.print(f"  evidence: {evidence}", markup=False)
+            worst = max(worst, EXIT_HARNESS)
+            continue
         await _ensure_services(services)
         result = outcome.result
         extra = {**outcome.extra, "mode": _live_mode(args)}
@@ -613,7 +629,7 @@ async def _run_all(
         for v in result.violations[:10]:
             console.print(format_violation(v), markup=False)
         if not result.ok:
-            worst = EXIT_VIOLATION
+            worst = max(worst, EXIT_VIOLATION)
     write_junit(out / "junit.xml", suites)
     console.print(f"outputs: {out}", markup=False)
     return worst

@@ -32,6 +32,7 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
+from aio_pika.exceptions import AMQPError, ChannelInvalidStateError
 
 from chaos import acts
 from chaos.acts import Step
@@ -65,6 +66,19 @@ READY_TIMEOUT_S = 30.0
 SERVICE_STOP_TIMEOUT_S = 30.0
 #: How often the end of a Redis failover is looked for (Sentinel tells no one).
 FAILOVER_POLL_S = 0.05
+#: The loss injector (`broker.dead_letter_loss`) rides out the broker faults it runs beside:
+#: while the broker is down it waits; once it runs, a take that keeps failing is tried this
+#: many times, `INJECTOR_RETRY_S` apart, on a new connection each, before the scenario ends
+#: in a `HarnessError`.
+INJECTOR_TRIES = 40
+INJECTOR_RETRY_S = 0.25
+#: What a broker that went away (killed, restarting, paused) makes an AMQP client raise.
+_BROKER_AWAY = (AMQPError, OSError, ChannelInvalidStateError)  # TimeoutError is an OSError
+
+
+class HarnessError(RuntimeError):
+    """The harness itself failed in a scenario (a fault injector could not carry out its
+    fault): the scenario has no verdict. One line says why; the run goes on to the next."""
 
 
 def run_prefix(namespace: str, *, shared_redis: bool) -> str:
@@ -173,6 +187,7 @@ class ScenarioRun:
         self._events_queue: AbstractQueue | None = None
         self._received: set[str] = set()  # attemptIds whose evaluation.completed arrived
         self._spawned: list[asyncio.Task[Any]] = []  # the conductor's steps alongside
+        self._stopped: set[str] = set()  # services killed, stopped or paused, until back
         self.network = Network(  # behind Sentinel the workers reach the primary directly
             self.ns,
             self.seed,
@@ -337,6 +352,7 @@ class ScenarioRun:
             await asyncio.to_thread(self.sentinel.kill)
             return
         svc = self.services.service(a.name)
+        self._stopped.add(a.name)
         if a.graceful:
             await asyncio.to_thread(svc.terminate, SERVICE_STOP_TIMEOUT_S)
         else:
@@ -350,18 +366,21 @@ class ScenarioRun:
         if a.name == "redis" and self.spec.redis.lose_last_writes:
             lost = await self._lose_redis_writes()
         await asyncio.to_thread(self.services.service(a.name).restart)
+        self._stopped.discard(a.name)  # ready again: the restart waits for it
         return lost
 
     async def on_pause_service(self, a: acts.PauseService) -> None:
         if a.name == "redis" and self.sentinel is not None:
             await asyncio.to_thread(self.sentinel.pause)
             return
+        self._stopped.add(a.name)
         await asyncio.to_thread(self.services.service(a.name).pause)
 
     async def on_resume_service(self, a: acts.ResumeService) -> bool:
         if a.name == "redis" and self.sentinel is not None:
             return await asyncio.to_thread(self.sentinel.resume)
         await asyncio.to_thread(self.services.service(a.name).resume)
+        self._stopped.discard(a.name)
         return False
 
     async def on_kill_sentinel(self, a: acts.KillSentinel) -> None:
@@ -466,11 +485,13 @@ class ScenarioRun:
     async def _lose_retries(self, client: EngineClient) -> None:
         """`broker.dead_letter_loss`: each delayed retry the workers publish is lost or not,
         by the draw the simulator makes on the same id (`BrokerSpec.loses`); a lost one is
-        taken off its delay queue and acknowledged before its TTL sends it on."""
+        taken off its delay queue and acknowledged before its TTL sends it on. The injector
+        has a connection of its own, opened again after the broker went away (`_Taker`);
+        any failure of its own ends the scenario in a `HarnessError` line."""
         broker = self.spec.broker
         if not broker.dead_letter_loss or client.broker.connection is None:
             return
-        channel = await client.broker.connection.channel()
+        taker = _Taker(client.broker.config, self._broker_up)
         try:
             async for ev in self._history_events():
                 if ev.get("ev") != "retry_published":
@@ -479,16 +500,28 @@ class ScenarioRun:
                 seed_id = f"{str(a).removeprefix(self.run_prefix)}:{rule}:{n}"
                 if broker.loses(self.seed, seed_id):
                     queue = client.broker.delay_queues.get((int(ev["tier"]) - 1, ev["bucket"]))
-                    taken = queue is not None and await _take(channel, queue, f"{a}:{rule}:{n}")
+                    taken = queue is not None and await taker.take(queue, f"{a}:{rule}:{n}")
                     self.history.record(
                         "retry_lost" if taken else "retry_loss_missed",
                         attempt_id=a,
                         rule_id=rule,
                         attempt=n,
                     )
+        except HarnessError:
+            raise
+        except Exception as exc:  # the injector's own bug: one line, not a traceback
+            raise HarnessError(
+                f"broker.dead_letter_loss: the loss injector failed: {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
-            with contextlib.suppress(Exception):
-                await channel.close()
+            await taker.close()
+
+    def _broker_up(self) -> bool:
+        """Whether the scenario's broker runs and answers: not killed, stopped or paused by
+        the run since its last restart or resume came back ready (a broker given by
+        AMQP_URL is never stopped by the run)."""
+        node = self.services.broker
+        return "broker" not in self._stopped and (node is None or node.alive)
 
     async def _history_events(self) -> AsyncIterator[dict[str, Any]]:
         """The events the workers and the runner append, as they land."""
@@ -706,6 +739,51 @@ class ScenarioRun:
         cancelled = {a.removeprefix(self.run_prefix) for a in self.cancelled}
         spec = self.loaded.check_spec(self.seed, self.seed_plans, cancelled, agent)
         return dataclasses.replace(spec, scheduling_slack_s=LIVE_SCHEDULING_SLACK_S)
+
+
+class _Taker:
+    """The loss injector's own connection to the broker, opened when a take needs it and
+    opened again after the broker went away, so that the injector survives a broker kill
+    or restart beside it: while the broker is down, a take waits for it; once it runs, a
+    take is tried `INJECTOR_TRIES` times before it fails the scenario (`HarnessError`)."""
+
+    def __init__(self, config: EngineConfig, broker_up: Callable[[], bool]) -> None:
+        self.url = config.amqp_url
+        self.timeout_s = config.connect_timeout_s
+        self.broker_up = broker_up
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+
+    async def take(self, queue: str, message_id: str) -> bool:
+        """`_take` on a live channel; False when the message had left its queue."""
+        tries = 0
+        while True:
+            try:
+                return await _take(await self._open(), queue, message_id)
+            except _BROKER_AWAY as exc:
+                await self.close()
+                if self.broker_up():
+                    tries += 1
+                    if tries >= INJECTOR_TRIES:
+                        raise HarnessError(
+                            f"broker.dead_letter_loss: the loss injector could not take "
+                            f"{message_id} off {queue} in {tries} tries with the broker "
+                            f"running ({type(exc).__name__}: {exc})"
+                        ) from exc
+                await asyncio.sleep(INJECTOR_RETRY_S)
+
+    async def _open(self) -> AbstractChannel:
+        if self._channel is None or self._channel.is_closed:
+            await self.close()
+            self._connection = await aio_pika.connect(self.url, timeout=self.timeout_s)
+            self._channel = await asyncio.wait_for(self._connection.channel(), self.timeout_s)
+        return self._channel
+
+    async def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), self.timeout_s)
 
 
 async def _take(channel: AbstractChannel, queue_name: str, message_id: str) -> bool:
