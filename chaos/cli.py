@@ -564,16 +564,21 @@ async def _run_all(
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as Bar
 
-    from chaos.journal import Ticker, format_violation, write_junit, write_outputs
+    from chaos.journal import (
+        Ticker,
+        format_violation,
+        fresh_run_dir,
+        suite_name,
+        write_junit,
+        write_outputs,
+    )
     from chaos.runner import RunRefused, ScenarioRun
 
     out.mkdir(parents=True, exist_ok=True)
     suites = []
     worst = EXIT_OK
     for sc in loaded:
-        run_dir = out / sc.spec.name
-        if run_dir.exists():
-            run_dir = out / f"{sc.spec.name}-{len(suites)}"
+        run_dir = fresh_run_dir(out, sc.spec.name)
         bar = Bar(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -605,7 +610,9 @@ async def _run_all(
         result = outcome.result
         extra = {**outcome.extra, "mode": _live_mode(args)}
         write_outputs(run_dir, sc.spec.name, outcome.history, result, extra)
-        suites.append((sc.spec.name, result, outcome.duration_s))
+        suites.append(
+            (suite_name(sc.spec.name, _live_mode(args), run.seed), result, outcome.duration_s)
+        )
         (run_dir / "history.raw.jsonl").unlink(missing_ok=True)  # merged into history.jsonl
         _summary(console, sc.spec.name, outcome, time.monotonic() - started, _live_mode(args))
         if not result.ok:

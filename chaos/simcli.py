@@ -32,7 +32,7 @@ def run_in_sim(
 ) -> int:
     """`chaos run` in the simulator: same checker, outputs and exit codes as live."""
     from chaos.insim import outputs, run_scenario
-    from chaos.journal import format_violation, write_junit
+    from chaos.journal import format_violation, fresh_run_dir, suite_name, write_junit
 
     if _refused(loaded):
         return EXIT_INPUT
@@ -42,10 +42,12 @@ def run_in_sim(
     for sc in loaded:
         started = time.monotonic()
         outcome = run_scenario(sc, seed=args.seed, mutant=args.mutant)
-        run_dir = out / sc.spec.name
+        run_dir = fresh_run_dir(out, sc.spec.name)
         outputs(outcome, run_dir)
         result = outcome.result
-        suites.append((sc.spec.name, result, outcome.sim_time_s))
+        suites.append(
+            (suite_name(sc.spec.name, "sim", outcome.extra.get("seed")), result, outcome.sim_time_s)
+        )
         real = time.monotonic() - started
         timing = f"in {outcome.sim_time_s:.1f} s simulated ({real:.2f} s real)"
         tail = f"history {outcome.history_hash[:16]}"

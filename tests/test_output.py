@@ -209,7 +209,34 @@ def test_junit_times_are_each_invariants_own(tmp_path: Path) -> None:
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     assert suite is not None and suite.get("time") == "9.000"  # the scenario's own time
     times = {c.get("name"): c.get("time") for c in suite.findall("testcase")}
-    assert times == {"no_completed_rerun": "0.250000", "all_terminal": "0.000125"}
+    assert times == {
+        "no_completed_rerun": "0.250000",
+        "all_terminal": "0.000125",
+        "exercised": "9.000000",  # the scenario's time, so that a CI tab adds up to it
+    }
+
+
+def test_junit_fails_a_scenario_that_exercised_too_little(tmp_path: Path) -> None:
+    """A run short of its `exercised` minimums exits 1: its JUnit must say so too."""
+    short = CheckResult(
+        {"no_completed_rerun": "pass"},
+        [],
+        {},
+        [],
+        {"no_completed_rerun": 0.5},
+        {"no_completed_rerun": 5},
+        ["no_completed_rerun judged 5 case(s) < exercised 6"],
+    )
+    assert not short.ok
+    write_junit(tmp_path / "junit.xml", [("s1 (sim, seed 1)", short, 2.0)])
+    root = ET.parse(tmp_path / "junit.xml").getroot()
+    assert root.get("failures") == "1"
+    [case] = [c for c in root.iter("testcase") if c.find("failure") is not None]
+    assert case.get("name") == "exercised" and case.get("classname") == "s1 (sim, seed 1)"
+    failure = case.find("failure")
+    assert failure is not None and "judged 5 case(s) < exercised 6" in (
+        failure.get("message") or ""
+    )
 
 
 # --- the commands, in a pipe --------------------------------------------------------------
@@ -235,8 +262,13 @@ def test_chaos_run_in_a_pipe(tmp_path: Path) -> None:
     ) in summary
     assert kinds["mode"] == "sim" and kinds["extra"]["mode"] == "sim"
 
-    cases = ET.parse(out / "junit.xml").getroot().findall("testsuite/testcase")
-    times = {c.get("name"): float(c.get("time") or "nan") for c in cases}
+    [suite] = ET.parse(out / "junit.xml").getroot().findall("testsuite")
+    assert suite.get("name") == "crash_after_ack (sim, seed 2)"  # the mode and seed it ran
+    cases = suite.findall("testcase")
+    ran = [c for c in cases if c.get("name") == "exercised"]
+    assert len(ran) == 1
+    assert float(ran[0].get("time") or 0) == pytest.approx(float(suite.get("time") or -1), abs=1e-3)
+    times = {c.get("name"): float(c.get("time") or "nan") for c in cases if c not in ran}
     judged = set(INVARIANTS) - {"retry_delays_respected"}  # the scenario has no retry
     assert set(times) == judged == set(kinds["verdicts"])
     checked = kinds["check_durations_s"]
