@@ -430,8 +430,11 @@ def _bad_mutant(name: str) -> bool:
 
     if name in MUTANTS:
         return False
+    from engine.validation import did_you_mean
+
     names = ", ".join(sorted(MUTANTS))
-    print(f"--mutant: unknown mutant {name!r}; expected one of {names}", file=sys.stderr)
+    tip = did_you_mean(name, MUTANTS)
+    print(f"--mutant: unknown mutant {name!r}{tip}; expected one of {names}", file=sys.stderr)
     return True
 
 
