@@ -138,7 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     val = sub.add_parser("validate", help="check scenario files without running them")
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
-    sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
+    lst = sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
+    lst.add_argument(
+        "--long", action="store_true", help="whole descriptions (default: one line each)"
+    )
     sub.add_parser("clean", help="stop and delete what killed runs left (their runner is dead)")
     img = sub.add_parser("images", help="containers mode's images, built from this machine's")
     img.add_argument("action", choices=["build"])
@@ -187,7 +190,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "images":
         return _images(console)
     if args.command == "list":
-        return _list(console)
+        return _list(console, args.long)
     if args.command == "report":
         return _report(args.runs, args.out, args.price_per_1k, console)
     if args.command == "proxy":
@@ -464,7 +467,20 @@ def _toxics() -> list[tuple[str, str]]:
     return rows
 
 
-def _list(console: Console) -> int:
+#: `chaos list`'s descriptions without --long: cut to this many characters, on a word.
+BRIEF_CHARS = 96
+
+
+def brief(text: str, limit: int = BRIEF_CHARS) -> str:
+    """One line of a description: its first sentence, cut on a word to `limit` characters."""
+    flat = " ".join(text.split())
+    first = flat.split(". ", 1)[0].rstrip(".")
+    if len(first) <= limit:
+        return first
+    return first[: limit - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+
+
+def _list(console: Console, long: bool = False) -> int:
     from chaos.checker import INVARIANTS
     from chaos.mutants import MUTANTS
     from engine.failpoints import FAILPOINTS
@@ -477,7 +493,8 @@ def _list(console: Console) -> int:
 
     for path in [*sorted(root.glob("*.yaml")), *sorted(root.glob("regressions/*.yaml"))]:
         try:
-            desc = load_scenario(path).spec.description.split("\n")[0]
+            desc = load_scenario(path).spec.description
+            desc = " ".join(desc.split()) if long else brief(desc)
         except ScenarioError as exc:
             desc = f"[red]invalid: {exc}"
         table.add_row(str(path.relative_to(root.parent)), desc)
@@ -485,14 +502,14 @@ def _list(console: Console) -> int:
     for title, rows in (
         ("invariants", INVARIANTS.items()),
         ("failpoints", FAILPOINTS.items()),
-        ("mutants", ((m.name, f"{m.description} (breaks {m.breaks})") for m in MUTANTS.values())),
+        ("mutants", ((m.name, f"breaks {m.breaks}: {m.description}") for m in MUTANTS.values())),
         ("toxics (add_toxic, update_toxic, remove_toxic on link redis or broker)", _toxics()),
     ):
         t = Table(title=title, **_table_style(console))
         t.add_column("name")
         t.add_column("meaning")
         for name, meaning in rows:
-            t.add_row(name, meaning)
+            t.add_row(name, meaning if long else brief(meaning))
         console.print(t)
     return EXIT_OK
 

@@ -319,4 +319,9 @@ def test_chaos_validate_and_list_in_a_pipe(tmp_path: Path) -> None:
     assert ANSI not in listed.stdout
     assert not set("┏━┃│└─") & set(listed.stdout)  # no box drawing in a log
     row = line_with(listed.stdout, "scenarios/worker_kill_storm.yaml")
-    assert "Finished rules are never rerun" in row  # the description is not wrapped
+    assert "Six SIGKILLs at times and on workers drawn from the seed" in row  # not wrapped
+    assert "Finished rules are never rerun" not in row  # the first sentence only
+    assert max(len(line.rstrip()) for line in listed.stdout.splitlines()) < 200
+    long = chaos("list", "--long")
+    row = line_with(long.stdout, "scenarios/worker_kill_storm.yaml")
+    assert "Finished rules are never rerun" in row  # whole, and not wrapped
