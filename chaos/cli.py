@@ -69,10 +69,10 @@ def _within(least: int, most: int) -> Callable[[str], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m chaos", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m chaos", description=OneLineParser.summary(__doc__))
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     run = sub.add_parser("run", help="run scenarios and check their invariants")
-    run.add_argument("scenarios", nargs="+", metavar="SCENARIO")
+    run.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")
     run.add_argument(
         "--mode",
         choices=["auto", "live", "containers", "sim"],
@@ -89,11 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--price-per-1k", type=_price, help="USD per 1,000 tokens in the report")
     sim = sub.add_parser("sim", help="explore many seeds in the simulator, shrink failures")
-    sim.add_argument("scenario", metavar="SCENARIO")
+    sim.add_argument(
+        "scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML), each explored"
+    )
     sim.add_argument(
         "--seeds", type=_within(1, MAX_SEEDS), default=100, help="how many seeds (default 100)"
     )
-    sim.add_argument("--first-seed", type=_within(0, MAX_SEED), default=0)
+    sim.add_argument(
+        "--first-seed",
+        type=_within(0, MAX_SEED),
+        default=0,
+        help="explore seeds from this one on (default 0)",
+    )
     sim.add_argument(
         "--jobs", type=_within(0, 256), default=0, help="processes (default: every core)"
     )
@@ -103,7 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--report",
         type=Path,
         metavar="DIR",
-        help="what the faults cost over the seeds: report.html, summary.md, metrics.json",
+        help="what the faults cost over the seeds: report.html, summary.md, metrics.json "
+        "(DIR/<name> for each of several scenarios)",
+    )
+    sim.add_argument(
+        "--out",
+        type=Path,
+        help="output folder: --shrink writes OUT/regressions/ there (default out/sim-<time>)",
     )
     sim.add_argument(
         "--all-failpoints",
@@ -113,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--regressions",
         type=Path,
-        default=Path("scenarios/regressions"),
-        help="where --shrink writes the failing case (default scenarios/regressions)",
+        metavar="DIR",
+        help="where --shrink writes the failing case instead of OUT/regressions (e.g. "
+        "scenarios/regressions, to keep it in the gate)",
     )
     rep = sub.add_parser("report", help="what the faults of finished runs cost, plotted")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's folder, or --out's")
@@ -123,8 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser(
         "compare", help="both memories vs RabbitMQ only vs the seed as written, side by side"
     )
-    cmp.add_argument("scenarios", nargs="+", metavar="SCENARIO")
-    cmp.add_argument("--mode", choices=["auto", "live", "containers", "sim"], default="auto")
+    cmp.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")
+    cmp.add_argument(
+        "--mode",
+        choices=["auto", "live", "containers", "sim"],
+        default="auto",
+        help="as run's --mode (sim: --seeds runs of each scenario per design)",
+    )
     cmp.add_argument(
         "--seeds", type=_within(1, MAX_SEEDS), default=20, help="sim: seeds per design (20)"
     )
@@ -137,14 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
         "sentinel: the answers to lost writes behind Sentinel, alone, together and none",
     )
     val = sub.add_parser("validate", help="check scenario files without running them")
-    val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
+    val.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")
     lst = sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
     lst.add_argument(
         "--long", action="store_true", help="whole descriptions (default: one line each)"
     )
     sub.add_parser("clean", help="stop and delete what killed runs left (their runner is dead)")
     img = sub.add_parser("images", help="containers mode's images, built from this machine's")
-    img.add_argument("action", choices=["build"])
+    img.add_argument(
+        "action", choices=["build"], help="build: the chaos-redis and chaos-rabbitmq images"
+    )
     prx = sub.add_parser("proxy", help="a seeded Toxiproxy-compatible server, until interrupted")
     prx.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
     prx.add_argument("--port", type=_within(0, 65535), default=8474, help="API port (8474)")
@@ -197,7 +218,7 @@ def _main(argv: list[str] | None) -> int:
         from chaos.proxy.server import serve
 
         return serve(args.host, args.port, args.seed)
-    loaded, errors = _load_all(args.scenarios if args.command != "sim" else [args.scenario])
+    loaded, errors = _load_all(args.scenarios)
     for line in errors:  # every bad file, before anything runs
         print(line, file=sys.stderr)
     if args.command == "validate":
@@ -209,9 +230,12 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "sim":
         if args.mutant is not None and _bad_mutant(args.mutant):
             return EXIT_INPUT
-        from chaos.simcli import explore_command
+        from chaos.simcli import explore_all
 
-        return explore_command(loaded[0], args, console)
+        if args.regressions is None:
+            now = datetime.now(UTC).strftime("sim-%Y%m%dT%H%M%SZ")
+            args.regressions = (args.out or Path("out") / now) / "regressions"
+        return explore_all(loaded, args, console)
     if args.command == "compare":
         out = args.out or Path("out") / datetime.now(UTC).strftime("compare-%Y%m%dT%H%M%SZ")
         return _compare(loaded, out, args, console)

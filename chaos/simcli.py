@@ -81,6 +81,21 @@ def _refused(loaded: list[LoadedScenario]) -> bool:
     return False
 
 
+def explore_all(loaded: list[LoadedScenario], args: argparse.Namespace, console: Console) -> int:
+    """`chaos sim A.yaml B.yaml ...`: each scenario explored in turn, the worst exit code.
+    With several scenarios, `--report DIR` writes each one's report to DIR/<name>."""
+    if _refused(loaded):
+        return EXIT_INPUT
+    worst = EXIT_OK
+    report = getattr(args, "report", None)
+    for sc in loaded:
+        one = args
+        if report is not None and len(loaded) > 1:
+            one = argparse.Namespace(**{**vars(args), "report": Path(report) / sc.spec.name})
+        worst = max(worst, explore_command(sc, one, console))
+    return worst
+
+
 def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: Console) -> int:
     if _refused([loaded]):
         return EXIT_INPUT
@@ -194,7 +209,7 @@ def _shrink_and_write(
     path = write_regression(small, args.regressions, name, description)
     console.print(
         f"shrunk to {len(small.get('faults', []))} fault(s) in {tries} simulations; "
-        f"replay with: python -m chaos run {shlex.quote(str(path))}"
+        f"replay with: python -m chaos run {shlex.quote(str(path))} --mode sim"
         + (f" --mutant {shlex.quote(args.mutant)}" if args.mutant else ""),
         markup=False,
     )

@@ -127,13 +127,17 @@ class EngineClient:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m engine.submit", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m engine.submit", description=OneLineParser.summary(__doc__))
     p.add_argument("plan", nargs="?", help="plan file (YAML)")
     p.add_argument("--attempt-id", help="the candidate submission's attemptId")
     p.add_argument("--count", type=int, default=1, help="submit this many evaluations")
     p.add_argument("--prefix", default="", help="attemptId prefix with --count")
-    p.add_argument("--cancel", metavar="ATTEMPT_ID")
-    p.add_argument("--status", metavar="ATTEMPT_ID")
+    p.add_argument(
+        "--cancel", metavar="ATTEMPT_ID", help="cancel an evaluation; prints its final state"
+    )
+    p.add_argument(
+        "--status", metavar="ATTEMPT_ID", help="an evaluation's state, and its rules' verdicts"
+    )
     p.add_argument(
         "--purge",
         nargs="*",
@@ -141,10 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete the keys of attemptIds starting with PREFIX, and the namespace's queues",
     )
     p.add_argument("--wait", action="store_true", help="wait until every one is terminal")
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--namespace")
-    p.add_argument("--redis-url")
-    p.add_argument("--amqp-url")
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds --wait waits at most (default 60)"
+    )
+    p.add_argument(
+        "--namespace", help="prefix of queues, exchanges and index keys ($ENGINE_NAMESPACE)"
+    )
+    p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
+    p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
     return p
 
 

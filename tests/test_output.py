@@ -287,6 +287,24 @@ def test_chaos_sim_in_a_pipe() -> None:
     assert summary.endswith(", 0 failing")
 
 
+def test_chaos_sim_explores_several_scenarios_and_shrinks_into_out(tmp_path: Path) -> None:
+    """Several scenarios, each explored; --shrink writes under --out, never into the
+    repository, unless --regressions says where."""
+    out = tmp_path / "out"
+    done = chaos(
+        "sim", "scenarios/crash_after_ack.yaml", "scenarios/crash_before_ack.yaml",
+        "--seeds", "5", "--jobs", "1", "--mutant", "no_redis_results", "--shrink",
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert line_with(done.stdout, "crash_after_ack (sim): 5 seeds in ")
+    assert line_with(done.stdout, "crash_before_ack (sim): 5 seeds in ")
+    written = sorted((out / "regressions").glob("*.yaml"))
+    assert written, done.stdout
+    replay = line_with(done.stdout, "replay with: ").split("replay with: ", 1)[1]
+    assert shlex.split(replay)[4] in [str(p) for p in written]
+
+
 def test_chaos_sim_failures_and_replay_command_in_a_pipe(tmp_path: Path) -> None:
     folder = long_dir(tmp_path, "regressions")
     done = chaos(
@@ -300,7 +318,7 @@ def test_chaos_sim_failures_and_replay_command_in_a_pipe(tmp_path: Path) -> None
     replay = line_with(done.stdout, "replay with: ")
     command = shlex.split(replay.split("replay with: ", 1)[1])
     assert command[:4] == ["python", "-m", "chaos", "run"]
-    assert command[5:] == ["--mutant", "no_redis_results"]
+    assert command[5:] == ["--mode", "sim", "--mutant", "no_redis_results"]  # as it was found
     path = Path(command[4])
     assert path.parent == folder and path.is_file()  # copy-pasteable as printed
 
@@ -325,3 +343,34 @@ def test_chaos_validate_and_list_in_a_pipe(tmp_path: Path) -> None:
     long = chaos("list", "--long")
     row = line_with(long.stdout, "scenarios/worker_kill_storm.yaml")
     assert "Finished rules are never rerun" in row  # whole, and not wrapped
+
+
+# --- --help -------------------------------------------------------------------------------
+
+
+def _undocumented(parser: argparse.ArgumentParser, name: str) -> list[str]:
+    """Every argument of `parser` and its subcommands without a help text."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                missing += _undocumented(subparser, f"{name} {sub}")
+        elif not isinstance(action, argparse._HelpAction) and not action.help:
+            missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def test_every_option_has_help_and_descriptions_are_whole() -> None:
+    from chaos.cli import build_parser as chaos_parser
+    from engine.submit import build_parser as submit_parser
+    from engine.worker import build_parser as worker_parser
+
+    parsers = [
+        ("chaos", chaos_parser()),
+        ("engine.submit", submit_parser()),
+        ("engine.worker", worker_parser()),
+    ]
+    for name, parser in parsers:
+        assert _undocumented(parser, name) == []
+        description = parser.description or ""
+        assert description.endswith("."), f"{name}: {description!r} is cut"
