@@ -750,7 +750,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     mutant = MUTANTS.get(args[0]) if args else None
     if mutant is None:
-        problem = f"unknown mutant {args[0]!r}" if args else "no mutant given"
+        from engine.validation import did_you_mean
+
+        problem = (
+            f"unknown mutant {args[0]!r}{did_you_mean(args[0], MUTANTS)}"
+            if args
+            else "no mutant given"
+        )
         names = ", ".join(MUTANTS)
         print(f"chaos.mutants: {problem}; valid: {names}", file=sys.stderr)
         return 2

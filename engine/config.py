@@ -71,6 +71,12 @@ class EngineConfig:
 class OneLineParser(argparse.ArgumentParser):
     """Bad input is one line on stderr and exit 2 (argparse would add the usage)."""
 
+    @staticmethod
+    def summary(doc: str | None) -> str:
+        """A module docstring's first paragraph on one line: `--help`'s description, whole
+        (its first line alone may stop mid-sentence)."""
+        return " ".join((doc or "").strip().split("\n\n", 1)[0].split())
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog.removeprefix('python -m ')}: {message}\n")
 

@@ -208,17 +208,19 @@ def _agent_profile(raw: str | None) -> AgentProfile:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m engine.worker", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m engine.worker", description=OneLineParser.summary(__doc__))
     p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
     p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
     p.add_argument("--namespace", help="prefix of queues, exchanges and index keys")
     p.add_argument("--time-scale", type=float, help="multiply retry delays (0.001: 30 s -> 30 ms)")
     p.add_argument("--max-evaluations", type=int, help="evaluations in memory at once")
     p.add_argument("--max-parallel", type=int, help="rules of one evaluation in flight at once")
-    p.add_argument("--heartbeat-ms", type=int)
+    p.add_argument("--heartbeat-ms", type=int, help="how often a lease is renewed")
     p.add_argument("--stale-ms", type=int, help="a heartbeat older than this is a dead owner")
-    p.add_argument("--sweep-ms", type=int)
-    p.add_argument("--retry-grace-ms", type=int)
+    p.add_argument("--sweep-ms", type=int, help="how often the sweeper looks for stale work")
+    p.add_argument(
+        "--retry-grace-ms", type=int, help="a retry overdue by more is lost: re-published"
+    )
     p.add_argument("--connect-timeout-s", type=float, help="per connection (default 5)")
     p.add_argument("--read-timeout-s", type=float, help="per command or broker call (default 30)")
     p.add_argument(
@@ -243,9 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--failpoint", action="append", default=[], help="NAME=ACTION[,hit=N]...")
     p.add_argument("--history", help="append the event history (JSON lines) to this file")
-    p.add_argument("--worker-id")
+    p.add_argument("--worker-id", help="this worker's name in the history and leases")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1")
-    p.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "WARNING"))
+    p.add_argument(
+        "--log-level",
+        default=os.environ.get("ENGINE_LOG_LEVEL", "WARNING"),
+        help="DEBUG, INFO, WARNING (default, or $ENGINE_LOG_LEVEL), ERROR",
+    )
     p.add_argument(
         "--event-loop",
         choices=EVENT_LOOPS,

@@ -998,15 +998,15 @@ def test_junit_report(tmp_path: Path) -> None:
     assert root.tag == "testsuites" and root.get("failures") == "3"
     suites = {s.get("name"): s for s in root.findall("testsuite")}
     cases = {c.get("name"): c for c in suites["bad"].findall("testcase")}
-    assert set(cases) == {*INVARIANTS, "budgets"}  # budgets were set for "bad"
+    assert set(cases) == {*INVARIANTS, "budgets", "exercised"}  # budgets were set for "bad"
     assert all(c.get("classname") == "bad" for c in cases.values())
     failure = cases["single_final_result"].find("failure")
     assert failure is not None and "final_published" in (failure.text or "")
     assert cases["state_keys_expire"].find("failure") is not None
     assert cases["budgets"].find("failure") is None  # within budget
-    assert len(suites["good"].findall("testcase")) == len(INVARIANTS)
+    assert len(suites["good"].findall("testcase")) == len(INVARIANTS) + 1
     assert suites["empty"].find("testcase/skipped") is not None
-    assert len(junit_cases("bad", bad, 1.5)) == len(INVARIANTS) + 1
+    assert len(junit_cases("bad", bad, 1.5)) == len(INVARIANTS) + 2
     assert [p.name for p in tmp_path.iterdir()] == ["junit.xml"]  # no temporary left
 
 

@@ -78,6 +78,24 @@ def test_unknown_mutant_exits_2_with_one_line() -> None:
     )
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "'nope'" in out.stderr
+
+
+def test_a_mistyped_mutant_gets_a_hint() -> None:
+    """`chaos run --mutant` and `python -m chaos.mutants` name the mutant meant."""
+    for cmd in (
+        ["chaos", "run", "scenarios/crash_after_ack.yaml", "--mode", "sim", "--mutant"],
+        ["chaos.mutants"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", *cmd, "no_sweepr"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert "'no_sweepr' (did you mean 'no_sweeper'?)" in out.stderr
     assert all(name in out.stderr for name in MUTANTS)
 
 

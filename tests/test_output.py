@@ -209,7 +209,34 @@ def test_junit_times_are_each_invariants_own(tmp_path: Path) -> None:
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     assert suite is not None and suite.get("time") == "9.000"  # the scenario's own time
     times = {c.get("name"): c.get("time") for c in suite.findall("testcase")}
-    assert times == {"no_completed_rerun": "0.250000", "all_terminal": "0.000125"}
+    assert times == {
+        "no_completed_rerun": "0.250000",
+        "all_terminal": "0.000125",
+        "exercised": "9.000000",  # the scenario's time, so that a CI tab adds up to it
+    }
+
+
+def test_junit_fails_a_scenario_that_exercised_too_little(tmp_path: Path) -> None:
+    """A run short of its `exercised` minimums exits 1: its JUnit must say so too."""
+    short = CheckResult(
+        {"no_completed_rerun": "pass"},
+        [],
+        {},
+        [],
+        {"no_completed_rerun": 0.5},
+        {"no_completed_rerun": 5},
+        ["no_completed_rerun judged 5 case(s) < exercised 6"],
+    )
+    assert not short.ok
+    write_junit(tmp_path / "junit.xml", [("s1 (sim, seed 1)", short, 2.0)])
+    root = ET.parse(tmp_path / "junit.xml").getroot()
+    assert root.get("failures") == "1"
+    [case] = [c for c in root.iter("testcase") if c.find("failure") is not None]
+    assert case.get("name") == "exercised" and case.get("classname") == "s1 (sim, seed 1)"
+    failure = case.find("failure")
+    assert failure is not None and "judged 5 case(s) < exercised 6" in (
+        failure.get("message") or ""
+    )
 
 
 # --- the commands, in a pipe --------------------------------------------------------------
@@ -235,8 +262,13 @@ def test_chaos_run_in_a_pipe(tmp_path: Path) -> None:
     ) in summary
     assert kinds["mode"] == "sim" and kinds["extra"]["mode"] == "sim"
 
-    cases = ET.parse(out / "junit.xml").getroot().findall("testsuite/testcase")
-    times = {c.get("name"): float(c.get("time") or "nan") for c in cases}
+    [suite] = ET.parse(out / "junit.xml").getroot().findall("testsuite")
+    assert suite.get("name") == "crash_after_ack (sim, seed 2)"  # the mode and seed it ran
+    cases = suite.findall("testcase")
+    ran = [c for c in cases if c.get("name") == "exercised"]
+    assert len(ran) == 1
+    assert float(ran[0].get("time") or 0) == pytest.approx(float(suite.get("time") or -1), abs=1e-3)
+    times = {c.get("name"): float(c.get("time") or "nan") for c in cases if c not in ran}
     judged = set(INVARIANTS) - {"retry_delays_respected"}  # the scenario has no retry
     assert set(times) == judged == set(kinds["verdicts"])
     checked = kinds["check_durations_s"]
@@ -255,6 +287,24 @@ def test_chaos_sim_in_a_pipe() -> None:
     assert summary.endswith(", 0 failing")
 
 
+def test_chaos_sim_explores_several_scenarios_and_shrinks_into_out(tmp_path: Path) -> None:
+    """Several scenarios, each explored; --shrink writes under --out, never into the
+    repository, unless --regressions says where."""
+    out = tmp_path / "out"
+    done = chaos(
+        "sim", "scenarios/crash_after_ack.yaml", "scenarios/crash_before_ack.yaml",
+        "--seeds", "5", "--jobs", "1", "--mutant", "no_redis_results", "--shrink",
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert line_with(done.stdout, "crash_after_ack (sim): 5 seeds in ")
+    assert line_with(done.stdout, "crash_before_ack (sim): 5 seeds in ")
+    written = sorted((out / "regressions").glob("*.yaml"))
+    assert written, done.stdout
+    replay = line_with(done.stdout, "replay with: ").split("replay with: ", 1)[1]
+    assert shlex.split(replay)[4] in [str(p) for p in written]
+
+
 def test_chaos_sim_failures_and_replay_command_in_a_pipe(tmp_path: Path) -> None:
     folder = long_dir(tmp_path, "regressions")
     done = chaos(
@@ -268,7 +318,7 @@ def test_chaos_sim_failures_and_replay_command_in_a_pipe(tmp_path: Path) -> None
     replay = line_with(done.stdout, "replay with: ")
     command = shlex.split(replay.split("replay with: ", 1)[1])
     assert command[:4] == ["python", "-m", "chaos", "run"]
-    assert command[5:] == ["--mutant", "no_redis_results"]
+    assert command[5:] == ["--mode", "sim", "--mutant", "no_redis_results"]  # as it was found
     path = Path(command[4])
     assert path.parent == folder and path.is_file()  # copy-pasteable as printed
 
@@ -287,4 +337,40 @@ def test_chaos_validate_and_list_in_a_pipe(tmp_path: Path) -> None:
     assert ANSI not in listed.stdout
     assert not set("┏━┃│└─") & set(listed.stdout)  # no box drawing in a log
     row = line_with(listed.stdout, "scenarios/worker_kill_storm.yaml")
-    assert "Finished rules are never rerun" in row  # the description is not wrapped
+    assert "Six SIGKILLs at times and on workers drawn from the seed" in row  # not wrapped
+    assert "Finished rules are never rerun" not in row  # the first sentence only
+    assert max(len(line.rstrip()) for line in listed.stdout.splitlines()) < 200
+    long = chaos("list", "--long")
+    row = line_with(long.stdout, "scenarios/worker_kill_storm.yaml")
+    assert "Finished rules are never rerun" in row  # whole, and not wrapped
+
+
+# --- --help -------------------------------------------------------------------------------
+
+
+def _undocumented(parser: argparse.ArgumentParser, name: str) -> list[str]:
+    """Every argument of `parser` and its subcommands without a help text."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                missing += _undocumented(subparser, f"{name} {sub}")
+        elif not isinstance(action, argparse._HelpAction) and not action.help:
+            missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def test_every_option_has_help_and_descriptions_are_whole() -> None:
+    from chaos.cli import build_parser as chaos_parser
+    from engine.submit import build_parser as submit_parser
+    from engine.worker import build_parser as worker_parser
+
+    parsers = [
+        ("chaos", chaos_parser()),
+        ("engine.submit", submit_parser()),
+        ("engine.worker", worker_parser()),
+    ]
+    for name, parser in parsers:
+        assert _undocumented(parser, name) == []
+        description = parser.description or ""
+        assert description.endswith("."), f"{name}: {description!r} is cut"

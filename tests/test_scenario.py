@@ -537,6 +537,12 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         "faults[0].failpoint: expected one of on_delivery, before_ack",
     ),
     (
+        "failpoint_typo",
+        _fault(0, failpoint="rule_afer_write"),
+        "faults[0].failpoint: expected one of " + ", ".join(FAILPOINTS) + "; got "
+        "'rule_afer_write' (did you mean 'rule_after_write'?)",
+    ),
+    (
         "failpoint_action",
         _fault(0, action="explode"),
         "faults[0].action: expected one of crash, raise, stall, freeze; got 'explode'",
