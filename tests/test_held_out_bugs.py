@@ -23,7 +23,7 @@ from engine.core import Evaluation, Finish
 from engine.core.states import EvaluationStatus
 from engine.plan import Plan
 from tests.helpers import PERMANENT, agent, example_plan, hashed_agent, run_plan
-from tests.test_checker_more import failing, passing, rerun
+from tests.test_checker_more import H, completed_body, failing, passing, rerun
 from tests.test_core import plans, policies
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +61,22 @@ def test_stored_verdicts_are_the_finish_verdicts(plan: Plan, policy: object, see
     assert isinstance(final, Finish)
     again = Evaluation(plan, shell.attempt_id, snapshot=shell.snapshot()).stored_verdicts()
     assert again == dict(final.verdicts)
+
+
+def test_a_copy_without_the_failed_rule_and_its_skipped_dependent_is_a_violation() -> None:
+    # a fails for good, b (after a) is skipped, c passes: the first copy names all three,
+    # a re-announcement built from the stored results only names c alone.
+    h = H().submit().begin()
+    h.failed("a")
+    h.ok("c")
+    full = {"a": "permanently_failed", "b": "skipped", "c": "needs_review"}
+    h.finish("partial", full)
+    h.received(completed_body("partial", full))
+    passing(h.check("completed_delivered"), "completed_delivered")
+    h.received(completed_body("partial", {"c": "needs_review"}))
+    violations = failing(h.check("completed_delivered"), "completed_delivered")
+    assert any("2 copies of evaluation.completed carry 2 bodies" in v.message for v in violations)
+    assert any("a=-, b=-" in v.message and "a=permanently_failed" in v.message for v in violations)
 
 
 def test_a_dead_announcer_is_announced_again_with_the_same_body() -> None:
