@@ -665,6 +665,7 @@ async def _run_all(
             )
             console.print(f"  evidence: {evidence}", markup=False)
             worst = max(worst, EXIT_HARNESS)
+            suites.append((suite_name(sc.spec.name, _live_mode(args), run.seed), str(exc), spent))
             continue
         await _ensure_services(services)
         result = outcome.result

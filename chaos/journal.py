@@ -140,18 +140,26 @@ def _seconds(value: float) -> str:
     return f"{max(value, 0.0):.6f}"
 
 
-def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult, float]]) -> None:
-    """Write one JUnit XML report: a `<testsuite>` per (suite name, result, duration). Two
-    suites of one name (one scenario file given twice) are kept apart: `#2`, `#3`, ..."""
+def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult | str, float]]) -> None:
+    """Write one JUnit XML report: a `<testsuite>` per (suite name, result, duration). A
+    result that is a string is a scenario the harness could not judge (its injector
+    failed): one `run` case with that `<error>`. Two suites of one name (one scenario file
+    given twice) are kept apart: `#2`, `#3`, ..."""
     root = ET.Element("testsuites", name="chaos")
-    total = failures = skipped = 0
+    total = failures = errors = skipped = 0
     elapsed = 0.0
     seen: dict[str, int] = {}
     for given, result, duration in suites:
         seen[given] = seen.get(given, 0) + 1
         scenario = given if seen[given] == 1 else f"{given} #{seen[given]}"
-        cases = junit_cases(scenario, result, duration)
+        if isinstance(result, str):
+            case = ET.Element("testcase", classname=scenario, name="run", time=_seconds(duration))
+            ET.SubElement(case, "error", message=result, type="harness")
+            cases = [case]
+        else:
+            cases = junit_cases(scenario, result, duration)
         n_fail = sum(1 for c in cases if c.find("failure") is not None)
+        n_err = sum(1 for c in cases if c.find("error") is not None)
         n_skip = sum(1 for c in cases if c.find("skipped") is not None)
         suite = ET.SubElement(
             root,
@@ -159,18 +167,19 @@ def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult, float
             name=scenario,
             tests=str(len(cases)),
             failures=str(n_fail),
-            errors="0",
+            errors=str(n_err),
             skipped=str(n_skip),
             time=f"{max(duration, 0.0):.3f}",
         )
         suite.extend(cases)
         total += len(cases)
         failures += n_fail
+        errors += n_err
         skipped += n_skip
         elapsed += max(duration, 0.0)
     root.set("tests", str(total))
     root.set("failures", str(failures))
-    root.set("errors", "0")
+    root.set("errors", str(errors))
     root.set("skipped", str(skipped))
     root.set("time", f"{elapsed:.3f}")
     ET.indent(root)

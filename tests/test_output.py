@@ -216,6 +216,14 @@ def test_junit_times_are_each_invariants_own(tmp_path: Path) -> None:
     }
 
 
+def test_junit_counts_a_scenario_the_harness_could_not_judge_as_an_error(tmp_path: Path) -> None:
+    write_junit(tmp_path / "junit.xml", [("s1 (live, seed 1)", "the injector failed", 3.0)])
+    root = ET.parse(tmp_path / "junit.xml").getroot()
+    assert (root.get("errors"), root.get("failures"), root.get("tests")) == ("1", "0", "1")
+    error = root.find("testsuite/testcase/error")
+    assert error is not None and error.get("message") == "the injector failed"
+
+
 def test_junit_fails_a_scenario_that_exercised_too_little(tmp_path: Path) -> None:
     """A run short of its `exercised` minimums exits 1: its JUnit must say so too."""
     short = CheckResult(

@@ -90,3 +90,5 @@ def test_a_failing_injector_ends_its_scenario_in_one_line_and_the_next_runs(
     )
     assert (out / "dead_letter_loss_with_broker_kill" / "harness_error.txt").exists()
     assert any(x.startswith("PASS crash_before_ack (live)") for x in printed.out.splitlines())
+    junit = (out / "junit.xml").read_text()  # CI's tab shows the scenario as an error
+    assert '<testsuites name="chaos" tests=' in junit and 'errors="1"' in junit
