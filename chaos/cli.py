@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("clean", help="stop and delete what killed runs left (their runner is dead)")
     img = sub.add_parser("images", help="containers mode's images, built from this machine's")
     img.add_argument("action", choices=["build"])
+    docs = sub.add_parser(
+        "docs", help="write docs/reference/: scenarios, invariants, failpoints, mutants, toxics"
+    )
+    docs.add_argument("--check", action="store_true", help="exit 1 if a page is out of date")
     prx = sub.add_parser("proxy", help="a seeded Toxiproxy-compatible server, until interrupted")
     prx.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
     prx.add_argument("--port", type=_within(0, 65535), default=8474, help="API port (8474)")
@@ -190,6 +194,8 @@ def _main(argv: list[str] | None) -> int:
         return _list(console)
     if args.command == "report":
         return _report(args.runs, args.out, args.price_per_1k, console)
+    if args.command == "docs":
+        return _docs(args.check, console)
     if args.command == "proxy":
         from chaos.proxy.server import serve
 
@@ -459,6 +465,19 @@ def _toxics() -> list[tuple[str, str]]:
         doc = " ".join((model.__doc__ or "").split())
         rows.append((name, f"{doc} (attributes: {', '.join(model.model_fields)})"))
     return rows
+
+
+def _docs(check: bool, console: Console) -> int:
+    """The generated reference pages: written, or (`--check`) compared with what is there."""
+    from chaos import docsgen
+
+    if check:
+        for rel in (out := docsgen.stale()):
+            print(f"{rel} is out of date: run `{docsgen.COMMAND}`", file=sys.stderr)
+        return EXIT_VIOLATION if out else EXIT_OK
+    for rel in docsgen.write():
+        console.print(f"wrote {rel}", markup=False)
+    return EXIT_OK
 
 
 def _list(console: Console) -> int:
