@@ -27,6 +27,22 @@ def test_docs_link_only_inside_the_repository() -> None:
             assert path.exists(), f"{name}: {target} does not exist"
 
 
+def _slug(heading: str) -> str:
+    """A heading's anchor, as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_anchor_names_a_heading() -> None:
+    headings = {
+        doc: {_slug(h) for h in re.findall(r"^#+ (.+)$", doc.read_text(), re.M)} for doc in DOCS
+    }
+    for doc in DOCS:
+        for target, anchor in re.findall(r"\]\(([^)#]*)#([^)]*)\)", doc.read_text()):
+            page = (doc.parent / target).resolve() if target else doc
+            if page in headings:
+                assert anchor in headings[page], f"{doc.relative_to(ROOT)}: no heading #{anchor}"
+
+
 def test_the_readme_names_the_design() -> None:
     assert "(docs/design.md)" in (ROOT / "README.md").read_text()
 
