@@ -8,6 +8,7 @@
     python -m chaos list
     python -m chaos clean     # stop and delete what a SIGKILLed run left behind
     python -m chaos images build   # Redis and RabbitMQ images from this machine's own
+    python -m chaos docs [--check]  # docs/reference/, written from the code
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
 3 the stack could not be started (containers mode: no Docker engine answers), 130 / 143

@@ -89,9 +89,10 @@ def scenarios_page(root: Path = ROOT) -> str:
                 name, text = spec.name, summary(spec.description)
             except ScenarioError as exc:
                 name, text = "(invalid)", str(exc)
-            rows.append((f"[`{path.stem}`](../../{rel})", f"`{name}`", text))
+            link = f"[`{path.stem}`](../../{rel})"
+            rows.append((link if name == path.stem else f"{link} (`name: {name}`)", text))
         lines += [f"## {title}", "", f"`{pattern}`: {what}.", ""]
-        lines += _table(("file", "name", "what happens"), rows)
+        lines += _table(("scenario", "what happens"), rows)
         lines.append("")
     return "\n".join(lines)
 
