@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     img = sub.add_parser("images", help="containers mode's images, built from this machine's")
     img.add_argument("action", choices=["build"])
     docs = sub.add_parser(
-        "docs", help="write docs/reference/: scenarios, invariants, failpoints, mutants, toxics"
+        "docs", help="write docs/reference/ from the code: scenarios, fields, invariants, ..."
     )
     docs.add_argument("--check", action="store_true", help="exit 1 if a page is out of date")
     prx = sub.add_parser("proxy", help="a seeded Toxiproxy-compatible server, until interrupted")
