@@ -8,6 +8,7 @@
     python -m chaos list
     python -m chaos clean     # stop and delete what a SIGKILLed run left behind
     python -m chaos images build   # Redis and RabbitMQ images from this machine's own
+    python -m chaos docs [--check]  # docs/reference/, written from the code
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
 3 the stack could not be started (containers mode: no Docker engine answers), 4 the harness
@@ -169,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument(
         "action", choices=["build"], help="build: the chaos-redis and chaos-rabbitmq images"
     )
+    docs = sub.add_parser(
+        "docs", help="write docs/reference/ from the code: scenarios, fields, invariants, ..."
+    )
+    docs.add_argument("--check", action="store_true", help="exit 1 if a page is out of date")
     prx = sub.add_parser("proxy", help="a seeded Toxiproxy-compatible server, until interrupted")
     prx.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
     prx.add_argument("--port", type=_within(0, 65535), default=8474, help="API port (8474)")
@@ -217,6 +222,8 @@ def _main(argv: list[str] | None) -> int:
         return _list(console, args.long)
     if args.command == "report":
         return _report(args.runs, args.out, args.price_per_1k, console)
+    if args.command == "docs":
+        return _docs(args.check, console)
     if args.command == "proxy":
         from chaos.proxy.server import serve
 
@@ -492,6 +499,19 @@ def _toxics() -> list[tuple[str, str]]:
         doc = " ".join((model.__doc__ or "").split())
         rows.append((name, f"{doc} (attributes: {', '.join(model.model_fields)})"))
     return rows
+
+
+def _docs(check: bool, console: Console) -> int:
+    """The generated reference pages: written, or (`--check`) compared with what is there."""
+    from chaos import docsgen
+
+    if check:
+        for rel in (out := docsgen.stale()):
+            print(f"{rel} is out of date: run `{docsgen.COMMAND}`", file=sys.stderr)
+        return EXIT_VIOLATION if out else EXIT_OK
+    for rel in docsgen.write():
+        console.print(f"wrote {rel}", markup=False)
+    return EXIT_OK
 
 
 #: `chaos list`'s descriptions without --long: cut to this many characters, on a word.

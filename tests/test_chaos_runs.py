@@ -26,6 +26,8 @@ from chaos.scenario import load_scenario
 from chaos.services import Services
 from chaos.stack import OWNER_ENV, _marked_processes
 
+pytestmark = pytest.mark.slow  # live runs: a redis-server and a RabbitMQ node of their own
+
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ROOT / "scenarios"
 

@@ -375,7 +375,9 @@ def _both(mut: Slice, ref: Slice, *flags: str, **kw: Any) -> tuple[WorkerProcess
     return pair
 
 
-live = pytest.mark.live
+def live(test: Any) -> Any:
+    """The machine's Redis and RabbitMQ: a live test, and a slow one (`-m "not slow"`)."""
+    return pytest.mark.slow(pytest.mark.live(test))
 
 
 @live

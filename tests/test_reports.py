@@ -215,7 +215,11 @@ def _chromium(args: list[str], tmp: Path) -> str:
     """Headless Chromium (Debian's `chromium`, which .ci/run installs when it is missing),
     with a profile of its own; its whole process group is killed if it hangs."""
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert exe, "install Debian's chromium: the report is checked as a person sees it"
+    if exe is None:  # .ci/run installs it and sets CHAOS_REQUIRE_CHROMIUM=1: there it must run
+        missing = "no chromium on PATH: `apt-get install chromium` to see the report in a browser"
+        if os.environ.get("CHAOS_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(missing, pytrace=False)
+        pytest.skip(missing)
     cmd = [
         exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
         f"--user-data-dir={tmp / 'profile'}", "--virtual-time-budget=10000", *args,

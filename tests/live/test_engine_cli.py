@@ -19,12 +19,15 @@ import uuid
 from pathlib import Path
 
 import aio_pika
+import pytest
 import redis
 from aio_pika.exceptions import ChannelNotFoundEntity
 
 from engine.config import DEFAULT_AMQP_URL, DEFAULT_REDIS_URL
 from engine.plan import load_plan
 from tests.live.conftest import PATIENCE_S, ROOT, Live
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 CHAOS_RUN = [sys.executable, "-m", "chaos", "run", "scenarios/crash_after_ack.yaml"]
 
