@@ -326,7 +326,9 @@ class BudgetsSpec(_Model):
         default=None,
         gt=0,
         le=STATE_TTL_MS / 1000,
-        description="engine time, before time_scale",
+        description="the longest wait from a failed attempt's status write to its next "
+        "attempt's start (retry_delays_respected's retry_latency_max_s), engine time, before "
+        "time_scale",
     )
     max_duplicated_ratio: float | None = Field(
         default=None,
