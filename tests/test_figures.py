@@ -293,3 +293,32 @@ def test_a_sweep_reads_the_same_figures(ran: tuple[Path, dict[str, str]]) -> Non
         want = {c: sum(s[key][c] for s in stats) for c in stats[0][key]}
         assert got[key] == want
     assert got["not_run_tokens"] == sum(s["not_run_tokens"] for s in stats)
+
+
+def test_the_production_estimate_scales_only_what_scales() -> None:
+    """A level-2 retry: a tier wait of 0.3 s and a call of 0.1 s (both scaled by
+    `time_scale` 0.01), a 2-second fault from 1.1 s to 3.1 s that swallows most of the
+    wait, the rest of the 2.6 s spent in hops. Only the 0.1 s of wait outside the fault
+    and the call scale back (20 s); the fault and the hops stay as they happened."""
+    from chaos.checker.latency import retry_latencies
+
+    def ev(t: float, name: str, src: str = "w1", **fields: Any) -> dict[str, Any]:
+        return {"t": t, "src": src, "pid": 11, "ev": name, **fields}
+
+    rule = {"attempt_id": "a", "rule_id": "r"}
+    history = [
+        ev(0.9, "rule_started", **rule, attempt=1, try_no=1),
+        ev(1.0, "rule_failed", **rule, attempt=1, try_no=1, tokens=5),
+        ev(1.0, "status_written", **rule, status="failed_attempt_1"),
+        ev(1.0, "retry_published", **rule, attempt=2, tier=1, delay_ms=300),
+        ev(1.1, "fault_fired", "runner", fault="blackhole", fault_id=1),
+        ev(3.1, "fault_healed", "runner", fault_id=1),
+        ev(3.5, "rule_started", **rule, attempt=2, try_no=1),
+        ev(3.6, "rule_finished", **rule, attempt=2, try_no=1, tokens=5),
+        ev(3.6, "result_persisted", **rule, attempt=2, won=True),
+    ]
+    [x] = retry_latencies(history)
+    assert (x.level, x.seconds) == (2, pytest.approx(2.6))
+    assert x.fault_s == pytest.approx(2.0) and x.scaled_s == pytest.approx(0.2)
+    assert x.production_s(0.01) == pytest.approx(2.6 - 0.2 + 0.2 / 0.01)
+    assert x.production_s(None) == x.seconds  # no scale known: scenario time
