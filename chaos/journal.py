@@ -10,10 +10,11 @@ on its own, with the time its own check took. Every file is written to a tempora
 and moved into place: a reader never sees half a file, and a crash leaves the previous
 one.
 
-`summary_line` is the line a run prints per scenario: mode, faults fired, reruns by kind
-(a rerun in the write window or of a call in flight is the engine's promise kept; one after
-completion is the violation). `Ticker` prints a progress line every few seconds where no
-progress bar can be drawn (a pipe, a CI log), so a long run is never silent.
+`summary_line` is the line a run prints per scenario: mode, faults fired, reruns and
+duplicated tokens by cause, under the names the journal and the report use (the figures
+of `chaos.checker.cost`, as the checker recorded them). `Ticker` prints a progress line
+every few seconds where no progress bar can be drawn (a pipe, a CI log), so a long run is
+never silent.
 """
 
 from __future__ import annotations
@@ -188,18 +189,32 @@ def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult | str,
 
 
 def rerun_split(stats: Mapping[str, Any]) -> str:
-    """`reruns 9 (write window 2, in flight 7, after completion 0)`: the total is every
-    rerun; only the last kind breaks `no_completed_rerun`."""
-    kinds = stats.get("rerun_kinds")
-    if not isinstance(kinds, Mapping):  # a journal from before the split
-        return f"reruns {stats.get('reruns', 0)}"
-    window, flight, after = (
-        int(kinds.get(k, 0)) for k in ("write_window", "in_flight", "after_completion")
-    )
-    return (
-        f"reruns {window + flight + after} (write window {window}, in flight {flight}, "
-        f"after completion {after})"
-    )
+    """`reruns 9 (write_window 4, sweeper_resume 5)`: every rerun, then each cause that
+    had one, named as in the journal and the report (`chaos.checker.cost.CAUSE_TEXT`)."""
+    return f"reruns {stats.get('reruns', 0)}" + _by_cause(stats.get("reruns_by_cause"))
+
+
+def cost_text(stats: Mapping[str, Any]) -> str:
+    """`duplicated tokens 4826 (write_window 4826) = 10.3% of the fault-free bill 46765`:
+    the checker's figures (`chaos.checker.cost.Figures`), as the report shows them; and
+    the reference's calls this run never made (`not_run`), when there are any."""
+    text = f"duplicated tokens {stats.get('duplicated_tokens', 0)}"
+    text += _by_cause(stats.get("duplicated_by_cause"))
+    bill = stats.get("reference_tokens")
+    if isinstance(bill, int) and bill > 0 and "duplicated_ratio" in stats:
+        text += f" = {100 * float(stats['duplicated_ratio']):.1f}% of the fault-free bill {bill}"
+    not_run = stats.get("not_run_tokens")
+    if isinstance(not_run, int) and not_run > 0:
+        text += f", not_run {not_run}"
+    return text
+
+
+def _by_cause(counts: Any) -> str:
+    """` (a 4, b 5)`: the causes with a count, in the order given; empty if none."""
+    if not isinstance(counts, Mapping):
+        return ""
+    shown = [f"{cause} {n}" for cause, n in counts.items() if n]
+    return f" ({', '.join(shown)})" if shown else ""
 
 
 def faults_text(stats: Mapping[str, Any]) -> str:
@@ -215,7 +230,7 @@ def summary_line(
 ) -> Text:
     """The one line a run prints per scenario, in a pipe as on a terminal (the styles are
     dropped where colours are): verdict, scenario, mode, size and time, faults fired,
-    reruns by kind, duplicated tokens, the cases judged in all, then `tail` (e.g. the
+    reruns and duplicated tokens by cause, the cases judged in all, then `tail` (e.g. the
     sim's history hash) and only what broke or stayed unknown, with its case count.
     `timing` is already worded ("in 4.2 s", "in 12.0 s simulated (0.31 s real)")."""
     stats = result.stats
@@ -225,7 +240,7 @@ def summary_line(
         ("PASS", "green") if result.ok else ("FAIL", "red"),
         f" {name} ({mode}): {evaluations} evaluation{'' if evaluations == 1 else 's'} {timing}; "
         f"{faults_text(stats)}; "
-        f"{rerun_split(stats)}, duplicated tokens {stats.get('duplicated_tokens', 0)}",
+        f"{rerun_split(stats)}; {cost_text(stats)}",
     )
     if result.cases:
         line.append(f"; {sum(result.cases.values())} cases judged")

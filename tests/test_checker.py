@@ -294,8 +294,8 @@ def test_a_write_window_rerun_is_counted_not_a_violation() -> None:
     result = run.check()
     passes(result)
     stats = result.stats
-    assert stats["reruns"] == 1 and stats["write_window_reruns"] == 1
-    assert stats["rerun_tokens"] == 1000 and stats["duplicated_tokens"] == 1000
+    assert stats["reruns"] == 1 and stats["reruns_by_cause"]["write_window"] == 1
+    assert stats["duplicated_tokens"] == 1000 == stats["duplicated_by_cause"]["write_window"]
 
 
 def test_a_crash_mid_call_rerun_is_not_a_write_window_rerun() -> None:
@@ -308,7 +308,7 @@ def test_a_crash_mid_call_rerun_is_not_a_write_window_rerun() -> None:
     run.finish(A, "completed", src="w2", pid=12)
     result = run.check()
     passes(result)
-    assert result.stats["reruns"] == 1 and result.stats["write_window_reruns"] == 0
+    assert result.stats["reruns"] == 1 and result.stats["reruns_by_cause"]["write_window"] == 0
     assert result.stats["duplicated_tokens"] == 0
 
 
@@ -797,8 +797,8 @@ def test_a_real_write_window_history_passes_and_counts_its_reruns() -> None:
     assert result.verdicts["retry_delays_respected"] == "unknown"  # no retry in it
     assert {result.verdicts[k] for k in CORE if k != "retry_delays_respected"} == {"pass"}
     stats = result.stats
-    assert stats["reruns"] == 2 and stats["write_window_reruns"] == 2  # both were answered
-    assert stats["duplicated_tokens"] == 1358 + 1344 == stats["rerun_tokens"]
+    assert stats["reruns"] == 2 and stats["reruns_by_cause"]["write_window"] == 2  # answered
+    assert stats["duplicated_tokens"] == 1358 + 1344 == stats["duplicated_by_cause"]["write_window"]
 
 
 def test_a_real_history_with_a_rule_rerun_after_its_write() -> None:

@@ -106,12 +106,17 @@ def hand_built() -> CheckResult:
 def test_reruns_are_split_by_kind() -> None:
     result = hand_built()
     stats = result.stats
-    assert stats["rerun_kinds"] == {"write_window": 1, "in_flight": 1, "after_completion": 1}
-    assert stats["write_window_reruns"] == 1 and stats["in_flight_reruns"] == 1
-    assert stats["completed_reruns"] == 1
-    assert stats["reruns"] == 2  # the allowed ones, which the max_reruns budget bounds
+    assert stats["reruns_by_cause"] == {
+        "write_window": 1, "redelivery": 0, "sweeper_resume": 0, "in_flight": 1,
+        "lost_state": 0, "mutant": 0, "after_completion": 1,
+    }  # fmt: skip
+    assert stats["completed_reruns"] == 1  # no_completed_rerun's own count of violations
+    assert stats["reruns"] == 3
+    # b's first call was cut short (no tokens): only a's call was paid twice
+    assert stats["duplicated_by_cause"]["write_window"] == 100 == stats["duplicated_tokens"]
+    assert stats["tokens_total"] == 400 and stats["reference_tokens"] == 300
     assert result.verdicts == {"no_completed_rerun": "fail"}  # the verdict is unchanged
-    assert rerun_split(stats) == "reruns 3 (write window 1, in flight 1, after completion 1)"
+    assert rerun_split(stats) == "reruns 3 (write_window 1, in_flight 1, after_completion 1)"
     assert stats["faults_fired"] == {"crash@rule_after_call_before_write": 1}
 
 
@@ -121,7 +126,8 @@ def test_summary_line_says_mode_faults_and_rerun_kinds() -> None:
     assert line.plain == (
         "FAIL s1 (sim): 1 evaluation in 3.0 s simulated (0.01 s real); "
         "faults crash@rule_after_call_before_write; "
-        "reruns 3 (write window 1, in flight 1, after completion 1), duplicated tokens 100; "
+        "reruns 3 (write_window 1, in_flight 1, after_completion 1); duplicated tokens 100 "
+        "(write_window 100) = 33.3% of the fault-free bill 300; "
         "3 cases judged; history ab; broken: no_completed_rerun (3 cases)"
     )
     out = io.StringIO()
@@ -261,13 +267,11 @@ def test_chaos_run_in_a_pipe(tmp_path: Path) -> None:
     assert summary.startswith("PASS crash_after_ack (sim): 3 evaluations in ")
     assert "faults crash@rule_after_write" in summary
     kinds = json.loads((out / "crash_after_ack" / "journal.json").read_text())
-    split = kinds["stats"]["rerun_kinds"]
+    split = kinds["stats"]["reruns_by_cause"]
     total = sum(split.values())
     assert split["after_completion"] == 0 and total > 0
-    assert (
-        f"reruns {total} (write window {split['write_window']}, in flight "
-        f"{split['in_flight']}, after completion 0)"
-    ) in summary
+    named = ", ".join(f"{cause} {n}" for cause, n in split.items() if n)
+    assert f"reruns {total} ({named})" in summary
     assert kinds["mode"] == "sim" and kinds["extra"]["mode"] == "sim"
 
     [suite] = ET.parse(out / "junit.xml").getroot().findall("testsuite")
