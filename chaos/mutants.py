@@ -549,6 +549,43 @@ def no_fencing() -> None:
     orchestrator.PassExecutionOrchestrator._lease_short = lambda self, now: False  # type: ignore[method-assign]
 
 
+# --- engine bugs that the engine absorbs ----------------------------------------------------
+
+
+def raise_in_shell() -> None:
+    """no_engine_error: the controller's set-up of a delivery raises `KeyError` the first
+    time each process meets an evaluation (a lookup of something not there yet). The
+    shell's own `except` absorbs it: the delivery fails, goes back to the queue, and comes
+    round again, so every evaluation still ends as it should; only the error tells."""
+    begin = EvaluationController._begin
+
+    def lookup_first(self: EvaluationController, kind: str, attempt_id: str, *args: Any) -> Step:
+        met = self.__dict__.setdefault("_mutant_met", set())
+        if attempt_id not in met:
+            met.add(attempt_id)
+            raise KeyError(attempt_id)
+        return (yield from begin(self, kind, attempt_id, *args))
+
+    EvaluationController._begin = lookup_first  # type: ignore[method-assign]
+
+
+def retry_to_undeclared_queue() -> None:
+    """no_engine_error: a delayed retry is published to a delay queue nobody declared (its
+    jitter bucket 1000 past the policy's): the broker's table of delay queues has no such
+    queue, the publish fails, the evaluation is abandoned, and the sweeper re-publishes
+    the overdue retry: the run ends as it should, and only the error tells. The patch is
+    of `engine.shell.module.schedule_retry`, the step both shells run."""
+    from engine.shell import module
+
+    schedule_retry = module.schedule_retry
+
+    def misrouted(config: Any, attempt_id: str, action: Any) -> Step:
+        wrong = dataclasses.replace(action, bucket=action.bucket + 1000)
+        return (yield from schedule_retry(config, attempt_id, wrong))
+
+    module.schedule_retry = misrouted
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -694,6 +731,16 @@ MUTANTS: dict[str, Mutant] = {
             no_fencing,
             "no_completed_rerun",
             "the owner's writes are not fenced: a worker that lost its lease writes on",
+        ),
+        _mutant(
+            raise_in_shell,
+            "no_engine_error",
+            "a delivery's set-up raises KeyError the first time a process meets an evaluation",
+        ),
+        _mutant(
+            retry_to_undeclared_queue,
+            "no_engine_error",
+            "a delayed retry is published to a delay queue nobody declared",
         ),
     )
 }

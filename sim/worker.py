@@ -28,7 +28,7 @@ from engine.shell.effects import Cancelled
 from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery
-from sim.drive import TASK_ERRORS, SimHost, drive
+from sim.drive import TASK_ERRORS, SimHost, drive, engine_error
 from sim.failpoints import SimFailpoints
 from sim.history import Source
 from sim.redis import RedisClient
@@ -139,6 +139,8 @@ class SimWorker:
             pass
         except TASK_ERRORS:
             pass  # what the live worker only logs (a failed task, a lost delivery)
+        except Exception as exc:  # an engine bug ends this task, not the simulation
+            engine_error(self, exc, "task")
 
     def freeze(self, duration_s: float) -> None:
         """Stop the whole process for `duration_s` (the caller sleeps it out itself)."""

@@ -19,6 +19,7 @@ from chaos.checker.history_complete import check_history_complete
 from chaos.checker.idempotent_results import check_idempotent_results
 from chaos.checker.matches_reference import check_matches_reference
 from chaos.checker.no_completed_rerun import check_no_completed_rerun
+from chaos.checker.no_engine_error import check_no_engine_error
 from chaos.checker.pass_results_correct import check_pass_results_correct
 from chaos.checker.prune_only_dependents import check_prune_only_dependents
 from chaos.checker.quiet_state import check_quiet_state
@@ -140,6 +141,12 @@ REGISTRY: tuple[Invariant, ...] = (
         "every repeated start of a rule attempt follows a crash, kill, stall or service "
         "fault that explains it",
         check_reruns_explained,
+    ),
+    Invariant(
+        "no_engine_error",
+        "no exception escapes the engine's code unexplained by a fault (live: the kinds no "
+        "fault raises; in sim: any), and the simulator never ends a run without a verdict",
+        check_no_engine_error,
     ),
 )
 

@@ -26,6 +26,7 @@ from engine.core.evaluation import Evaluation
 from engine.keys import eval_key
 from engine.policy import RetryPolicy
 from engine.shell import controller, orchestrator, reevaluate
+from engine.shell import module as shell_module
 from engine.shell import sweeper as shell_sweeper
 from sim.broker import SHARED_DELAY_QUEUE, Message, Queue, SimBroker
 from sim.history import Source
@@ -53,6 +54,8 @@ CORE: tuple[str, ...] = (
     "give_up_early",
     "slow_tier",
     "all_passes_complete",
+    "raise_in_shell",
+    "retry_to_undeclared_queue",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
@@ -67,6 +70,7 @@ _OWNERS: tuple[Any, ...] = (
     orchestrator.PassExecutionOrchestrator,
     controller.EvaluationController,
     reevaluate.ReEvaluateUseCase,
+    shell_module,
 )
 
 _active: list[str] = []

@@ -43,6 +43,7 @@ from engine.agent import AgentProfile, Draw, FakeAgent
 from engine.config import EngineConfig
 from engine.core.routing import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
+from engine.history import error_fields
 from engine.keys import eval_key
 from engine.plan import Plan
 from engine.shell.effects import Stepper
@@ -504,8 +505,12 @@ class SimRun:
     def run(self) -> SimOutcome:
         with mutants.patched(self.mutant):
             main = self.env.process(self._drive(self.conductor.run()))
-            self.env.run(until=main)
-        final: FinalState = main.value
+            try:
+                self.env.run(until=main)
+                final: FinalState = main.value
+            except Exception as exc:  # a verdict, never an exception out of the simulator
+                self.runner.record_fields("engine_error", error_fields(exc, "simulation"))
+                final = self.on_read_final(acts.ReadFinal())
         result = check(self.events, final, self.check_spec())
         digest = history_hash(self.events)
         return SimOutcome(

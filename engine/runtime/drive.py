@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.history import History
+from engine.history import History, error_fields
 from engine.runtime.context import Runtime, cancelled, log, settle
 from engine.runtime.store import LeaseLost, now_ms
 from engine.shell import effects as fx
@@ -55,10 +55,17 @@ def _gauge(e: fx.Gauge, rt: Runtime) -> None:
     getattr(rt.metrics, e.metric).set(e.value)
 
 
+#: Exceptions no fault raises: one that reaches the shell's log is the engine's own bug,
+#: recorded (`engine_error`, with its traceback) for the checker's `no_engine_error`.
+ENGINE_BUGS = (LookupError, TypeError, AttributeError, NameError, AssertionError, ArithmeticError)
+
+
 def _log(e: fx.Log, rt: Runtime) -> None:
     level = "warning" if isinstance(e.error, LeaseLost) else e.level  # fenced off: expected
     trace = e.error if level == "error" else None
     log.log(logging.getLevelName(level.upper()), "%s", e.message, exc_info=trace)
+    if isinstance(e.error, ENGINE_BUGS) and type(rt.history) is not History:
+        rt.history.record("engine_error", **error_fields(e.error, e.message))
 
 
 def _forward(e: fx.Forward, rt: Runtime) -> Awaitable[None]:
