@@ -22,8 +22,8 @@ import simpy
 from engine.agent import agent_error
 from engine.core import ProtocolError
 from engine.failpoints import InjectedFault
-from engine.runtime.replies import LeaseLost
 from engine.history import error_fields
+from engine.runtime.replies import LeaseLost
 from engine.shell import effects as fx
 from sim.redis import SCRIPTS
 from sim.sync import Lock, Semaphore
