@@ -218,9 +218,9 @@ class Disconnect:
 
 @dataclass(frozen=True, slots=True)
 class BindConsumer:
-    """The harness's consumer of `evaluation.completed`, until `CloseConsumer`: a durable
-    queue bound before the first submit; each delivery recorded (`completed_received`),
-    then acknowledged."""
+    """The harness's consumer of `evaluation.completed` and `evaluation.started`, until
+    `CloseConsumer`: a durable queue bound to both before the first submit; each delivery
+    recorded (`completed_received`, `started_received`), then acknowledged."""
 
 
 @dataclass(frozen=True, slots=True)

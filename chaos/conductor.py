@@ -38,8 +38,14 @@ from chaos.scenario.schema import SERVICE_ACTIONS
 from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
 from engine.plan import Plan
 
-#: The harness's durable queue of `evaluation.completed` (in the run's namespace).
+#: The harness's durable queue of `evaluation.completed` (in the run's namespace), bound
+#: to `evaluation.started` too: one queue, so that an evaluation's announcements reach the
+#: consumer in the order the broker took them.
 COMPLETED_QUEUE = "chaos.completed"
+STARTED_KEY = "evaluation.started"
+#: The routing keys the harness's consumer binds, each recorded (`events_consumer_bound`);
+#: a delivery of the first is a `completed_received`, of the second a `started_received`.
+EVENT_KEYS = ("evaluation.completed", STARTED_KEY)
 #: How often the runner supervises the workers and looks whether the run has settled.
 POLL_S = 0.05
 #: How often it reads new history events (event-triggered faults, deliveries at the end).
@@ -90,7 +96,8 @@ class Progress:
 
 def delivered(body: Any, message_id: str | None, redelivered: bool) -> dict[str, Any]:
     """What the consumer records of a delivery of `evaluation.completed` (its
-    `completed_received`), before it acknowledges it."""
+    `completed_received`) or `evaluation.started` (`started_received`), before it
+    acknowledges it."""
     attempt_id = body.get("attempt_id") if isinstance(body, dict) else None
     return {
         "attempt_id": attempt_id,

@@ -42,7 +42,7 @@ from engine.runtime import store
 from engine.runtime.broker import Broker
 from engine.shell import orchestrator
 from engine.shell.controller import EvaluationController
-from engine.shell.effects import PublishEvent, Step, Stepper, Store
+from engine.shell.effects import Failpoint, PublishEvent, Step, Stepper, Store
 from engine.shell.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
@@ -586,6 +586,62 @@ def retry_to_undeclared_queue() -> None:
     module.schedule_retry = misrouted
 
 
+# --- evaluation.started ---------------------------------------------------------------------
+
+
+def _is_started(effect: Any) -> bool:
+    return isinstance(effect, PublishEvent) and effect.routing_key == "evaluation.started"
+
+
+def started_after_ack() -> None:
+    """started_announced: `evaluation.started` is published after the ACK. The controller's
+    set-up of a delivery holds the publish back (answered at once, so `evaluation_started`
+    is still recorded where it was) and sends it once the execute message is acknowledged
+    (after `after_ack`), or at the end of the set-up for a retry: a crash right after the
+    ACK leaves an evaluation that was taken off the queue and never announced."""
+    begin = EvaluationController._begin
+
+    def ack_first(self: EvaluationController, *args: Any) -> Step:
+        stepper = Stepper(begin(self, *args))
+        held: list[Any] = []
+        while (effect := stepper.next()) is not None:
+            if _is_started(effect):
+                held.append(effect)
+                stepper.reply(None)
+                continue
+            try:
+                stepper.reply((yield effect))
+            except BaseException as exc:
+                stepper.fail(exc)
+            if held and isinstance(effect, Failpoint) and effect.name == "after_ack":
+                yield held.pop()
+        for effect in held:
+            yield effect
+        return stepper.value
+
+    EvaluationController._begin = ack_first  # type: ignore[method-assign]
+
+
+def no_started_event() -> None:
+    """started_announced: `evaluation.started` is never published; everything else (the
+    `evaluation_started` record, the ACK after it) is as usual."""
+    begin = EvaluationController._begin
+
+    def unannounced(self: EvaluationController, *args: Any) -> Step:
+        stepper = Stepper(begin(self, *args))
+        while (effect := stepper.next()) is not None:
+            if _is_started(effect):
+                stepper.reply(None)
+                continue
+            try:
+                stepper.reply((yield effect))
+            except BaseException as exc:
+                stepper.fail(exc)
+        return stepper.value
+
+    EvaluationController._begin = unannounced  # type: ignore[method-assign]
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -741,6 +797,16 @@ MUTANTS: dict[str, Mutant] = {
             retry_to_undeclared_queue,
             "no_engine_error",
             "a delayed retry is published to a delay queue nobody declared",
+        ),
+        _mutant(
+            started_after_ack,
+            "started_announced",
+            "evaluation.started is published after the ACK of the execute message",
+        ),
+        _mutant(
+            no_started_event,
+            "started_announced",
+            "evaluation.started is never published",
         ),
     )
 }

@@ -39,7 +39,9 @@ from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, c
 from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
 from chaos.conductor import (
     COMPLETED_QUEUE,
+    EVENT_KEYS,
     EVENT_POLL_S,
+    STARTED_KEY,
     STOP_TIMEOUT_S,
     Conductor,
     Progress,
@@ -558,7 +560,7 @@ class ScenarioRun:
             a = ev.get("attempt_id")
             if isinstance(a, str) and a.startswith(prefix):
                 ev = {**ev, "attempt_id": a.removeprefix(prefix)}
-            if ev.get("ev") == "completed_received":  # the message names the run's ids
+            if ev.get("ev") in RECEIVED_EVENTS:  # the message names the run's ids
                 body = ev.get("body")
                 if isinstance(body, dict):
                     body = {**body, "attempt_id": bare(body.get("attempt_id"))}
@@ -613,10 +615,10 @@ class ScenarioRun:
 
     async def on_bind_consumer(self, a: acts.BindConsumer) -> None:
         """Before the first submit: a durable queue (a broker kill keeps what it holds and
-        what was confirmed into it) bound to the events exchange for `evaluation.completed`,
-        consumed on a robust connection of its own. Every delivery is recorded as
-        `completed_received`, then acknowledged. `x-expires` removes the queue should the
-        runner die before deleting it."""
+        what was confirmed into it) bound to the events exchange for `evaluation.completed`
+        and `evaluation.started`, consumed on a robust connection of its own. Every
+        delivery is recorded (`completed_received`, `started_received`), then acknowledged.
+        `x-expires` removes the queue should the runner die before deleting it."""
         config = self.config()
         url = self.services.amqp_url
         self._events_conn = await aio_pika.connect_robust(url, reconnect_interval=0.5)
@@ -627,10 +629,12 @@ class ScenarioRun:
         )
         name = config.name(COMPLETED_QUEUE)
         queue = await channel.declare_queue(name, durable=True, arguments={"x-expires": 600_000})
-        await queue.bind(exchange, routing_key="evaluation.completed")
+        for key in EVENT_KEYS:
+            await queue.bind(exchange, routing_key=key)
         await queue.consume(self._on_completed, no_ack=False)
         self._events_queue = queue
-        self.history.record("events_consumer_bound", queue=name, routing_key="evaluation.completed")
+        for key in EVENT_KEYS:
+            self.history.record("events_consumer_bound", queue=name, routing_key=key)
 
     async def _on_completed(self, message: AbstractIncomingMessage) -> None:
         try:
@@ -638,9 +642,12 @@ class ScenarioRun:
         except ValueError:
             body = message.body.decode("utf-8", "replace")
         fields = delivered(body, message.message_id, message.redelivered)
-        self.history.record("completed_received", **fields)
-        if isinstance(body, dict):
-            self._received.add(str(body.get("attempt_id")))
+        if message.routing_key == STARTED_KEY:
+            self.history.record("started_received", **fields)
+        else:
+            self.history.record("completed_received", **fields)
+            if isinstance(body, dict):
+                self._received.add(str(body.get("attempt_id")))
         with contextlib.suppress(Exception):  # the channel went with the broker: redelivered
             await message.ack()
 
@@ -729,5 +736,8 @@ async def _take(channel: AbstractChannel, queue_name: str, message_id: str) -> b
             await message.nack(requeue=True)
     return found
 
+
+#: The consumer's records of a delivery: their message names the run's ids.
+RECEIVED_EVENTS = frozenset({"completed_received", "started_received"})
 
 _NOW, _LATER = acts.handlers(ScenarioRun, waits=inspect.iscoroutinefunction)

@@ -51,11 +51,13 @@ CONTROL = "evaluation.control"
 
 
 class Message:
-    __slots__ = ("body", "expires_at", "message_id", "redelivered")
+    __slots__ = ("body", "expires_at", "message_id", "redelivered", "routing_key")
 
-    def __init__(self, body: dict[str, Any], message_id: str | None) -> None:
+    def __init__(self, body: dict[str, Any], message_id: str | None, routing_key: str = "") -> None:
         self.body = body
         self.message_id = message_id
+        self.routing_key = routing_key  # the key it was published with (its queue's name
+        # for the default exchange: only the events' consumer reads it)
         self.redelivered = False
         self.expires_at = 0.0
 
@@ -104,13 +106,14 @@ class Connection:
 class Delivery:
     """One delivery of a message to a consumer: what aio-pika's IncomingMessage is."""
 
-    __slots__ = ("body", "conn", "message_id", "redelivered", "settled", "tag")
+    __slots__ = ("body", "conn", "message_id", "redelivered", "routing_key", "settled", "tag")
 
     def __init__(self, conn: Connection, tag: int, message: Message) -> None:
         self.conn = conn
         self.tag = tag
         self.body = message.body
         self.message_id = message.message_id
+        self.routing_key = message.routing_key
         self.redelivered = message.redelivered
         self.settled = False
 
@@ -243,7 +246,7 @@ class SimBroker:
         if exchange == EVENTS:  # not mandatory: routed to the bound queues, if any
             for bound_key, name in self.event_bindings:
                 if bound_key == key:
-                    self._enqueue(self.queues[name], Message(body, message_id))
+                    self._enqueue(self.queues[name], Message(body, message_id, key))
             return True
         if exchange == CONTROL:
             for q in self.private.values():

@@ -27,6 +27,7 @@ from chaos.checker.reruns_explained import check_reruns_explained
 from chaos.checker.retry_budget import check_retry_budget
 from chaos.checker.retry_delays_respected import check_retry_delays_respected
 from chaos.checker.single_final_result import check_single_final_result
+from chaos.checker.started_announced import check_started_announced
 from chaos.checker.state_keys_expire import check_state_keys_expire
 
 
@@ -147,6 +148,12 @@ REGISTRY: tuple[Invariant, ...] = (
         "no exception escapes the engine's code unexplained by a fault (live: the kinds no "
         "fault raises; in sim: any), and the simulator never ends a run without a verdict",
         check_no_engine_error,
+    ),
+    Invariant(
+        "started_announced",
+        "every begin of an evaluation publishes evaluation.started before its ACK and its "
+        "first rule start, and a consumer bound before the first submit receives it",
+        check_started_announced,
     ),
 )
 

@@ -56,6 +56,8 @@ CORE: tuple[str, ...] = (
     "all_passes_complete",
     "raise_in_shell",
     "retry_to_undeclared_queue",
+    "started_after_ack",
+    "no_started_event",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (

@@ -34,7 +34,7 @@ import simpy
 from chaos import acts
 from chaos.acts import Step
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.conductor import COMPLETED_QUEUE, Conductor, delivered
+from chaos.conductor import COMPLETED_QUEUE, EVENT_KEYS, STARTED_KEY, Conductor, delivered
 from chaos.insim import mutants
 from chaos.proxy import model as proxy_model
 from chaos.reference import Draws
@@ -479,18 +479,24 @@ class SimRun:
         while not (yield from events.connect()):
             yield env.timeout(self.options.reconnect_interval_s)
         queue = self.config.name(COMPLETED_QUEUE)
-        self.broker.bind_events(queue, "evaluation.completed")
+        for key in EVENT_KEYS:
+            self.broker.bind_events(queue, key)
 
         def received(d: Delivery) -> None:
             body = orjson.loads(orjson.dumps(d.body))  # a copy, as JSON carries it
-            self.runner.record("completed_received", **delivered(body, d.message_id, d.redelivered))
-            if isinstance(body, dict):
-                self._received.add(str(body.get("attempt_id")))
+            fields = delivered(body, d.message_id, d.redelivered)
+            if d.routing_key == STARTED_KEY:
+                self.runner.record("started_received", **fields)
+            else:
+                self.runner.record("completed_received", **fields)
+                if isinstance(body, dict):
+                    self._received.add(str(body.get("attempt_id")))
             events.settle(d)
 
         events.consume(queue, 64, received)
         self._events = events
-        self.runner.record("events_consumer_bound", queue=queue, routing_key="evaluation.completed")
+        for key in EVENT_KEYS:
+            self.runner.record("events_consumer_bound", queue=queue, routing_key=key)
 
     def on_close_consumer(self, a: acts.CloseConsumer) -> Generator[Any, Any, None]:
         if self._events is not None:
