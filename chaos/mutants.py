@@ -642,6 +642,17 @@ def no_started_event() -> None:
     EvaluationController._begin = unannounced  # type: ignore[method-assign]
 
 
+# --- RabbitMQ flow control and durability ---------------------------------------------------
+
+
+def unbounded_prefetch() -> None:
+    """prefetch_respected: the worker consumes with prefetch 0, RabbitMQ's "no limit":
+    `EngineConfig.prefetch` answers 0 (the worker's own config, live and in the
+    simulator), so a busy worker is handed the whole queue and holds it unacknowledged
+    while its slots are taken."""
+    EngineConfig.prefetch = property(lambda self: 0)  # type: ignore[assignment,method-assign]
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -807,6 +818,11 @@ MUTANTS: dict[str, Mutant] = {
             no_started_event,
             "started_announced",
             "evaluation.started is never published",
+        ),
+        _mutant(
+            unbounded_prefetch,
+            "prefetch_respected",
+            "the worker consumes with prefetch 0 (no limit): a busy worker takes the whole queue",
         ),
     )
 }

@@ -106,11 +106,21 @@ class Connection:
 class Delivery:
     """One delivery of a message to a consumer: what aio-pika's IncomingMessage is."""
 
-    __slots__ = ("body", "conn", "message_id", "redelivered", "routing_key", "settled", "tag")
+    __slots__ = (
+        "body",
+        "conn",
+        "message_id",
+        "queue",
+        "redelivered",
+        "routing_key",
+        "settled",
+        "tag",
+    )
 
-    def __init__(self, conn: Connection, tag: int, message: Message) -> None:
+    def __init__(self, conn: Connection, tag: int, message: Message, queue: str) -> None:
         self.conn = conn
         self.tag = tag
+        self.queue = queue  # the consumer's queue
         self.body = message.body
         self.message_id = message.message_id
         self.routing_key = message.routing_key
@@ -301,7 +311,7 @@ class SimBroker:
             n = len(consumers)
             for i in range(n):
                 c = consumers[(q.rr + i) % n]
-                if c.unacked < c.prefetch:
+                if c.unacked < c.prefetch or not c.prefetch:  # 0: no limit, as in AMQP
                     break
             else:
                 return
@@ -314,7 +324,7 @@ class SimBroker:
         conn = c.conn
         c.unacked += 1
         conn.unacked[tag] = (msg, c)
-        delivery = Delivery(conn, tag, msg)
+        delivery = Delivery(conn, tag, msg, c.queue.name)
         now = self.env.now
         at: float | None = now + self.latency()
         net = conn.net

@@ -72,6 +72,11 @@ def engine_error(w: SimWorker, exc: BaseException, during: str) -> None:
     w.history.record_fields("engine_error", error_fields(exc, during))
 
 
+def _settle(e: fx.Settle, w: SimWorker) -> bool:
+    w.window.settled(e.delivery)
+    return w.broker.settle(e.delivery, ack=e.ack)
+
+
 def _store(e: fx.Store, w: SimWorker) -> Generator[Any, Any, Any]:
     clock = (w.store.now_ms(),) if e.op in _CLOCKED else ()
     return w.store.call(getattr(w.redis, e.op), *e.args, *clock, batched=e.op in SCRIPTS)
@@ -106,7 +111,7 @@ _NOW: dict[type, Callable[[Any, SimWorker], Any]] = {
     fx.Log: _log,
     fx.Clock: lambda e, w: w.store.now_ms(),
     fx.Monotonic: lambda e, w: w.env.now,
-    fx.Settle: lambda e, w: w.broker.settle(e.delivery, ack=e.ack),
+    fx.Settle: _settle,
     fx.Failpoint: lambda e, w: fx.WAIT if w.fp else None,
 }
 #: Effects that may: each handler returns the generator that carries it out.

@@ -27,6 +27,7 @@ from engine.shell.controller import EvaluationController
 from engine.shell.effects import Cancelled
 from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
+from engine.shell.window import DeliveryWindow
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery
 from sim.drive import TASK_ERRORS, SimHost, drive, engine_error
 from sim.failpoints import SimFailpoints
@@ -97,6 +98,9 @@ class SimWorker:
         # else no step is watched: a `freeze` failpoint or the runner's `pause_worker`
         self._freezable = (self.fp is not None and self.fp.freezes) or run.pauses
         self.controller = EvaluationController(SimHost(self), config, self.worker_id)
+        self.window = DeliveryWindow(
+            self.history.record_fields, config.prefetch, config.max_evaluations
+        )
         self.alive = True
         self.exit_code: int | None = None
         self.ready = env.event()
@@ -172,6 +176,8 @@ class SimWorker:
 
     def on_message(self, d: Delivery) -> None:
         """A delivery, run as a process of its own (aio-pika runs each as a task)."""
+        if self.alive:
+            self.window.delivered(d, (d.conn, d.queue), d.queue)
         self.spawn(drive(self.controller.on_message(d, d.body, d.redelivered), self))
 
     def _boot(self) -> Generator[Any, Any, None]:
@@ -186,7 +192,7 @@ class SimWorker:
             self.record("worker_stopped")
             self.die(EXIT_CANNOT_START)
             return
-        prefetch = self.config.max_evaluations * 4
+        prefetch = self.config.prefetch
         yield env.timeout(2 * run.broker.latency())  # declare, bind, consume
         self.broker.consume_private(f"worker.{self.worker_id}", prefetch, self.on_message)
         self.broker.consume(WORK_QUEUE, prefetch, self.on_message)

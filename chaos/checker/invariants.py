@@ -21,6 +21,7 @@ from chaos.checker.matches_reference import check_matches_reference
 from chaos.checker.no_completed_rerun import check_no_completed_rerun
 from chaos.checker.no_engine_error import check_no_engine_error
 from chaos.checker.pass_results_correct import check_pass_results_correct
+from chaos.checker.prefetch_respected import check_prefetch_respected
 from chaos.checker.prune_only_dependents import check_prune_only_dependents
 from chaos.checker.quiet_state import check_quiet_state
 from chaos.checker.reruns_explained import check_reruns_explained
@@ -154,6 +155,12 @@ REGISTRY: tuple[Invariant, ...] = (
         "every begin of an evaluation publishes evaluation.started before its ACK and its "
         "first rule start, and a consumer bound before the first submit receives it",
         check_started_announced,
+    ),
+    Invariant(
+        "prefetch_respected",
+        "every worker consumes with a bounded prefetch (4 x max_evaluations at most), and "
+        "no consumer of it ever holds more unsettled deliveries than that",
+        check_prefetch_respected,
     ),
 )
 

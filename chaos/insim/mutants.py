@@ -58,6 +58,7 @@ CORE: tuple[str, ...] = (
     "retry_to_undeclared_queue",
     "started_after_ack",
     "no_started_event",
+    "unbounded_prefetch",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (

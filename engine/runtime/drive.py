@@ -68,6 +68,12 @@ def _log(e: fx.Log, rt: Runtime) -> None:
         rt.history.record("engine_error", **error_fields(e.error, e.message))
 
 
+def _settle(e: fx.Settle, rt: Runtime) -> Awaitable[bool]:
+    if rt.window is not None:
+        rt.window.settled(e.delivery)
+    return settle(e.delivery, ack=e.ack, timeout_s=rt.config.read_timeout_s)
+
+
 def _forward(e: fx.Forward, rt: Runtime) -> Awaitable[None]:
     queue = rt.config.name(f"worker.{e.holder}")
     return rt.broker.forward(queue, e.delivery.body, e.delivery.message_id)
@@ -88,7 +94,7 @@ _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
 _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
     fx.Store: lambda e, rt: getattr(rt.store, e.op)(*e.args),
     fx.Acquire: lambda e, rt: e.lock.wait(),
-    fx.Settle: lambda e, rt: settle(e.delivery, ack=e.ack, timeout_s=rt.config.read_timeout_s),
+    fx.Settle: _settle,
     fx.CallAgent: lambda e, rt: rt.agent.evaluate(
         e.attempt_id, e.rule, e.attempt, e.try_no, execution=e.execution
     ),
