@@ -94,16 +94,19 @@ class Progress:
     note: str = ""
 
 
-def delivered(body: Any, message_id: str | None, redelivered: bool) -> dict[str, Any]:
+def delivered(
+    body: Any, message_id: str | None, redelivered: bool, delivery_mode: Any = None
+) -> dict[str, Any]:
     """What the consumer records of a delivery of `evaluation.completed` (its
     `completed_received`) or `evaluation.started` (`started_received`), before it
-    acknowledges it."""
+    acknowledges it: with its delivery mode (2: persistent), as the publisher set it."""
     attempt_id = body.get("attempt_id") if isinstance(body, dict) else None
     return {
         "attempt_id": attempt_id,
         "message_id": message_id,
         "body": body,
         "redelivered": redelivered,
+        "delivery_mode": delivery_mode,
     }
 
 
@@ -306,9 +309,11 @@ class Conductor:
                 yield from self._pause(self.slots[fault.target], fault.pause_s or 0.0, fault_id)
             case "kill_redis" | "kill_broker" | "stop_redis" | "stop_broker":
                 name, how = SERVICE_ACTIONS[fault.action]
-                yield acts.KillService(name, graceful=how == "stop")
+                held = yield acts.KillService(name, graceful=how == "stop")
                 signal = {"signal": "SIGTERM"} if how == "stop" else {}
-                yield acts.Record("service_killed", {"service": name, **signal})
+                # what the node held, when the runner can count it (the simulator's model)
+                counted = {"messages": held} if held is not None else {}
+                yield acts.Record("service_killed", {"service": name, **signal, **counted})
                 if name == "redis" and self.spec.redis.topology == "sentinel":
                     # Sentinel promotes the replica by itself: the fault heals then; the
                     # killed primary, restarted later, rejoins as a replica
@@ -448,6 +453,8 @@ class Conductor:
         extra = (
             {"lost_writes": lost} if name == "redis" and self.spec.redis.lose_last_writes else {}
         )
+        if name == "broker" and lost is not None:  # the messages the node found on disk
+            extra = {"messages": lost}
         yield acts.Record("service_restarted", {"service": name, **extra})
         if fault_id is not None:
             yield from self._healed(fault_id)

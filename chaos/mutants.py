@@ -653,6 +653,22 @@ def unbounded_prefetch() -> None:
     EngineConfig.prefetch = property(lambda self: 0)  # type: ignore[assignment,method-assign]
 
 
+def non_persistent() -> None:
+    """nothing_lost_on_restart: the worker publishes every message transient (delivery mode
+    1): retries waiting in their delay queues, re-published evaluations and the
+    announcements are held in the broker's memory only, and a broker restart loses them,
+    durable queues or not. The encoded properties of `engine.runtime.wire` (and the
+    delivery mode aiormq's path reads) are changed before the worker connects."""
+    from engine.runtime import wire
+
+    props = wire._FIXED_PROPS
+    at = len(b"\x10application/json\x00\x00\x00\x00")
+    if wire.DELIVERY_MODE != 2 or props[at] != 2:
+        raise RuntimeError("non_persistent: the encoded message properties changed")
+    wire.DELIVERY_MODE = 1
+    wire._FIXED_PROPS = props[:at] + b"\x01" + props[at + 1 :]
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -823,6 +839,11 @@ MUTANTS: dict[str, Mutant] = {
             unbounded_prefetch,
             "prefetch_respected",
             "the worker consumes with prefetch 0 (no limit): a busy worker takes the whole queue",
+        ),
+        _mutant(
+            non_persistent,
+            "nothing_lost_on_restart",
+            "the worker publishes transient messages: a broker restart loses them",
         ),
     )
 }

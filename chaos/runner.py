@@ -641,7 +641,7 @@ class ScenarioRun:
             body: Any = json.loads(message.body)
         except ValueError:
             body = message.body.decode("utf-8", "replace")
-        fields = delivered(body, message.message_id, message.redelivered)
+        fields = delivered(body, message.message_id, message.redelivered, message.delivery_mode)
         if message.routing_key == STARTED_KEY:
             self.history.record("started_received", **fields)
         else:

@@ -20,6 +20,7 @@ from chaos.checker.idempotent_results import check_idempotent_results
 from chaos.checker.matches_reference import check_matches_reference
 from chaos.checker.no_completed_rerun import check_no_completed_rerun
 from chaos.checker.no_engine_error import check_no_engine_error
+from chaos.checker.nothing_lost_on_restart import check_nothing_lost_on_restart
 from chaos.checker.pass_results_correct import check_pass_results_correct
 from chaos.checker.prefetch_respected import check_prefetch_respected
 from chaos.checker.prune_only_dependents import check_prune_only_dependents
@@ -161,6 +162,12 @@ REGISTRY: tuple[Invariant, ...] = (
         "every worker consumes with a bounded prefetch (4 x max_evaluations at most), and "
         "no consumer of it ever holds more unsettled deliveries than that",
         check_prefetch_respected,
+    ),
+    Invariant(
+        "nothing_lost_on_restart",
+        "every message the engine publishes is persistent, and a broker restart finds every "
+        "message the node held when it was killed",
+        check_nothing_lost_on_restart,
     ),
 )
 

@@ -57,6 +57,9 @@ from sim.world import SimOptions
 
 TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
 RUNNER_PID = 1
+#: The runner's own publishes (submits, a cancel's announcement): `engine.submit`'s, in a
+#: process of its own live, which a mutant of the worker never reaches.
+RUNNER_DELIVERY_MODE = 2
 
 
 def scenario_options(spec: Scenario, options: SimOptions) -> SimOptions:
@@ -297,13 +300,18 @@ class SimRun:
     def on_resume_worker(self, a: acts.ResumeWorker) -> None:
         pass  # its freeze has ended
 
-    def on_kill_service(self, a: acts.KillService) -> None:
+    def on_kill_service(self, a: acts.KillService) -> int | None:
+        """The broker says how many messages it held (the model counts them)."""
         # a clean stop (`a.graceful`) is a kill here: the engine sees its connections go
         # either way, and neither an fsync-always Redis nor durable queues lose anything
+        # (persistent messages: a transient one is lost either way)
         if a.name == "redis" and self.sentinel is not None:
             self.sentinel.kill_primary()
-            return
-        (self.redis if a.name == "redis" else self.broker).kill()
+            return None
+        if a.name == "redis":
+            self.redis.kill()
+            return None
+        return self.broker.kill()
 
     def on_restart_service(self, a: acts.RestartService) -> Generator[Any, Any, int | None]:
         o = self.options
@@ -313,8 +321,7 @@ class SimRun:
         yield self.env.timeout(o.redis_boot_s if a.name == "redis" else o.broker_boot_s)
         if a.name == "redis":
             return self.redis.restart()
-        self.broker.restart()
-        return None
+        return self.broker.restart()  # the messages it found
 
     def on_pause_service(self, a: acts.PauseService) -> None:
         assert a.name == "redis", "only Redis is paused"
@@ -373,7 +380,7 @@ class SimRun:
             self.sentinel.partition(False)
 
     def on_connect(self, a: acts.Connect) -> Generator[Any, Any, None]:
-        client = BrokerClient(self.env, self.broker, "runner")
+        client = BrokerClient(self.env, self.broker, "runner", delivery_mode=RUNNER_DELIVERY_MODE)
         while not (yield from client.connect()):  # connect_robust waits for the node
             yield self.env.timeout(self.options.reconnect_interval_s)
         self._client = client
@@ -396,7 +403,9 @@ class SimRun:
     def on_cancel(self, a: acts.Cancel) -> Generator[Any, Any, str]:
         """`EngineClient.cancel`, on a connection of its own."""
         attempt_id = a.attempt_id
-        client = BrokerClient(self.env, self.broker, "runner-cancel")
+        client = BrokerClient(
+            self.env, self.broker, "runner-cancel", delivery_mode=RUNNER_DELIVERY_MODE
+        )
         while not (yield from client.connect()):  # connect_robust waits for the node
             yield self.env.timeout(self.options.reconnect_interval_s)
         kept = yield from self.store.call(
@@ -484,7 +493,7 @@ class SimRun:
 
         def received(d: Delivery) -> None:
             body = orjson.loads(orjson.dumps(d.body))  # a copy, as JSON carries it
-            fields = delivered(body, d.message_id, d.redelivered)
+            fields = delivered(body, d.message_id, d.redelivered, d.delivery_mode)
             if d.routing_key == STARTED_KEY:
                 self.runner.record("started_received", **fields)
             else:

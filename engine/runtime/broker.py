@@ -50,6 +50,7 @@ from aio_pika.exceptions import (
 )
 
 from engine.config import EngineConfig, ServiceUnavailable, network_reason, scrubbed
+from engine.runtime import wire as frames
 from engine.runtime.wire import Transports, Wire, link, wire
 from engine.shell.effects import Unroutable
 
@@ -349,7 +350,7 @@ class Broker:
                     routing_key=key,
                     properties=aiormq.spec.Basic.Properties(
                         content_type="application/json",
-                        delivery_mode=2,  # persistent
+                        delivery_mode=frames.DELIVERY_MODE,  # 2: persistent
                         expiration=expiration,
                         headers={},
                         message_id=msg_id,
