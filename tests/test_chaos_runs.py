@@ -58,6 +58,12 @@ CATCHES = {
     "no_restore": "redis_data_loss",  # the restarted Redis lost results the owner announces
     "unmitigated": "sentinel_failover_with_partition",  # no_wait's, and nothing restored
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
+    "raise_in_shell": "crash_right_after_ack",  # absorbed: the delivery comes round again
+    "retry_to_undeclared_queue": "transient_llm_errors",  # absorbed: the sweeper re-publishes
+    "started_after_ack": "crash_right_after_ack",  # the crash after the ACK comes first
+    "no_started_event": "crash_right_after_ack",
+    "unbounded_prefetch": "prefetch_backlog",  # ten deliveries for one slot
+    "non_persistent": "broker_restart_holding_retries",  # the retries waiting in the queues
 }
 
 
