@@ -32,6 +32,7 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
+from aio_pika.exceptions import ChannelNotFoundEntity
 
 from chaos import acts
 from chaos.acts import Step
@@ -57,6 +58,7 @@ from engine.config import EngineConfig
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.history import FileHistory, read_history
 from engine.plan import Plan
+from engine.runtime.broker import delay_queue_names
 from engine.runtime.store import RedisStore, eval_key, glob_escape
 from engine.shell.effects import Stepper
 from engine.submit import EngineClient
@@ -652,7 +654,14 @@ class ScenarioRun:
             await message.ack()
 
     async def on_close_consumer(self, a: acts.CloseConsumer | None = None) -> None:
-        """Delete the queue (a shared broker keeps nothing of the run) and disconnect."""
+        """Delete the queue (a shared broker keeps nothing of the run) and disconnect. At
+        the end of a run (the workers stopped: nothing is held unacknowledged), first take
+        what is left in the work and delay queues (`queues_drained`, their message ids):
+        the messages a broker restart kept that nobody consumed (`nothing_lost_on_restart`)."""
+        if a is not None and self._events_conn is not None:
+            left = await self._drain_queues(self._events_conn)
+            if left is not None:
+                self.history.record("queues_drained", message_ids=left)
         queue, conn = self._events_queue, self._events_conn
         self._events_queue = self._events_conn = None
         if queue is not None:
@@ -661,6 +670,28 @@ class ScenarioRun:
         if conn is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 5.0)
+
+    async def _drain_queues(self, conn: AbstractRobustConnection) -> list[str] | None:
+        """The message ids left in the run's work and delay queues, taken off them (None:
+        the broker could not be asked)."""
+        config = self.config()
+        names = [config.name("evaluation.execute")]
+        names += [name for name, _ in delay_queue_names(config).values()]
+        names.append(config.name("evaluation.retry.shared"))  # the per_message_ttl mutant's
+        left: list[str] = []
+        try:
+            for name in names:
+                channel = await asyncio.wait_for(conn.channel(), 5.0)
+                try:
+                    queue = await channel.declare_queue(name, passive=True, timeout=5.0)
+                except ChannelNotFoundEntity:
+                    continue  # never declared (the failed declare closed the channel)
+                while (m := await queue.get(no_ack=True, fail=False, timeout=5.0)) is not None:
+                    left.append(str(m.message_id))
+                await channel.close()
+        except Exception:  # the broker is down at the end: nothing to say
+            return None
+        return sorted(left)
 
     async def on_read_final(self, a: acts.ReadFinal) -> FinalState:
         redis = self.services.redis if self.sentinel is None else None

@@ -47,7 +47,7 @@ from engine.history import error_fields
 from engine.keys import eval_key
 from engine.plan import Plan
 from engine.shell.effects import Stepper
-from sim.broker import BrokerClient, Delivery, SimBroker
+from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker
 from sim.history import Source, history_hash
 from sim.network import Network
 from sim.redis import RedisClient, SimRedis
@@ -508,6 +508,19 @@ class SimRun:
             self.runner.record("events_consumer_bound", queue=queue, routing_key=key)
 
     def on_close_consumer(self, a: acts.CloseConsumer) -> Generator[Any, Any, None]:
+        """The live runner's: first what is left in the work and delay queues
+        (`queues_drained`), then the consumer closed."""
+        if self.broker.up:
+            left = [
+                str(m.message_id)
+                for q in self.broker.queues.values()
+                if q.owner is None and (q.delay or q.name == WORK_QUEUE)
+                for m in q.messages
+            ]
+            for q in self.broker.queues.values():
+                if q.owner is None and (q.delay or q.name == WORK_QUEUE):
+                    q.messages.clear()
+            self.runner.record("queues_drained", message_ids=sorted(left))
         if self._events is not None:
             yield from self._events.close()
 

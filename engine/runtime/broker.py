@@ -68,6 +68,17 @@ _TRANSIENT = (
 )
 
 
+def delay_queue_names(config: EngineConfig) -> dict[tuple[int, int], tuple[str, int]]:
+    """(tier, bucket) -> its delay queue's name and TTL (ms). The TTL is in the name: a
+    different time scale declares new queues instead of failing on old ones."""
+    names: dict[tuple[int, int], tuple[str, int]] = {}
+    for tier, bucket, ms in config.policy.delay_queues():
+        ttl = max(1, round(ms * config.time_scale))
+        name = config.name(f"evaluation.retry.t{tier + 1}.b{bucket}.{ttl}ms")
+        names[(tier, bucket)] = (name, ttl)
+    return names
+
+
 class QueueInUse(RuntimeError):
     """A queue to delete still has consumers (a worker of the namespace is running)."""
 
@@ -181,9 +192,7 @@ class Broker:
         ch, t = self._ch(), self.timeout
         await ch.declare_queue(self.work_queue_name, durable=True, timeout=t)
         self.declared = [f"queue:{self.work_queue_name}"]
-        for tier, bucket, ms in self.config.policy.delay_queues():
-            ttl = max(1, round(ms * self.config.time_scale))
-            name = self.config.name(f"evaluation.retry.t{tier + 1}.b{bucket}.{ttl}ms")
+        for (tier, bucket), (name, ttl) in delay_queue_names(self.config).items():
             await ch.declare_queue(
                 name,
                 durable=True,
