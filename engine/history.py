@@ -53,13 +53,13 @@ class FileHistory(History):
 
 #: The checkout's root: tracebacks name files relative to it (one seed, one history, on any
 #: checkout).
-_ROOT = str(Path(__file__).resolve().parents[1]) + os.sep
+CHECKOUT = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
 def error_fields(exc: BaseException, during: str) -> dict[str, Any]:
     """An `engine_error` event's fields: what escaped the engine's code, where, and its
     traceback (files named from the checkout's root)."""
-    trace = "".join(traceback.format_exception(exc)).replace(_ROOT, "").rstrip()
+    trace = "".join(traceback.format_exception(exc)).replace(CHECKOUT, "").rstrip()
     return {"error": f"{type(exc).__name__}: {exc}", "during": during, "traceback": trace}
 
 
