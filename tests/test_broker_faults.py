@@ -94,11 +94,12 @@ def test_the_workers_prefetch_is_its_config() -> None:
 
 
 def _check(events: list[dict[str, Any]], *names: str) -> dict[str, str]:
+    seqs: dict[str, int] = {}
     for i, e in enumerate(events):
         e.setdefault("t", float(i))
-        e.setdefault("seq", i + 1)
         e.setdefault("src", "runner")
         e.setdefault("pid", 1)
+        seqs[e["src"]] = e["seq"] = seqs.get(e["src"], 0) + 1  # no gap: a whole history
     result = check(events, FinalState(), CheckSpec(invariants=names))
     return {n: result.verdicts[n] for n in names}
 
@@ -135,6 +136,27 @@ def test_nothing_lost_on_restart_compares_the_counts() -> None:
     received = {"ev": "completed_received", "attempt_id": "a", "body": {}, "delivery_mode": 1}
     assert _check([received], name) == {name: "fail"}
     assert _check([{**received, "delivery_mode": 2}], name) == {name: "pass"}
+
+
+def test_a_retry_waiting_at_a_broker_kill_must_come_back() -> None:
+    name = "nothing_lost_on_restart"
+    key = {"attempt_id": "a", "rule_id": "r", "attempt": 2}
+    waiting = [
+        {"ev": "retry_published", "src": "w1", "pid": 7, **key},
+        {"ev": "fault_fired", "action": "kill_broker"},
+        {"ev": "service_killed", "service": "broker"},
+    ]
+    back = {"ev": "delivered", "src": "w1", "pid": 7, "kind": "retry", "reason": None, **key}
+    rescued = {**back, "reason": "lost_retry"}  # the sweeper's copy
+    drained = {"ev": "queues_drained", "message_ids": []}
+    assert _check([*waiting, back, drained], name) == {name: "pass"}
+    assert _check([*waiting, rescued, drained], name) == {name: "fail"}
+    still_queued = {"ev": "queues_drained", "message_ids": ["a:r:2"]}
+    assert _check([*waiting, rescued, still_queued], name) == {name: "pass"}
+    lost_on_purpose = {"ev": "retry_lost", **key}
+    # the runner took it on purpose (`broker.dead_letter_loss`): not owed, nothing judged
+    assert _check([*waiting, lost_on_purpose, rescued, drained], name) == {name: "unknown"}
+    assert _check([*waiting, rescued], name) == {name: "unknown"}  # not drained: not judged
 
 
 # --- engine bugs end in a verdict -------------------------------------------------------------

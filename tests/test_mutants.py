@@ -1012,5 +1012,7 @@ def test_non_persistent() -> None:
     assert _broken(broken) == {"nothing_lost_on_restart"}
     lost = [v.message for v in broken.result.violations if "lost" in v.message]
     assert lost and "found" in lost[0]  # the model's count: the restart found fewer
+    # and message by message, as live: retries waiting at the kill never came back
+    assert any(v.rule_id and "never delivered" in v.message for v in broken.result.violations)
     # the engine still ends every evaluation: the sweeper re-publishes the lost retries
     assert broken.result.verdicts["all_terminal"] == "pass"
