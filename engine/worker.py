@@ -132,9 +132,11 @@ class Worker:
             body = None  # the controller drops it, with one line
         window = self.rt.window
         if window is not None:  # per consumer: a restored channel is a new one
-            window.delivered(
-                message, (message.channel, message.consumer_tag), message.routing_key or ""
-            )
+            try:
+                channel: Any = message.channel
+            except Exception:  # closed already: its deliveries went back with it
+                channel = id(message)
+            window.delivered(message, (channel, message.consumer_tag), message.routing_key or "")
         step = self.controller.on_message(message, body, message.redelivered)
         await detached(step, self.rt, self._deliveries)
 
