@@ -165,8 +165,8 @@ REGISTRY: tuple[Invariant, ...] = (
     ),
     Invariant(
         "nothing_lost_on_restart",
-        "every message the engine publishes is persistent, and a broker restart finds every "
-        "message the node held when it was killed",
+        "every message the engine publishes is persistent, and a broker restart loses none "
+        "the killed node held: every retry waiting then comes back after it",
         check_nothing_lost_on_restart,
     ),
 )
