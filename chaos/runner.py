@@ -32,7 +32,7 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
-from aio_pika.exceptions import AMQPError, ChannelInvalidStateError
+from aio_pika.exceptions import AMQPError, ChannelInvalidStateError, ChannelNotFoundEntity
 
 from chaos import acts
 from chaos.acts import Step
@@ -40,7 +40,9 @@ from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, c
 from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
 from chaos.conductor import (
     COMPLETED_QUEUE,
+    EVENT_KEYS,
     EVENT_POLL_S,
+    STARTED_KEY,
     STOP_TIMEOUT_S,
     Conductor,
     Progress,
@@ -56,6 +58,7 @@ from engine.config import EngineConfig
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.history import FileHistory, read_history
 from engine.plan import Plan
+from engine.runtime.broker import delay_queue_names
 from engine.runtime.store import RedisStore, eval_key, glob_escape
 from engine.shell.effects import Stepper
 from engine.submit import EngineClient
@@ -591,7 +594,7 @@ class ScenarioRun:
             a = ev.get("attempt_id")
             if isinstance(a, str) and a.startswith(prefix):
                 ev = {**ev, "attempt_id": a.removeprefix(prefix)}
-            if ev.get("ev") == "completed_received":  # the message names the run's ids
+            if ev.get("ev") in RECEIVED_EVENTS:  # the message names the run's ids
                 body = ev.get("body")
                 if isinstance(body, dict):
                     body = {**body, "attempt_id": bare(body.get("attempt_id"))}
@@ -646,10 +649,10 @@ class ScenarioRun:
 
     async def on_bind_consumer(self, a: acts.BindConsumer) -> None:
         """Before the first submit: a durable queue (a broker kill keeps what it holds and
-        what was confirmed into it) bound to the events exchange for `evaluation.completed`,
-        consumed on a robust connection of its own. Every delivery is recorded as
-        `completed_received`, then acknowledged. `x-expires` removes the queue should the
-        runner die before deleting it."""
+        what was confirmed into it) bound to the events exchange for `evaluation.completed`
+        and `evaluation.started`, consumed on a robust connection of its own. Every
+        delivery is recorded (`completed_received`, `started_received`), then acknowledged.
+        `x-expires` removes the queue should the runner die before deleting it."""
         config = self.config()
         url = self.services.amqp_url
         self._events_conn = await aio_pika.connect_robust(url, reconnect_interval=0.5)
@@ -660,25 +663,37 @@ class ScenarioRun:
         )
         name = config.name(COMPLETED_QUEUE)
         queue = await channel.declare_queue(name, durable=True, arguments={"x-expires": 600_000})
-        await queue.bind(exchange, routing_key="evaluation.completed")
+        for key in EVENT_KEYS:
+            await queue.bind(exchange, routing_key=key)
         await queue.consume(self._on_completed, no_ack=False)
         self._events_queue = queue
-        self.history.record("events_consumer_bound", queue=name, routing_key="evaluation.completed")
+        for key in EVENT_KEYS:
+            self.history.record("events_consumer_bound", queue=name, routing_key=key)
 
     async def _on_completed(self, message: AbstractIncomingMessage) -> None:
         try:
             body: Any = json.loads(message.body)
         except ValueError:
             body = message.body.decode("utf-8", "replace")
-        fields = delivered(body, message.message_id, message.redelivered)
-        self.history.record("completed_received", **fields)
-        if isinstance(body, dict):
-            self._received.add(str(body.get("attempt_id")))
+        fields = delivered(body, message.message_id, message.redelivered, message.delivery_mode)
+        if message.routing_key == STARTED_KEY:
+            self.history.record("started_received", **fields)
+        else:
+            self.history.record("completed_received", **fields)
+            if isinstance(body, dict):
+                self._received.add(str(body.get("attempt_id")))
         with contextlib.suppress(Exception):  # the channel went with the broker: redelivered
             await message.ack()
 
     async def on_close_consumer(self, a: acts.CloseConsumer | None = None) -> None:
-        """Delete the queue (a shared broker keeps nothing of the run) and disconnect."""
+        """Delete the queue (a shared broker keeps nothing of the run) and disconnect. At
+        the end of a run (the workers stopped: nothing is held unacknowledged), first take
+        what is left in the work and delay queues (`queues_drained`, their message ids):
+        the messages a broker restart kept that nobody consumed (`nothing_lost_on_restart`)."""
+        if a is not None and self._events_conn is not None:
+            left = await self._drain_queues(self._events_conn)
+            if left is not None:
+                self.history.record("queues_drained", message_ids=left)
         queue, conn = self._events_queue, self._events_conn
         self._events_queue = self._events_conn = None
         if queue is not None:
@@ -687,6 +702,28 @@ class ScenarioRun:
         if conn is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 5.0)
+
+    async def _drain_queues(self, conn: AbstractRobustConnection) -> list[str] | None:
+        """The message ids left in the run's work and delay queues, taken off them (None:
+        the broker could not be asked)."""
+        config = self.config()
+        names = [config.name("evaluation.execute")]
+        names += [name for name, _ in delay_queue_names(config).values()]
+        names.append(config.name("evaluation.retry.shared"))  # the per_message_ttl mutant's
+        left: list[str] = []
+        try:
+            for name in names:
+                channel = await asyncio.wait_for(conn.channel(), 5.0)
+                try:
+                    queue = await channel.declare_queue(name, passive=True, timeout=5.0)
+                except ChannelNotFoundEntity:
+                    continue  # never declared (the failed declare closed the channel)
+                while (m := await queue.get(no_ack=True, fail=False, timeout=5.0)) is not None:
+                    left.append(str(m.message_id))
+                await channel.close()
+        except Exception:  # the broker is down at the end: nothing to say
+            return None
+        return sorted(left)
 
     async def on_read_final(self, a: acts.ReadFinal) -> FinalState:
         redis = self.services.redis if self.sentinel is None else None
@@ -807,5 +844,8 @@ async def _take(channel: AbstractChannel, queue_name: str, message_id: str) -> b
             await message.nack(requeue=True)
     return found
 
+
+#: The consumer's records of a delivery: their message names the run's ids.
+RECEIVED_EVENTS = frozenset({"completed_received", "started_received"})
 
 _NOW, _LATER = acts.handlers(ScenarioRun, waits=inspect.iscoroutinefunction)

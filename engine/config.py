@@ -61,6 +61,13 @@ class EngineConfig:
         return ms * self.time_scale / 1000.0
 
     @property
+    def prefetch(self) -> int:
+        """The consumers' prefetch: the deliveries a worker holds unacknowledged at most. A
+        delivery waits for a free slot with its ACK pending, so a worker takes no more than
+        it can soon begin (4 x max_evaluations, a 16-bit count for RabbitMQ)."""
+        return self.max_evaluations * 4
+
+    @property
     def grace_ms(self) -> int:
         return self.retry_grace_ms if self.retry_grace_ms is not None else self.stale_ms
 

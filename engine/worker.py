@@ -42,7 +42,7 @@ from engine.config import (
 )
 from engine.core import RuleResult
 from engine.failpoints import FailpointError, Failpoints, fired_fields, parse_specs
-from engine.history import open_history
+from engine.history import History, open_history
 from engine.metrics import Metrics
 from engine.plan import Rule
 from engine.runtime.broker import Broker, amqp_unavailable
@@ -52,6 +52,7 @@ from engine.runtime.store import RedisStore, redis_unavailable
 from engine.shell.controller import EvaluationController
 from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
+from engine.shell.window import DeliveryWindow
 
 log = logging.getLogger("engine.worker")
 
@@ -109,6 +110,12 @@ class Worker:
             history=history,
             metrics=Metrics(),
         )
+        if type(history) is not History:  # the deliveries held unsettled, when recorded
+            self.rt.window = DeliveryWindow(
+                lambda ev, fields: history.record(ev, **fields),
+                config.prefetch,
+                config.max_evaluations,
+            )
         self.metrics_port = metrics_port
         self.controller = EvaluationController(LiveHost(self.rt), config, self.worker_id)
         self.private_queue = ""
@@ -128,6 +135,13 @@ class Worker:
             body = orjson.loads(message.body)
         except orjson.JSONDecodeError:
             body = None  # the controller drops it, with one line
+        window = self.rt.window
+        if window is not None:  # per consumer: a restored channel is a new one
+            try:
+                channel: Any = message.channel
+            except Exception:  # closed already: its deliveries went back with it
+                channel = id(message)
+            window.delivered(message, (channel, message.consumer_tag), message.routing_key or "")
         step = self.controller.on_message(message, body, message.redelivered)
         await detached(step, self.rt, self._deliveries)
 
@@ -139,7 +153,7 @@ class Worker:
         if self.metrics_port is not None:
             rt.metrics.serve(self.metrics_port)  # OSError when the port is taken
         await rt.store.probe()
-        await rt.broker.connect(prefetch=cfg.max_evaluations * 4)
+        await rt.broker.connect(prefetch=cfg.prefetch)
         try:
             await rt.store.remember_topology(rt.broker.declared)
         except (RedisError, OSError) as exc:

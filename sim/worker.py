@@ -28,8 +28,9 @@ from engine.shell.controller import EvaluationController
 from engine.shell.effects import Cancelled
 from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
+from engine.shell.window import DeliveryWindow
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery
-from sim.drive import TASK_ERRORS, SimHost, drive
+from sim.drive import TASK_ERRORS, SimHost, drive, engine_error
 from sim.failpoints import SimFailpoints
 from sim.history import Source
 from sim.redis import RedisClient
@@ -98,6 +99,9 @@ class SimWorker:
         # else no step is watched: a `freeze` failpoint or the runner's `pause_worker`
         self._freezable = (self.fp is not None and self.fp.freezes) or run.pauses
         self.controller = EvaluationController(SimHost(self), config, self.worker_id)
+        self.window = DeliveryWindow(
+            self.history.record_fields, config.prefetch, config.max_evaluations
+        )
         self.alive = True
         self.exit_code: int | None = None
         self.ready = env.event()
@@ -142,6 +146,8 @@ class SimWorker:
             pass
         except TASK_ERRORS:
             pass  # what the live worker only logs (a failed task, a lost delivery)
+        except Exception as exc:  # an engine bug ends this task, not the simulation
+            engine_error(self, exc, "task")
 
     def freeze(self, duration_s: float) -> None:
         """Stop the whole process for `duration_s` (the caller sleeps it out itself)."""
@@ -176,6 +182,8 @@ class SimWorker:
         reaches a stopping worker is left unacknowledged, as live."""
         if self.stopping:
             return
+        if self.alive:
+            self.window.delivered(d, (d.conn, d.queue), d.queue)
         proc = self.spawn(drive(self.controller.on_message(d, d.body, d.redelivered), self))
         if proc is not None:
             self._deliveries.add(proc)
@@ -193,7 +201,7 @@ class SimWorker:
             self.record("worker_stopped")
             self.die(EXIT_CANNOT_START)
             return
-        prefetch = self.config.max_evaluations * 4
+        prefetch = self.config.prefetch
         yield env.timeout(2 * run.broker.latency())  # declare, bind, consume
         self.broker.consume_private(f"worker.{self.worker_id}", prefetch, self.on_message)
         self.broker.consume(WORK_QUEUE, prefetch, self.on_message)

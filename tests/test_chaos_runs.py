@@ -62,6 +62,12 @@ CATCHES = {
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
     "results_only_reannounced": "announcer_dies_after_a_permanent_failure",
     "old_close_order": "graceful_stop_hands_back",  # the requeued retries come back to it
+    "raise_in_shell": "crash_right_after_ack",  # absorbed: the delivery comes round again
+    "retry_to_undeclared_queue": "transient_llm_errors",  # absorbed: the sweeper re-publishes
+    "started_after_ack": "crash_right_after_ack",  # the crash after the ACK comes first
+    "no_started_event": "crash_right_after_ack",
+    "unbounded_prefetch": "prefetch_backlog",  # ten deliveries for one slot
+    "non_persistent": "broker_restart_holding_retries",  # the retries waiting in the queues
 }
 
 

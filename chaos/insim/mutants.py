@@ -26,8 +26,9 @@ from engine.core.evaluation import Evaluation
 from engine.keys import eval_key
 from engine.policy import RetryPolicy
 from engine.shell import controller, orchestrator, reevaluate
+from engine.shell import module as shell_module
 from engine.shell import sweeper as shell_sweeper
-from sim.broker import SHARED_DELAY_QUEUE, Message, Queue, SimBroker
+from sim.broker import SHARED_DELAY_QUEUE, BrokerClient, Message, Queue, SimBroker
 from sim.drive import drive as sim_drive
 from sim.history import Source
 from sim.redis import SimRedis
@@ -56,6 +57,11 @@ CORE: tuple[str, ...] = (
     "slow_tier",
     "all_passes_complete",
     "results_only_reannounced",
+    "raise_in_shell",
+    "retry_to_undeclared_queue",
+    "started_after_ack",
+    "no_started_event",
+    "unbounded_prefetch",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
@@ -70,6 +76,7 @@ _OWNERS: tuple[Any, ...] = (
     orchestrator.PassExecutionOrchestrator,
     controller.EvaluationController,
     reevaluate.ReEvaluateUseCase,
+    shell_module,
 )
 
 _active: list[str] = []
@@ -214,11 +221,13 @@ def _per_message_ttl() -> None:
     """The live patch's topology: every retry in one shared delay queue, its tier's TTL
     carried by the message (and, as in RabbitMQ, expiring only at the queue's head)."""
 
-    def publish_shared(self: SimBroker, route: tuple[int, int], body: Any, msg_id: str) -> bool:
+    def publish_shared(
+        self: SimBroker, route: tuple[int, int], body: Any, msg_id: str, persistent: bool = True
+    ) -> bool:
         shared = self.queues.get(SHARED_DELAY_QUEUE)
         if shared is None:
             shared = self.queues[SHARED_DELAY_QUEUE] = Queue(SHARED_DELAY_QUEUE, delay=True)
-        self.hold(shared, Message(body, msg_id), self.tier_ttl[route])
+        self.hold(shared, Message(body, msg_id, persistent=persistent), self.tier_ttl[route])
         return True
 
     SimBroker.publish_delay = publish_shared  # type: ignore[method-assign]
@@ -239,6 +248,12 @@ def _drop_history_events() -> None:
         record_fields(self, ev, fields)
 
     Source.record_fields = lossy_record_fields  # type: ignore[method-assign]
+
+
+def _non_persistent() -> None:
+    """The live patch's delivery mode, on the simulated client of every worker (the
+    runner's own clients say theirs: live they are another process)."""
+    BrokerClient.DELIVERY_MODE = 1
 
 
 #: Mutants of a Lua script, of the broker's topology or of the history writer, patched on
@@ -269,6 +284,7 @@ PATCHED: dict[str, Callable[[], None]] = {
     "ignore_lease": _ignore_lease,
     "no_fencing": _no_fencing,
     "old_close_order": _old_close_order,
+    "non_persistent": _non_persistent,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
-_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source, SimWorker)
+_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source, SimWorker, BrokerClient)

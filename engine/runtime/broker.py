@@ -50,6 +50,7 @@ from aio_pika.exceptions import (
 )
 
 from engine.config import EngineConfig, ServiceUnavailable, network_reason, scrubbed
+from engine.runtime import wire as frames
 from engine.runtime.wire import Transports, Wire, link, wire
 from engine.shell.effects import Unroutable
 
@@ -70,6 +71,17 @@ _TRANSIENT = (
 #: How long a stopping worker waits for each consumer's cancel: it hands its evaluations
 #: back only after, and a stop is given a few seconds before SIGKILL.
 CANCEL_TIMEOUT_S = 1.0
+
+
+def delay_queue_names(config: EngineConfig) -> dict[tuple[int, int], tuple[str, int]]:
+    """(tier, bucket) -> its delay queue's name and TTL (ms). The TTL is in the name: a
+    different time scale declares new queues instead of failing on old ones."""
+    names: dict[tuple[int, int], tuple[str, int]] = {}
+    for tier, bucket, ms in config.policy.delay_queues():
+        ttl = max(1, round(ms * config.time_scale))
+        name = config.name(f"evaluation.retry.t{tier + 1}.b{bucket}.{ttl}ms")
+        names[(tier, bucket)] = (name, ttl)
+    return names
 
 
 class QueueInUse(RuntimeError):
@@ -186,9 +198,7 @@ class Broker:
         ch, t = self._ch(), self.timeout
         await ch.declare_queue(self.work_queue_name, durable=True, timeout=t)
         self.declared = [f"queue:{self.work_queue_name}"]
-        for tier, bucket, ms in self.config.policy.delay_queues():
-            ttl = max(1, round(ms * self.config.time_scale))
-            name = self.config.name(f"evaluation.retry.t{tier + 1}.b{bucket}.{ttl}ms")
+        for (tier, bucket), (name, ttl) in delay_queue_names(self.config).items():
             await ch.declare_queue(
                 name,
                 durable=True,
@@ -367,7 +377,7 @@ class Broker:
                     routing_key=key,
                     properties=aiormq.spec.Basic.Properties(
                         content_type="application/json",
-                        delivery_mode=2,  # persistent
+                        delivery_mode=frames.DELIVERY_MODE,  # 2: persistent
                         expiration=expiration,
                         headers={},
                         message_id=msg_id,
