@@ -15,6 +15,7 @@ loudly if that seam is gone, rather than silently running the correct engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
@@ -40,10 +41,11 @@ from engine.plan import Plan
 from engine.policy import RetryPolicy
 from engine.runtime import store
 from engine.runtime.broker import Broker
+from engine.runtime.drive import drive
 from engine.shell import heartbeat, orchestrator
 from engine.shell import sweeper as shell_sweeper
 from engine.shell.controller import EvaluationController
-from engine.shell.effects import PublishEvent, Step, Stepper, Store
+from engine.shell.effects import Failpoint, PublishEvent, Step, Stepper, Store
 from engine.shell.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
@@ -550,6 +552,161 @@ def no_fencing() -> None:
     orchestrator.PassExecutionOrchestrator._lease_short = lambda self, now: False  # type: ignore[method-assign]
 
 
+def results_only_reannounced() -> None:
+    """completed_delivered: an evaluation announced again (its announcer died between the
+    final write and the publish) is announced with the verdicts of its stored results
+    only, as before issue 25's fix: its permanently failed rules and their skipped
+    dependents are missing, so one message id carries another body than the first."""
+    if not hasattr(Evaluation, "stored_verdicts"):
+        raise RuntimeError("results_only_reannounced: Evaluation.stored_verdicts is gone")
+
+    def results_only(self: Evaluation) -> dict[str, str]:
+        return {r: v.verdict for r, v in self.snapshot.results.items()}
+
+    Evaluation.stored_verdicts = results_only  # type: ignore[method-assign]
+
+
+def old_close_order() -> None:
+    """reruns_explained: a stopping worker hands its evaluations back while it still
+    consumes (the close order before issue 25): it abandons them (their held retries
+    requeued, their leases released) and only then closes the broker, so a requeued
+    retry comes straight back to it and is begun again (a new lease), its rules started
+    and dropped once more. No `worker_stopping` is recorded: its abandons mark the stop."""
+
+    async def close(self: engine.worker.Worker) -> None:
+        tasks = [*self._tasks, *self._deliveries]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await drive(self.controller.shutdown(), self.rt)
+        await self.rt.broker.close()
+        await self.rt.store.close()
+        self.rt.history.record("worker_stopped")
+        self.rt.history.close()
+
+    engine.worker.Worker.close = close  # type: ignore[method-assign]
+
+
+# --- engine bugs that the engine absorbs ----------------------------------------------------
+
+
+def raise_in_shell() -> None:
+    """no_engine_error: the controller's set-up of a delivery raises `KeyError` the first
+    time each process meets an evaluation (a lookup of something not there yet). The
+    shell's own `except` absorbs it: the delivery fails, goes back to the queue, and comes
+    round again, so every evaluation still ends as it should; only the error tells."""
+    begin = EvaluationController._begin
+
+    def lookup_first(self: EvaluationController, kind: str, attempt_id: str, *args: Any) -> Step:
+        met = self.__dict__.setdefault("_mutant_met", set())
+        if attempt_id not in met:
+            met.add(attempt_id)
+            raise KeyError(attempt_id)
+        return (yield from begin(self, kind, attempt_id, *args))
+
+    EvaluationController._begin = lookup_first  # type: ignore[method-assign]
+
+
+def retry_to_undeclared_queue() -> None:
+    """no_engine_error: a delayed retry is published to a delay queue nobody declared (its
+    jitter bucket 1000 past the policy's): the broker's table of delay queues has no such
+    queue, the publish fails, the evaluation is abandoned, and the sweeper re-publishes
+    the overdue retry: the run ends as it should, and only the error tells. The patch is
+    of `engine.shell.module.schedule_retry`, the step both shells run."""
+    from engine.shell import module
+
+    schedule_retry = module.schedule_retry
+
+    def misrouted(config: Any, attempt_id: str, action: Any) -> Step:
+        wrong = dataclasses.replace(action, bucket=action.bucket + 1000)
+        return (yield from schedule_retry(config, attempt_id, wrong))
+
+    module.schedule_retry = misrouted
+
+
+# --- evaluation.started ---------------------------------------------------------------------
+
+
+def _is_started(effect: Any) -> bool:
+    return isinstance(effect, PublishEvent) and effect.routing_key == "evaluation.started"
+
+
+def started_after_ack() -> None:
+    """started_announced: `evaluation.started` is published after the ACK. The controller's
+    set-up of a delivery holds the publish back (answered at once, so `evaluation_started`
+    is still recorded where it was) and sends it once the execute message is acknowledged
+    (after `after_ack`), or at the end of the set-up for a retry: a crash right after the
+    ACK leaves an evaluation that was taken off the queue and never announced."""
+    begin = EvaluationController._begin
+
+    def ack_first(self: EvaluationController, *args: Any) -> Step:
+        stepper = Stepper(begin(self, *args))
+        held: list[Any] = []
+        while (effect := stepper.next()) is not None:
+            if _is_started(effect):
+                held.append(effect)
+                stepper.reply(None)
+                continue
+            try:
+                stepper.reply((yield effect))
+            except BaseException as exc:
+                stepper.fail(exc)
+            if held and isinstance(effect, Failpoint) and effect.name == "after_ack":
+                yield held.pop()
+        for effect in held:
+            yield effect
+        return stepper.value
+
+    EvaluationController._begin = ack_first  # type: ignore[method-assign]
+
+
+def no_started_event() -> None:
+    """started_announced: `evaluation.started` is never published; everything else (the
+    `evaluation_started` record, the ACK after it) is as usual."""
+    begin = EvaluationController._begin
+
+    def unannounced(self: EvaluationController, *args: Any) -> Step:
+        stepper = Stepper(begin(self, *args))
+        while (effect := stepper.next()) is not None:
+            if _is_started(effect):
+                stepper.reply(None)
+                continue
+            try:
+                stepper.reply((yield effect))
+            except BaseException as exc:
+                stepper.fail(exc)
+        return stepper.value
+
+    EvaluationController._begin = unannounced  # type: ignore[method-assign]
+
+
+# --- RabbitMQ flow control and durability ---------------------------------------------------
+
+
+def unbounded_prefetch() -> None:
+    """prefetch_respected: the worker consumes with prefetch 0, RabbitMQ's "no limit":
+    `EngineConfig.prefetch` answers 0 (the worker's own config, live and in the
+    simulator), so a busy worker is handed the whole queue and holds it unacknowledged
+    while its slots are taken."""
+    EngineConfig.prefetch = property(lambda self: 0)  # type: ignore[assignment,method-assign]
+
+
+def non_persistent() -> None:
+    """nothing_lost_on_restart: the worker publishes every message transient (delivery mode
+    1): retries waiting in their delay queues, re-published evaluations and the
+    announcements are held in the broker's memory only, and a broker restart loses them,
+    durable queues or not. The encoded properties of `engine.runtime.wire` (and the
+    delivery mode aiormq's path reads) are changed before the worker connects."""
+    from engine.runtime import wire
+
+    props = wire._FIXED_PROPS
+    at = len(b"\x10application/json\x00\x00\x00\x00")
+    if wire.DELIVERY_MODE != 2 or props[at] != 2:
+        raise RuntimeError("non_persistent: the encoded message properties changed")
+    wire.DELIVERY_MODE = 1
+    wire._FIXED_PROPS = props[:at] + b"\x01" + props[at + 1 :]
+
+
 # --- the lease machinery ------------------------------------------------------------------
 
 
@@ -819,6 +976,46 @@ MUTANTS: dict[str, Mutant] = {
             "the owner's writes are not fenced: a worker that lost its lease writes on",
         ),
         _mutant(
+            results_only_reannounced,
+            "completed_delivered",
+            "an evaluation announced again names its stored results only, not what failed",
+        ),
+        _mutant(
+            old_close_order,
+            "reruns_explained",
+            "a stopping worker hands work back while it consumes: it begins it again",
+        ),
+        _mutant(
+            raise_in_shell,
+            "no_engine_error",
+            "a delivery's set-up raises KeyError the first time a process meets an evaluation",
+        ),
+        _mutant(
+            retry_to_undeclared_queue,
+            "no_engine_error",
+            "a delayed retry is published to a delay queue nobody declared",
+        ),
+        _mutant(
+            started_after_ack,
+            "started_announced",
+            "evaluation.started is published after the ACK of the execute message",
+        ),
+        _mutant(
+            no_started_event,
+            "started_announced",
+            "evaluation.started is never published",
+        ),
+        _mutant(
+            unbounded_prefetch,
+            "prefetch_respected",
+            "the worker consumes with prefetch 0 (no limit): a busy worker takes the whole queue",
+        ),
+        _mutant(
+            non_persistent,
+            "nothing_lost_on_restart",
+            "the worker publishes transient messages: a broker restart loses them",
+        ),
+        _mutant(
             heartbeat_stops_when_idle,
             "leases_renewed",
             "the heartbeat stops at its first idle beat: leases live on fenced writes alone",
@@ -856,7 +1053,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     mutant = MUTANTS.get(args[0]) if args else None
     if mutant is None:
-        problem = f"unknown mutant {args[0]!r}" if args else "no mutant given"
+        from engine.validation import did_you_mean
+
+        problem = (
+            f"unknown mutant {args[0]!r}{did_you_mean(args[0], MUTANTS)}"
+            if args
+            else "no mutant given"
+        )
         names = ", ".join(MUTANTS)
         print(f"chaos.mutants: {problem}; valid: {names}", file=sys.stderr)
         return 2

@@ -71,6 +71,9 @@ class Outcome:
     passes: dict[str, PassOutcome] = field(default_factory=dict)
     #: What its calls cost without faults (tokens); not part of the outcome compared.
     tokens: int = field(default=0, compare=False)
+    #: Each call it makes, (ruleId, attempt, try) -> tokens: the bill call by call, which
+    #: `chaos.checker.cost.figures` splits a run's cost against; not compared either.
+    calls: dict[tuple[str, int, int], int] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, sorted, for a journal or a test's comparison."""
@@ -220,6 +223,7 @@ def fault_free_outcome(
     passes: dict[str, PassOutcome] = {}
     status: str | None = None
     tokens = 0
+    calls: dict[tuple[str, int, int], int] = {}
     todo: deque[act.Action] = deque(core.start())
     while todo:
         action = todo.popleft()
@@ -230,6 +234,7 @@ def fault_free_outcome(
             if d is None:
                 d = agent.draw(attempt_id, action.rule_id, action.attempt, action.try_no)
             tokens += d.tokens
+            calls[action.rule_id, action.attempt, action.try_no] = d.tokens
             if d.error is None:
                 assert d.result is not None
                 todo.extend(core.rule_succeeded(action.rule_id, d.result))
@@ -257,6 +262,7 @@ def fault_free_outcome(
         scores={r: round(float(res.score), 6) for r, res in results.items()},
         passes=passes,
         tokens=tokens,
+        calls=calls,
     )
 
 

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.validation import did_you_mean
+
 FAILPOINTS: dict[str, str] = {
     "on_delivery": "a work message was received; nothing done yet",
     "before_ack": "config loaded, job initialised, evaluation.started published; no ACK yet",
@@ -126,7 +128,8 @@ def parse_specs(text: str) -> list[Failpoint]:
             raise FailpointError(f"failpoint {entry!r}: expected NAME=ACTION")
         if name not in FAILPOINTS:
             raise FailpointError(
-                f"failpoint {name!r}: unknown name; expected one of {', '.join(FAILPOINTS)}"
+                f"failpoint {name!r}: unknown name{did_you_mean(name, FAILPOINTS)}; "
+                f"expected one of {', '.join(FAILPOINTS)}"
             )
         action, *opts = [p.strip() for p in rest.split(",")]
         fp = _action(name, action)

@@ -35,8 +35,9 @@ BUDGETS: dict[str, str] = {
     "max_reruns": "reruns",
     "max_retry_latency_s": "retry_latency_max_s",
 }
-#: Budgets on what faults cost (`chaos.checker.cost`, `chaos.checker.latency`), measured
-#: only when one is set: budget name -> the stat it bounds.
+#: Budgets on what faults cost: budget name -> the stat it bounds. The cost figures
+#: (`chaos.checker.cost`) are in every run's stats; the latency ones
+#: (`chaos.checker.latency`) are measured only when one of their budgets is set.
 COST_BUDGETS: dict[str, str] = {
     "max_duplicated_ratio": "duplicated_ratio",
     "max_duplicated_usd": "duplicated_usd",

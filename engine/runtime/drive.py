@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.history import History
+from engine.history import CHECKOUT, History, error_fields
 from engine.runtime.context import Runtime, cancelled, log, settle
 from engine.runtime.store import LeaseLost, now_ms
 from engine.shell import effects as fx
@@ -55,10 +55,34 @@ def _gauge(e: fx.Gauge, rt: Runtime) -> None:
     getattr(rt.metrics, e.metric).set(e.value)
 
 
+#: Exceptions no fault raises: one raised by the checkout's own code (not a library's, which
+#: a lost connection can trip) that reaches the shell's log is the engine's own bug,
+#: recorded (`engine_error`, with its traceback) for the checker's `no_engine_error`.
+ENGINE_BUGS = (LookupError, TypeError, AttributeError, NameError, AssertionError, ArithmeticError)
+
+
+def engine_bug(exc: BaseException | None) -> bool:
+    """Whether `exc` is an `ENGINE_BUGS` kind raised in the checkout's own code."""
+    if not isinstance(exc, ENGINE_BUGS):
+        return False
+    tb, where = exc.__traceback__, ""
+    while tb is not None:
+        where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return where.startswith(CHECKOUT) and "-packages" not in where
+
+
 def _log(e: fx.Log, rt: Runtime) -> None:
     level = "warning" if isinstance(e.error, LeaseLost) else e.level  # fenced off: expected
     trace = e.error if level == "error" else None
     log.log(logging.getLevelName(level.upper()), "%s", e.message, exc_info=trace)
+    if type(rt.history) is not History and engine_bug(e.error):
+        rt.history.record("engine_error", **error_fields(e.error, e.message))
+
+
+def _settle(e: fx.Settle, rt: Runtime) -> Awaitable[bool]:
+    if rt.window is not None:
+        rt.window.settled(e.delivery)
+    return settle(e.delivery, ack=e.ack, timeout_s=rt.config.read_timeout_s)
 
 
 def _forward(e: fx.Forward, rt: Runtime) -> Awaitable[None]:
@@ -81,7 +105,7 @@ _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
 _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
     fx.Store: lambda e, rt: getattr(rt.store, e.op)(*e.args),
     fx.Acquire: lambda e, rt: e.lock.wait(),
-    fx.Settle: lambda e, rt: settle(e.delivery, ack=e.ack, timeout_s=rt.config.read_timeout_s),
+    fx.Settle: _settle,
     fx.CallAgent: lambda e, rt: rt.agent.evaluate(
         e.attempt_id, e.rule, e.attempt, e.try_no, execution=e.execution
     ),

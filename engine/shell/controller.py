@@ -207,7 +207,7 @@ class EvaluationController:
         if begun.terminal is not None:
             if announce_again(begun.published, plan):
                 snapshot = yield Store("snapshot", (attempt_id, plan.order))
-                verdicts = {r: v.verdict for r, v in snapshot.results.items()}
+                verdicts = self.reevaluate.rebuild(plan, attempt_id, snapshot, {}).stored_verdicts()
                 terminal = begun.terminal
                 yield from shell.publish_completed(self.worker_id, attempt_id, terminal, verdicts)
             yield Record("terminal_dropped", {"attempt_id": attempt_id, "kind": kind})
