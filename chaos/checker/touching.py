@@ -64,7 +64,8 @@ def touches(events: list[dict]) -> list[Touch]:
             healed.setdefault(e["fault_id"], event_time(e))
     out: list[Touch] = []
     down: dict[str, float] = {}
-    pending: dict[str, tuple[float, float, str, str]] = {}  # a fault waiting for its record
+    # faults waiting for the runner's record of where they acted, in firing order
+    pending: dict[str, list[tuple[float, float, str]]] = {"link": [], "pause": []}
     for e in events:
         ev, t = e.get("ev"), event_time(e)
         if ev == "fault_fired":
@@ -77,20 +78,20 @@ def touches(events: list[dict]) -> list[Touch]:
             if action in _SERVICE_OF:
                 out.append(Touch(t, end, None, _SERVICE_OF[action], label))
             elif action in _LINK_ACTIONS:
-                pending["link"] = (t, end, label, action)
+                pending["link"].append((t, end, label))
             elif action == "pause_worker":
-                pending["pause"] = (t, end, label, action)
+                pending["pause"].append((t, end, label))
             else:  # a fault of the run this module does not know: it touches everything
                 out.append(Touch(t, end, None, None, label))
-        elif ev in _WHERE and "link" in pending:
-            t0, end, label, _ = pending.pop("link")
+        elif ev in _WHERE and pending["link"]:
+            t0, end, label = pending["link"].pop(0)
             link = str(e.get("link"))
             pids = e.get("pids")
             scope = frozenset(pids) if isinstance(pids, list) and link != "replication" else None
             service = "redis" if link == "replication" else link
             out.append(Touch(t0, end, scope, service, label))
-        elif ev == "worker_paused" and "pause" in pending:
-            t0, end, label, _ = pending.pop("pause")
+        elif ev == "worker_paused" and pending["pause"]:
+            t0, end, label = pending["pause"].pop(0)
             out.append(Touch(t0, end, frozenset({e.get("pid")}), None, label))
         elif ev == "service_killed":
             down.setdefault(str(e.get("service")), t)
@@ -105,7 +106,7 @@ def touches(events: list[dict]) -> list[Touch]:
             pid = proc_of(e)[1] if proc_of(e)[0] != "runner" else None
             scope = None if pid is None else frozenset({pid})
             out.append(Touch(t, t, scope, "broker", str(ev)))
-    for t0, end, label, _ in pending.values():  # no record of where: everywhere
+    for t0, end, label in (*pending["link"], *pending["pause"]):  # where unknown: anywhere
         out.append(Touch(t0, end, None, None, label))
     for service, t0 in down.items():
         out.append(Touch(t0, math.inf, None, service, f"{service} down"))
