@@ -14,8 +14,8 @@ from chaos.checker.context import (
     of,
     timeline,
 )
+from chaos.checker.oracle import PERMANENTLY_FAILED, parse_status, status_rank
 from chaos.checker.records import Violation
-from engine.core.states import PERMANENTLY_FAILED, parse_status, status_rank
 
 
 def _rank(status: str | None) -> int | None:
