@@ -379,6 +379,35 @@ def slow_tier() -> None:
     RetryPolicy.tier_for = one_tier_later
 
 
+def ignore_rule_max_attempts() -> None:
+    """matches_reference: a plan's per-rule `max_attempts` is ignored: `Evaluation.max_attempts`
+    answers the policy's number for every rule, so a rule the plan lets retry longer ends
+    permanently failed (and prunes its dependents), and one it gives fewer attempts is
+    retried past them. The reference reads the plan with the checker's own code, so it
+    does not move with the engine."""
+
+    def policy_only(self: Evaluation, rule_id: str) -> int:
+        return self.policy.max_attempts
+
+    Evaluation.max_attempts = policy_only
+
+
+def forget_permanent_failure() -> None:
+    """attempts_monotonic: recovery forgets a permanent failure. `ReEvaluateUseCase` gives
+    the core a snapshot without its `permanently_failed` statuses, so a resumed evaluation
+    takes a rule given up on for one never run, and runs it again from attempt 1."""
+    rebuild = ReEvaluateUseCase.rebuild
+
+    def forgetful_rebuild(
+        self: ReEvaluateUseCase, plan: Plan, attempt_id: str, snapshot: Snapshot, due: Any
+    ) -> Evaluation:
+        statuses = {r: s for r, s in snapshot.statuses.items() if s != "permanently_failed"}
+        blank = dataclasses.replace(snapshot, statuses=statuses)
+        return rebuild(self, plan, attempt_id, blank, due)
+
+    ReEvaluateUseCase.rebuild = forgetful_rebuild
+
+
 # --- the history ---------------------------------------------------------------------------
 
 #: `drop_history_events` loses every DROP_EVERY-th event a worker records.
@@ -694,6 +723,16 @@ MUTANTS: dict[str, Mutant] = {
             no_fencing,
             "no_completed_rerun",
             "the owner's writes are not fenced: a worker that lost its lease writes on",
+        ),
+        _mutant(
+            ignore_rule_max_attempts,
+            "matches_reference",
+            "a plan's per-rule max_attempts is ignored: every rule gets the policy's",
+        ),
+        _mutant(
+            forget_permanent_failure,
+            "attempts_monotonic",
+            "recovery forgets a permanent failure: a resumed evaluation runs the rule again",
         ),
     )
 }

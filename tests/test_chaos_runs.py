@@ -58,6 +58,8 @@ CATCHES = {
     "no_restore": "redis_data_loss",  # the restarted Redis lost results the owner announces
     "unmitigated": "sentinel_failover_with_partition",  # no_wait's, and nothing restored
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
+    "ignore_rule_max_attempts": "rule_max_attempts",  # test_run given up two attempts early
+    "forget_permanent_failure": "resume_after_permanent_failure",  # license_header again
 }
 
 

@@ -53,6 +53,8 @@ CORE: tuple[str, ...] = (
     "give_up_early",
     "slow_tier",
     "all_passes_complete",
+    "ignore_rule_max_attempts",
+    "forget_permanent_failure",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
