@@ -42,7 +42,7 @@ from engine.runtime import store
 from engine.runtime.broker import Broker
 from engine.shell import orchestrator
 from engine.shell.controller import EvaluationController
-from engine.shell.effects import PublishEvent, Step, Stepper, Store
+from engine.shell.effects import PublishEvent, Sleep, Step, Stepper, Store
 from engine.shell.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
@@ -408,6 +408,27 @@ def forget_permanent_failure() -> None:
     ReEvaluateUseCase.rebuild = forgetful_rebuild
 
 
+#: How long `hold_due_retry` holds a due retry back, in engine ms (scaled by time_scale):
+#: half the 100 s of slack the check used to allow, so that only a proof catches it.
+HOLD_DUE_RETRY_MS = 50_000
+
+
+def hold_due_retry() -> None:
+    """retry_delays_respected: a due retry is held back for nothing. Each delayed retry's
+    rule, once its slot is granted, waits `HOLD_DUE_RETRY_MS` (engine time) before its
+    first call: no slot was busy, nothing was resumed, no fault was open."""
+    run_rule = orchestrator.PassExecutionOrchestrator._run_rule
+
+    def held_back(
+        self: orchestrator.PassExecutionOrchestrator, action: Any, execution: int
+    ) -> Step:
+        if action.attempt >= 2 and action.try_no == 1:
+            yield Sleep(HOLD_DUE_RETRY_MS * self.config.time_scale / 1000)
+        yield from run_rule(self, action, execution)
+
+    orchestrator.PassExecutionOrchestrator._run_rule = held_back
+
+
 # --- the history ---------------------------------------------------------------------------
 
 #: `drop_history_events` loses every DROP_EVERY-th event a worker records.
@@ -728,6 +749,11 @@ MUTANTS: dict[str, Mutant] = {
             ignore_rule_max_attempts,
             "matches_reference",
             "a plan's per-rule max_attempts is ignored: every rule gets the policy's",
+        ),
+        _mutant(
+            hold_due_retry,
+            "retry_delays_respected",
+            "a due retry is held back for nothing before its first call",
         ),
         _mutant(
             forget_permanent_failure,

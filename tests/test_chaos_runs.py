@@ -60,6 +60,7 @@ CATCHES = {
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
     "ignore_rule_max_attempts": "rule_max_attempts",  # test_run given up two attempts early
     "forget_permanent_failure": "resume_after_permanent_failure",  # license_header again
+    "hold_due_retry": "delay_tiers",  # each retry 0.5 s late, within the old 1 s of slack
 }
 
 

@@ -55,6 +55,7 @@ CORE: tuple[str, ...] = (
     "all_passes_complete",
     "ignore_rule_max_attempts",
     "forget_permanent_failure",
+    "hold_due_retry",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
