@@ -40,6 +40,7 @@ from chaos.checker.context import (
     event_time,
     num,
     of,
+    sort_key,
     timeline,
 )
 from chaos.checker.oracle import DelayBounds, delay_bounds
@@ -111,6 +112,32 @@ def _rule_wait(cx: Context, evs: list[dict], wait: dict, granted: dict) -> str |
     return None if ended else "no running rule ended before its slot was granted"
 
 
+#: What an evaluation does while it holds its lock: carrying out an input's actions.
+_AT_WORK = frozenset(
+    {
+        "result_persisted",
+        "status_written",
+        "retry_published",
+        "rule_started",
+        "pass_published",
+        "rules_skipped",
+        "recovered",
+        "retry_acked",
+    }
+)
+
+
+def _lock_wait(evs: list[dict], wait: dict, granted: dict) -> str | None:
+    """Why a due retry's wait for its evaluation's lock (another input's actions being
+    carried out, one input at a time) is not proven (None: it is): that process recorded
+    none of the evaluation's work meanwhile."""
+    src, tw, tg = wait.get("src"), event_time(wait), event_time(granted)
+    busy = any(
+        e.get("src") == src and e.get("ev") in _AT_WORK and tw <= event_time(e) <= tg for e in evs
+    )
+    return None if busy else "the evaluation did nothing meanwhile"
+
+
 def _evaluation_wait(cx: Context, wait: dict) -> str | None:
     """Why an evaluation's `slot_wait` is not proven (None: it is)."""
     src, tw = wait.get("src"), event_time(wait)
@@ -129,14 +156,14 @@ def _evaluation_wait(cx: Context, wait: dict) -> str | None:
 
 def _waits(
     cx: Context, a: str, r: str, k: int, start: dict, t_from: float
-) -> tuple[float, float, list[dict], list[str]]:
+) -> tuple[float, float, float, list[dict], list[str]]:
     """Proven waits of attempt k's start in its process since `t_from` (its delivery
-    there): (slot waits, begin and recovery, their events, why a claimed wait is not
-    proven)."""
+    there): (slot and lock waits, begin and recovery, its start marker's write as the
+    worker measured it, their events, why a claimed wait is not proven)."""
     src, ts = start.get("src"), event_time(start)
     evs = cx.by_eval.get(a, [])
     mine = [e for e in evs if e.get("src") == src and t_from <= event_time(e) <= ts]
-    slot_s = begin_s = 0.0
+    slot_s = begin_s = marker_s = 0.0
     key: list[dict] = []
     unproven: list[str] = []
     begin_from = t_from
@@ -146,14 +173,24 @@ def _waits(
         if ev == "slot_wait":
             if e.get("slot") == "evaluation" or (e.get("rule_id") == r and e.get("attempt") == k):
                 open_waits[str(e.get("slot"))] = e
+        elif ev == "start_marked" and e.get("rule_id") == r and e.get("attempt") == k:
+            wrote = e.get("write_ms")
+            if isinstance(wrote, int | float) and not isinstance(wrote, bool) and wrote > 0:
+                marker_s += min(float(wrote) / 1000.0, event_time(e) - t_from)
+                key.append(e)
         elif ev == "slot_granted":
             slot = str(e.get("slot"))
             if slot not in open_waits or (
-                slot == "rule" and (e.get("rule_id"), e.get("attempt")) != (r, k)
+                slot != "evaluation" and (e.get("rule_id"), e.get("attempt")) != (r, k)
             ):
                 continue
             wait = open_waits.pop(slot)
-            why = _rule_wait(cx, evs, wait, e) if slot == "rule" else _evaluation_wait(cx, wait)
+            if slot == "rule":
+                why = _rule_wait(cx, evs, wait, e)
+            elif slot == "lock":
+                why = _lock_wait(evs, wait, e)
+            else:
+                why = _evaluation_wait(cx, wait)
             if why is None:
                 slot_s += event_time(e) - event_time(wait)
                 key += [wait, e]
@@ -165,12 +202,13 @@ def _waits(
             begin_s += event_time(e) - begin_from
             begin_from = event_time(e)
             key.append(e)
-    return slot_s, begin_s, key, unproven
+    return slot_s, begin_s, marker_s, key, unproven
 
 
 def _lag_s(*events: dict | None) -> float:
-    """The event-loop lag the live worker recorded with these events (0 in the simulator,
-    whose processes have none)."""
+    """The event-loop lag the live worker recorded with the events of a retry's path, from
+    its first delivery to its start (`engine.runtime.drive.LoopLag`; none in the
+    simulator, whose processes have none): how much later than due its loop ran things."""
     lag = 0.0
     for e in events:
         if e is not None:
@@ -178,6 +216,54 @@ def _lag_s(*events: dict | None) -> float:
             if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
                 lag += float(value) / 1000.0
     return lag
+
+
+def _due_s(delivery: dict) -> float | None:
+    """When the broker owed a retry message: its publisher's stamp plus its delay (the
+    queue's TTL counts from the broker's receipt, never earlier), in run seconds."""
+    published, delay = delivery.get("published_ms"), delivery.get("delay_ms")
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in (published, delay)):
+        return None
+    return (float(published) + float(delay)) / 1000.0
+
+
+def _held_behind(cx: Context, tol: float) -> list[Violation]:
+    """Retries the broker held behind a later one: a retry message delivered only after
+    one due later than it (by more than the tolerance and the recorded loop lags) was
+    delivered. With one queue per delay and a queue-level TTL, messages come out in the
+    order they fall due; a per-message TTL expires only at the queue's head, so a short
+    delay waits behind a long one. The delivery's own latency is allowed; an inversion
+    of the order the messages were due in is not."""
+    firsts: dict[tuple[Any, Any, Any], dict] = {}
+    for e in of(cx.events, "delivered"):
+        if e.get("kind") == "retry" and _due_s(e) is not None:
+            firsts.setdefault((e.get("attempt_id"), e.get("rule_id"), e.get("attempt")), e)
+    out: list[Violation] = []
+    latest: dict | None = None  # the delivered message due last so far
+    for e in sorted(firsts.values(), key=sort_key):
+        due = _due_s(e)
+        assert due is not None
+        if latest is not None:
+            ahead = _due_s(latest)
+            assert ahead is not None
+            gap = ahead - due
+            if gap > tol + _lag_s(e, latest) and not cx.fault_between(due, event_time(e)):
+                out.append(
+                    Violation(
+                        NAME,
+                        str(e.get("attempt_id")),
+                        str(e.get("rule_id")),
+                        f"retry of {e.get('rule_id')} attempt {e.get('attempt')} was "
+                        f"delivered {event_time(e) - due:.3f} s after it was due, behind a "
+                        f"retry due {gap:.3f} s later than it ({latest.get('attempt_id')} "
+                        f"{latest.get('rule_id')} attempt {latest.get('attempt')}): the "
+                        "broker held it behind a later one",
+                        timeline([latest, e]),
+                    )
+                )
+        if latest is None or due > (_due_s(latest) or 0.0):
+            latest = e
+    return out
 
 
 def check_retry_delays_respected(cx: Context) -> Outcome:
@@ -198,6 +284,7 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
     slot_waits: list[float] = []
     resumes: list[float] = []
     unexplained: list[float] = []  # lateness past the tier that no proven wait covers
+    delivery_latencies: list[float] = []
     excused = swept_late = unchecked = explained = 0
     for (a, r), evs in sorted(cx.by_pair.items()):
         firsts: dict[int, dict] = {}
@@ -250,11 +337,20 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
             # its delivery in the process that started it: the waits there are proven
             here = [e for e in deliveries if e.get("src") == start.get("src")]
             arrived = here[-1] if here else None
-            waited = resumed = 0.0
+            # the delivery's own latency: the broker's hold past the message's own due
+            # time (the publisher's stamp plus its delay), then any forward to the owner
+            first = next((e for e in deliveries if e.get("ev") == "delivered"), None)
+            carried = 0.0
+            if first is not None and arrived is not None:
+                due = _due_s(first)
+                hold = event_time(first) - due if due is not None else 0.0
+                carried = max(hold, 0.0) + max(event_time(arrived) - event_time(first), 0.0)
+                delivery_latencies.append(round(max(hold, 0.0), 6))
+            waited = resumed = marked = 0.0
             waits_key: list[dict] = []
             unproven: list[str] = []
             if arrived is not None:
-                waited, resumed, waits_key, unproven = _waits(
+                waited, resumed, marked, waits_key, unproven = _waits(
                     cx, a, r, k, start, event_time(arrived)
                 )
                 slot_waits.append(round(waited, 6))
@@ -266,7 +362,7 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
                     f"failed_attempt_{k - 1}, before its {tier_text})"
                 )
                 continue
-            allowed = tol + _lag_s(arrived, start)
+            allowed = tol + _lag_s(*deliveries, *waits_key, start)
             late = latency - bounds.high_s
             swept = any(
                 e.get("reason") == "lost_retry" or e.get("ev") == "sweeper_retried"
@@ -274,21 +370,26 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
             )
             faulted = cx.fault_between(event_time(base), ts)
             if not (faulted or swept):
-                unexplained.append(late - waited - resumed)
+                unexplained.append(late - carried - waited - resumed - marked)
             if late <= allowed:
                 continue
             if faulted:
                 excused += 1
             elif swept:
                 swept_late += 1
-            elif late - waited - resumed <= allowed:
+            elif late - carried - waited - resumed - marked <= allowed:
                 explained += 1
             else:
-                shown = [f"{1000 * (late - waited - resumed):.1f} ms unexplained"]
+                left = late - carried - waited - resumed - marked
+                shown = [f"{1000 * left:.1f} ms unexplained"]
+                if carried:
+                    shown.append(f"{1000 * carried:.1f} ms delivering it")
                 if waited:
                     shown.append(f"{1000 * waited:.1f} ms waiting for a slot")
                 if resumed:
                     shown.append(f"{1000 * resumed:.1f} ms resuming the evaluation")
+                if marked:
+                    shown.append(f"{1000 * marked:.1f} ms writing its start marker")
                 if arrived is None:
                     shown.append("no delivery of it recorded in the process that started it")
                 shown += unproven
@@ -300,6 +401,7 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
                     + "; ".join(shown)
                     + f" (tolerance {1000 * allowed:.1f} ms)"
                 )
+    out.extend(_held_behind(cx, tol))
     cx.stats.update(
         retries_checked=len(latencies),
         retries_unchecked=unchecked,
@@ -309,6 +411,7 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
         retry_slot_wait_s=slot_waits,
         retry_slot_wait_max_s=max(slot_waits) if slot_waits else 0.0,
         retry_resume_s=resumes,
+        retry_delivery_latency_max_s=max(delivery_latencies) if delivery_latencies else 0.0,
         retry_unexplained_max_s=round(max(unexplained), 6) if unexplained else 0.0,
         late_retries_excused=excused,
         late_retries_swept=swept_late,

@@ -171,7 +171,14 @@ class PassExecutionOrchestrator:
             self._spawn(self.abandon(f"{type(exc).__name__}: {exc}"))
 
     def _feed(self, fn: Callable[..., list[Action]], *args: object, **kw: object) -> Step:
+        waits = self._recording and self._lock.locked() and fn == self.core.retry_due
+        if waits:  # a due retry behind another input's writes: recorded, as a slot wait
+            due = {"attempt_id": self.attempt_id, "slot": "lock", "rule_id": args[0]}
+            due["attempt"] = args[1]
+            yield Record("slot_wait", due)
         yield Acquire(self._lock)
+        if waits:
+            yield Record("slot_granted", due)
         try:
             if self._closed:
                 return
@@ -284,6 +291,17 @@ class PassExecutionOrchestrator:
                     self._leased(sent)
                     self._look(over)
                     self._mark_starts(counts)
+                    if action.attempt > 1 and action.try_no == 1 and self._recording:
+                        # a delayed retry's start waits for this write: how long, measured
+                        yield Record(
+                            "start_marked",
+                            {
+                                "attempt_id": a,
+                                "rule_id": action.rule_id,
+                                "attempt": action.attempt,
+                                "write_ms": round(((yield MONO) - sent) * 1000, 3),
+                            },
+                        )
                 if self._over is not None:
                     return  # the evaluation is over: this rule does not start
                 if action.try_no == 1:
