@@ -287,6 +287,39 @@ def test_forget_permanent_failure() -> None:
     assert "license_header" in after["runs"] and after["skipped"] == []
 
 
+def _marked_to_started(history: list[dict[str, Any]]) -> list[float]:
+    """For each delayed retry's first start: seconds from its start marker's write."""
+    marked = {
+        (e["src"], e["attempt_id"], e["rule_id"], e["attempt"]): e["t"]
+        for e in history
+        if e["ev"] == "start_marked"
+    }
+    return [
+        e["t"] - marked[key]
+        for e in history
+        if e["ev"] == "rule_started"
+        and e["attempt"] > 1
+        and e["try_no"] == 1
+        and (key := (e["src"], e["attempt_id"], e["rule_id"], e["attempt"])) in marked
+    ]
+
+
+def test_hold_due_retry() -> None:
+    # Caught by retry_delays_respected on delay_tiers, live and in sim
+    # (tests/test_chaos_runs.py, tests/test_sim.py): 0.5 s at its time scale, half the
+    # slack the check once allowed, and no slot, resume or fault to explain it.
+    from chaos.insim import run_scenario
+    from chaos.mutants import HOLD_DUE_RETRY_MS
+    from chaos.scenario import load_scenario
+
+    loaded = load_scenario(ROOT / "scenarios" / "delay_tiers.yaml")
+    before = _marked_to_started(run_scenario(loaded).history)
+    after = _marked_to_started(run_scenario(loaded, mutant="hold_due_retry").history)
+    held = HOLD_DUE_RETRY_MS * loaded.spec.time_scale / 1000
+    assert before and max(before) < 0.005
+    assert len(after) == len(before) and min(after) >= held
+
+
 def probe_retry_tiers() -> dict[str, Any]:
     """tiny, unit_tests failing every call, four attempts on tiers 0.1 s, 2 s and 30 s
     without jitter: where each delayed retry goes."""
