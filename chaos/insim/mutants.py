@@ -62,6 +62,9 @@ CORE: tuple[str, ...] = (
     "started_after_ack",
     "no_started_event",
     "unbounded_prefetch",
+    "ignore_rule_max_attempts",
+    "forget_permanent_failure",
+    "hold_due_retry",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
