@@ -45,7 +45,7 @@ from engine.runtime.drive import drive
 from engine.shell import heartbeat, orchestrator
 from engine.shell import sweeper as shell_sweeper
 from engine.shell.controller import EvaluationController
-from engine.shell.effects import Failpoint, PublishEvent, Step, Stepper, Store
+from engine.shell.effects import Failpoint, PublishEvent, Sleep, Step, Stepper, Store
 from engine.shell.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
@@ -380,6 +380,56 @@ def slow_tier() -> None:
         return min(tier_for(self, failed_attempt) + 1, len(self.tiers_ms) - 1)
 
     RetryPolicy.tier_for = one_tier_later
+
+
+def ignore_rule_max_attempts() -> None:
+    """matches_reference: a plan's per-rule `max_attempts` is ignored: `Evaluation.max_attempts`
+    answers the policy's number for every rule, so a rule the plan lets retry longer ends
+    permanently failed (and prunes its dependents), and one it gives fewer attempts is
+    retried past them. The reference reads the plan with the checker's own code, so it
+    does not move with the engine."""
+
+    def policy_only(self: Evaluation, rule_id: str) -> int:
+        return self.policy.max_attempts
+
+    Evaluation.max_attempts = policy_only
+
+
+def forget_permanent_failure() -> None:
+    """attempts_monotonic: recovery forgets a permanent failure. `ReEvaluateUseCase` gives
+    the core a snapshot without its `permanently_failed` statuses, so a resumed evaluation
+    takes a rule given up on for one never run, and runs it again from attempt 1."""
+    rebuild = ReEvaluateUseCase.rebuild
+
+    def forgetful_rebuild(
+        self: ReEvaluateUseCase, plan: Plan, attempt_id: str, snapshot: Snapshot, due: Any
+    ) -> Evaluation:
+        statuses = {r: s for r, s in snapshot.statuses.items() if s != "permanently_failed"}
+        blank = dataclasses.replace(snapshot, statuses=statuses)
+        return rebuild(self, plan, attempt_id, blank, due)
+
+    ReEvaluateUseCase.rebuild = forgetful_rebuild
+
+
+#: How long `hold_due_retry` holds a due retry back, in engine ms (scaled by time_scale):
+#: half the 100 s of slack the check used to allow, so that only a proof catches it.
+HOLD_DUE_RETRY_MS = 50_000
+
+
+def hold_due_retry() -> None:
+    """retry_delays_respected: a due retry is held back for nothing. Each delayed retry's
+    rule, once its slot is granted, waits `HOLD_DUE_RETRY_MS` (engine time) before its
+    first call: no slot was busy, nothing was resumed, no fault was open."""
+    run_rule = orchestrator.PassExecutionOrchestrator._run_rule
+
+    def held_back(
+        self: orchestrator.PassExecutionOrchestrator, action: Any, execution: int
+    ) -> Step:
+        if action.attempt >= 2 and action.try_no == 1:
+            yield Sleep(HOLD_DUE_RETRY_MS * self.config.time_scale / 1000)
+        yield from run_rule(self, action, execution)
+
+    orchestrator.PassExecutionOrchestrator._run_rule = held_back
 
 
 # --- the history ---------------------------------------------------------------------------
@@ -1014,6 +1064,21 @@ MUTANTS: dict[str, Mutant] = {
             non_persistent,
             "nothing_lost_on_restart",
             "the worker publishes transient messages: a broker restart loses them",
+        ),
+        _mutant(
+            ignore_rule_max_attempts,
+            "matches_reference",
+            "a plan's per-rule max_attempts is ignored: every rule gets the policy's",
+        ),
+        _mutant(
+            hold_due_retry,
+            "retry_delays_respected",
+            "a due retry is held back for nothing before its first call",
+        ),
+        _mutant(
+            forget_permanent_failure,
+            "attempts_monotonic",
+            "recovery forgets a permanent failure: a resumed evaluation runs the rule again",
         ),
         _mutant(
             heartbeat_stops_when_idle,

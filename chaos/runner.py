@@ -37,7 +37,6 @@ from aio_pika.exceptions import AMQPError, ChannelInvalidStateError, ChannelNotF
 from chaos import acts
 from chaos.acts import Step
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
 from chaos.conductor import (
     COMPLETED_QUEUE,
     EVENT_KEYS,
@@ -774,8 +773,7 @@ class ScenarioRun:
 
         agent = AgentProfile.from_dict(self.agent_dict())
         cancelled = {a.removeprefix(self.run_prefix) for a in self.cancelled}
-        spec = self.loaded.check_spec(self.seed, self.seed_plans, cancelled, agent)
-        return dataclasses.replace(spec, scheduling_slack_s=LIVE_SCHEDULING_SLACK_S)
+        return self.loaded.check_spec(self.seed, self.seed_plans, cancelled, agent)
 
 
 class _Taker:

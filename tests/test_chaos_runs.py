@@ -68,6 +68,9 @@ CATCHES = {
     "no_started_event": "crash_right_after_ack",
     "unbounded_prefetch": "prefetch_backlog",  # ten deliveries for one slot
     "non_persistent": "broker_restart_holding_retries",  # the retries waiting in the queues
+    "ignore_rule_max_attempts": "rule_max_attempts",  # test_run given up two attempts early
+    "forget_permanent_failure": "resume_after_permanent_failure",  # license_header again
+    "hold_due_retry": "delay_tiers",  # each retry 0.5 s late, within the old 1 s of slack
     "heartbeat_stops_when_idle": "calls_outlast_lease",  # only the heartbeat keeps leases
     "slow_heartbeat": "calls_outlast_lease",
     "renew_never_extends": "calls_outlast_lease",  # the store says what it left

@@ -546,7 +546,7 @@ def test_a_late_retry_without_a_fault_is_a_violation() -> None:
     run = retry_run(wait_s=2.0)
     [v] = only(run.check(time_scale=0.01), "retry_delays_respected")
     assert "past its tier 1" in v.message and "with no fault open" in v.message
-    passes(run.check(time_scale=0.01, retry_slack_ms=500_000))  # 5 s at this scale
+    assert "unexplained" in v.message and "tolerance 5.0 ms" in v.message
 
 
 def test_a_late_retry_after_a_fault_or_through_the_sweeper_is_excused() -> None:
@@ -578,9 +578,9 @@ def test_a_late_retry_after_a_fault_or_through_the_sweeper_is_excused() -> None:
 
 
 def test_retry_latencies_are_recorded_for_the_budget() -> None:
-    result = retry_run(wait_s=0.5).check(time_scale=0.01, budgets={"max_retry_latency_s": 0.2})
-    assert result.verdicts["retry_delays_respected"] == "pass"
-    assert 0.5 <= result.stats["retry_latency_max_s"] < 0.6
+    result = retry_run(wait_s=0.32).check(time_scale=0.01, budgets={"max_retry_latency_s": 0.2})
+    assert result.verdicts["retry_delays_respected"] == "pass"  # on its tier (0.331 s at most)
+    assert 0.32 <= result.stats["retry_latency_max_s"] < 0.331
     assert result.stats["retry_latency_s"] == [result.stats["retry_latency_max_s"]]
     assert result.budget_failures and "retry_latency_max_s" in result.budget_failures[0]
     assert not result.ok
@@ -953,7 +953,8 @@ def test_histories_of_the_core_under_crashes_never_violate(
         agent=AgentProfile(),
         time_scale=0.001,
         cancelled={a} if shell.cancelled_at is not None else set(),
-        retry_slack_ms=60_000_000,  # the toy shell has no timing model beyond "not before due"
+        # the toy shell has no timing model beyond "not before due": its delays prove nothing
+        invariants=tuple(n for n in INVARIANTS if n != "retry_delays_respected"),
     )
     result = check(shell.history, final, spec)
     assert not result.violations, "\n".join(format_violation(v) for v in result.violations)

@@ -264,6 +264,80 @@ def test_give_up_early() -> None:
     assert before["one_attempt"] == after["one_attempt"] == ["permanently_failed"]
 
 
+def probe_rule_max_attempts() -> dict[str, Any]:
+    """code_review, test_run (max_attempts 5 in the plan) and license_header (1) failing
+    every call transiently, under the default policy (3 attempts): each one's attempts."""
+    failing = agent(test_run=TRANSIENT, license_header=TRANSIENT)
+    shell = run_plan(CODE_REVIEW, failing)
+    return {
+        r: sorted({c.attempt for c in shell.calls if c.rule_id == r})
+        for r in ("test_run", "license_header")
+    }
+
+
+def test_ignore_rule_max_attempts() -> None:
+    # Caught by matches_reference on rule_max_attempts (tests/test_chaos_runs.py, live and
+    # in sim), whose reference reads the plan with the checker's own code.
+    before, after = _probe("probe_rule_max_attempts", "ignore_rule_max_attempts")
+    assert before == {"test_run": [1, 2, 3, 4, 5], "license_header": [1]}
+    assert after == {"test_run": [1, 2, 3], "license_header": [1, 2, 3]}
+
+
+def probe_resume_after_permanent_failure() -> dict[str, Any]:
+    """code_review resumed from a snapshot where license_header is permanently_failed:
+    what the rebuilt evaluation starts and skips at once."""
+    from engine.shell.reevaluate import ReEvaluateUseCase
+
+    snap = Snapshot(statuses={"license_header": "permanently_failed"})
+    core = ReEvaluateUseCase(EngineConfig(), "w").rebuild(CODE_REVIEW, "a", snap, {})
+    actions = core.start()
+    return {
+        "runs": sorted(a.rule_id for a in actions if isinstance(a, RunRule)),
+        "skipped": sorted(r for a in actions if isinstance(a, SkipRules) for r in a.rule_ids),
+    }
+
+
+def test_forget_permanent_failure() -> None:
+    # Caught by attempts_monotonic on resume_after_permanent_failure (a start after the
+    # permanently_failed write), live and in sim: tests/test_chaos_runs.py, tests/test_sim.py.
+    before, after = _probe("probe_resume_after_permanent_failure", "forget_permanent_failure")
+    assert "license_header" not in before["runs"] and before["skipped"] == ["docs_feedback"]
+    assert "license_header" in after["runs"] and after["skipped"] == []
+
+
+def _marked_to_started(history: list[dict[str, Any]]) -> list[float]:
+    """For each delayed retry's first start: seconds from its start marker's write."""
+    marked = {
+        (e["src"], e["attempt_id"], e["rule_id"], e["attempt"]): e["t"]
+        for e in history
+        if e["ev"] == "start_marked"
+    }
+    return [
+        e["t"] - marked[key]
+        for e in history
+        if e["ev"] == "rule_started"
+        and e["attempt"] > 1
+        and e["try_no"] == 1
+        and (key := (e["src"], e["attempt_id"], e["rule_id"], e["attempt"])) in marked
+    ]
+
+
+def test_hold_due_retry() -> None:
+    # Caught by retry_delays_respected on delay_tiers, live and in sim
+    # (tests/test_chaos_runs.py, tests/test_sim.py): 0.5 s at its time scale, half the
+    # slack the check once allowed, and no slot, resume or fault to explain it.
+    from chaos.insim import run_scenario
+    from chaos.mutants import HOLD_DUE_RETRY_MS
+    from chaos.scenario import load_scenario
+
+    loaded = load_scenario(ROOT / "scenarios" / "delay_tiers.yaml")
+    before = _marked_to_started(run_scenario(loaded).history)
+    after = _marked_to_started(run_scenario(loaded, mutant="hold_due_retry").history)
+    held = HOLD_DUE_RETRY_MS * loaded.spec.time_scale / 1000
+    assert before and max(before) < 0.005
+    assert len(after) == len(before) and min(after) >= held
+
+
 def probe_retry_tiers() -> dict[str, Any]:
     """tiny, unit_tests failing every call, four attempts on tiers 0.1 s, 2 s and 30 s
     without jitter: where each delayed retry goes."""

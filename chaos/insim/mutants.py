@@ -63,6 +63,9 @@ CORE: tuple[str, ...] = (
     "started_after_ack",
     "no_started_event",
     "unbounded_prefetch",
+    "ignore_rule_max_attempts",
+    "forget_permanent_failure",
+    "hold_due_retry",
     "heartbeat_stops_when_idle",
     "slow_heartbeat",
 )

@@ -41,10 +41,54 @@ async def drive(step: fx.Step, rt: Runtime) -> Any:
     return stepper.value
 
 
+class LoopLag:
+    """How late this process's event loop has been running what was due, measured by a
+    task that asks to wake every `INTERVAL_S` and notes how much later it woke. The live
+    worker records the worst lag of the last `WINDOW_S` with the events a late retry is
+    judged by (`LAGGED`): the checker (`retry_delays_respected`) may then allow a start
+    that much later, on the process's own evidence rather than on a slack. The simulator
+    has no lag and records none."""
+
+    INTERVAL_S = 0.005
+    WINDOW_S = 0.25
+    #: The events that carry `loop_lag_ms`: a retry's path from its delivery to its start.
+    LAGGED = frozenset({"delivered", "forwarded", "slot_granted", "rule_started"})
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+
+    def lag_ms(self) -> float:
+        """The worst lag of the last `WINDOW_S` (ms); starts the measuring task at first."""
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._samples.clear()  # another loop's (a test's earlier worker): not this one's
+            self._task = loop.create_task(self._measure())
+        samples = self._samples
+        horizon = time.monotonic() - self.WINDOW_S
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+        return round(max((lag for _, lag in samples), default=0.0) * 1000, 3)
+
+    async def _measure(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(self.INTERVAL_S)
+            late = loop.time() - asked - self.INTERVAL_S
+            self._samples.append((time.monotonic(), max(late, 0.0)))
+
+
+_lag = LoopLag()
+
+
 def _record(e: fx.Record, rt: Runtime) -> None:
     history = rt.history
     if type(history) is not History:  # the default one discards: not even called
-        history.record(e.event, **e.fields)
+        if e.event in LoopLag.LAGGED:
+            history.record(e.event, **e.fields, loop_lag_ms=_lag.lag_ms())
+        else:
+            history.record(e.event, **e.fields)
 
 
 def _count(e: fx.Count, rt: Runtime) -> None:

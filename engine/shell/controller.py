@@ -183,7 +183,24 @@ class EvaluationController:
         # `_done` gives it back. A delivery that puts nothing in memory gives it back here.
         if (yield from self._passed_on(kind, attempt_id, body, delivery, redelivered)):
             return
+        # Every evaluation slot taken: the wait is recorded, with the evaluations this
+        # worker holds, so that a late retry can be told from one held back for nothing.
+        waits = self._recording and self._slots.locked()
+        if waits:
+            held = sorted(self.evaluations)
+            yield Record(
+                "slot_wait",
+                {
+                    "attempt_id": attempt_id,
+                    "slot": "evaluation",
+                    "kind": kind,
+                    "held": held,
+                    "slots": self.config.max_evaluations,
+                },
+            )
         yield Acquire(self._slots)
+        if waits:
+            yield Record("slot_granted", {"attempt_id": attempt_id, "slot": "evaluation"})
         try:
             yield from self._begin(kind, attempt_id, body, delivery, plan, bool(raw))
         finally:

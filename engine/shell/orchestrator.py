@@ -96,6 +96,11 @@ class PassExecutionOrchestrator:
         self._looked = False  # the state was read for the actions being executed
         self._over: str | None = None  # the terminal state the store showed (a cancel)
         self._lease_until = 0.0  # monotonic time the lease runs to, by the last fenced write
+        # Due retries the core could not start at once (every slot taken): (rule, attempt),
+        # recorded as `slot_wait` when found and `slot_granted` when the rule gets its slot,
+        # so that the checker can tell a late start that waited for a slot from one that
+        # was held back for nothing (`retry_delays_respected`).
+        self._slot_waiting: set[tuple[str, int]] = set()
 
     # --- inputs -------------------------------------------------------------------------
 
@@ -168,11 +173,20 @@ class PassExecutionOrchestrator:
             self._spawn(self.abandon(f"{type(exc).__name__}: {exc}"))
 
     def _feed(self, fn: Callable[..., list[Action]], *args: object, **kw: object) -> Step:
+        waits = self._recording and self._lock.locked() and fn == self.core.retry_due
+        if waits:  # a due retry behind another input's writes: recorded, as a slot wait
+            due = {"attempt_id": self.attempt_id, "slot": "lock", "rule_id": args[0]}
+            due["attempt"] = args[1]
+            yield Record("slot_wait", due)
         yield Acquire(self._lock)
+        if waits:
+            yield Record("slot_granted", due)
         try:
             if self._closed:
                 return
             actions = fn(*args, **kw)
+            if self.retry_messages and self._recording:
+                yield from self._note_slot_waits(actions)
             # Rules about to start for the first time in their attempt get a start marker
             # (to count reruns), written with the result that made them ready when there
             # is one, so a rule's durable bookkeeping stays within two round trips.
@@ -194,6 +208,34 @@ class PassExecutionOrchestrator:
                     yield from self._execute(action)
         finally:
             self._lock.release()
+
+    def _note_slot_waits(self, actions: list[Action]) -> Step:
+        """Record each held retry whose rule is due (pending) but not started by `actions`:
+        the core found no free slot. Its `slot_granted` follows when its `RunRule` runs."""
+        state = self.core.state
+        started = {(x.rule_id, x.attempt) for x in actions if isinstance(x, RunRule)}
+        for rule_id, attempt in self.retry_messages:
+            key = (rule_id, attempt)
+            if (
+                key in self._slot_waiting
+                or key in started
+                or state.get(rule_id) is not RuleState.PENDING
+                or self.core.attempt.get(rule_id) != attempt
+            ):
+                continue
+            self._slot_waiting.add(key)
+            running = {r: self.core.attempt[r] for r in self.core.rules_in(RuleState.RUNNING)}
+            yield Record(
+                "slot_wait",
+                {
+                    "attempt_id": self.attempt_id,
+                    "slot": "rule",
+                    "rule_id": rule_id,
+                    "attempt": attempt,
+                    "running": running,
+                    "slots": self.core.max_parallel,
+                },
+            )
 
     def _look(self, over: str | None) -> None:
         """The state check that rode on a write: a terminal state stops every start."""
@@ -230,6 +272,17 @@ class PassExecutionOrchestrator:
         a = self.attempt_id
         match action:
             case RunRule():
+                if self._slot_waiting and (action.rule_id, action.attempt) in self._slot_waiting:
+                    self._slot_waiting.discard((action.rule_id, action.attempt))
+                    yield Record(
+                        "slot_granted",
+                        {
+                            "attempt_id": a,
+                            "slot": "rule",
+                            "rule_id": action.rule_id,
+                            "attempt": action.attempt,
+                        },
+                    )
                 # Before any start, the store's word on a cancel: on the start markers'
                 # round trip, or (a level-1 retry has none) a look at the state alone.
                 sent = yield MONO
@@ -240,6 +293,17 @@ class PassExecutionOrchestrator:
                     self._leased(sent)
                     self._look(over)
                     self._mark_starts(counts)
+                    if action.attempt > 1 and action.try_no == 1 and self._recording:
+                        # a delayed retry's start waits for this write: how long, measured
+                        yield Record(
+                            "start_marked",
+                            {
+                                "attempt_id": a,
+                                "rule_id": action.rule_id,
+                                "attempt": action.attempt,
+                                "write_ms": round(((yield MONO) - sent) * 1000, 3),
+                            },
+                        )
                 if self._over is not None:
                     return  # the evaluation is over: this rule does not start
                 if action.try_no == 1:
