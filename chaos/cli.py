@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", type=Path, help="report folder (default: RUN_DIR/report)")
     rep.add_argument("--price-per-1k", type=_price, help="USD per 1,000 tokens (default 0.01)")
     cmp = sub.add_parser(
-        "compare", help="both memories vs RabbitMQ only vs the seed as written, side by side"
+        "compare",
+        help="both memories vs RabbitMQ only vs the source documents as written, side by side",
     )
     cmp.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")
     cmp.add_argument(
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--designs",
         choices=["memories", "sentinel"],
         default="memories",
-        help="memories: both memories, RabbitMQ only, the seed as written (default); "
+        help="memories: both memories, RabbitMQ only, the source documents as written (default); "
         "sentinel: the answers to lost writes behind Sentinel, alone, together and none",
     )
     val = sub.add_parser("validate", help="check scenario files without running them")
@@ -307,7 +308,10 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
                     outputs(outcome, folder / f"{sc.spec.name}-s{seed}")
         runs[design.key] = find_runs([folder])
     rows = compare(runs, designs)
-    title = {"memories": "The seed's argument, measured", "sentinel": "Lost writes, answered"}
+    title = {
+        "memories": "The source documents' argument, measured",
+        "sentinel": "Lost writes, answered",
+    }
     write_comparison(rows, out, [sc.spec.name for sc in loaded], title[args.designs])
     console.print(table_md(rows), markup=False)
     console.print(f"comparison: {out / 'compare.md'}", markup=False)

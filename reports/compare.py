@@ -1,4 +1,4 @@
-"""Designs side by side on the same scenarios. `memories`, the seed's argument measured:
+"""Designs side by side on the same scenarios. `memories`, the source documents' argument measured:
 the engine with both memories, with RabbitMQ only (`no_redis_results`: no stored results
 to resume from) and as the seed's design was written (`no_sweeper`: nothing resumes an
 evaluation whose worker died after the ACK). `sentinel`, the answers to a Sentinel
@@ -41,7 +41,12 @@ DESIGNS: dict[str, tuple[Design, ...]] = {
     "memories": (
         Design("both memories", "engine", None, "the engine as shipped"),
         Design("RabbitMQ only", "no_redis_results", "no_redis_results", "no stored results"),
-        Design("the seed as written", "no_sweeper", "no_sweeper", "no sweeper after the ACK"),
+        Design(
+            "the source documents as written",
+            "no_sweeper",
+            "no_sweeper",
+            "no sweeper after the ACK",
+        ),
     ),
     "sentinel": (
         Design("WAIT + restore", "engine", None, "the engine as shipped"),
@@ -171,7 +176,10 @@ def table_md(rows: list[Row]) -> str:
 
 
 def write_comparison(
-    rows: list[Row], out: Path, scenarios: list[str], title: str = "The seed's argument, measured"
+    rows: list[Row],
+    out: Path,
+    scenarios: list[str],
+    title: str = "The source documents' argument, measured",
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     title = f"# {title}: {', '.join(scenarios)}\n\n"
