@@ -254,10 +254,24 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_INPUT
     out = args.out or Path("out") / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     code = _run(loaded, out, args, console)
+    if code in (EXIT_OK, EXIT_VIOLATION, EXIT_HARNESS):
+        _summary_md(out, args.price_per_1k)
     if args.report and code in (EXIT_OK, EXIT_VIOLATION):
         reported = _report([out], out / "report", args.price_per_1k, console)
         code = max(code, reported)
     return code
+
+
+def _summary_md(out: Path, price: float | None) -> None:
+    """OUT/summary.md, verdicts first, then cost: a CI job's summary without `--report`."""
+    from reports import ReportError, find_runs
+    from reports.build import write_summary
+
+    try:
+        runs = find_runs([out])
+    except ReportError:  # no scenario ran to a verdict: nothing to sum up
+        return
+    write_summary(runs, out / "summary.md", price)
 
 
 def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Console) -> int:

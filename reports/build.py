@@ -8,6 +8,10 @@ from __future__ import annotations
 import base64
 import html
 import json
+import os
+import re
+import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +73,11 @@ def metrics(run: Run, price: float | None) -> tuple[dict[str, Any], Cost, list[R
             "run": run.label,
             "path": str(run.path),
             "ok": run.journal.get("ok"),
+            "verdicts": _verdicts(run),
+            "failures": [
+                *map(str, run.journal.get("budget_failures") or []),
+                *map(str, run.journal.get("exercise_failures") or []),
+            ],
             "settings": settings,
             "retry_latency": by_level,
             "recovery": {
@@ -117,15 +126,18 @@ def build_report(runs: list[Run], out: str | Path, price: float | None = None) -
     out = Path(out)
     with written_whole(out) as tmp:
         per_run, images = [], []
-        for i, run in enumerate(runs):
+        slugs = run_slugs(runs)
+        for run, slug in zip(runs, slugs, strict=True):
             numbers, cost, latencies = metrics(run, price)
+            numbers["slug"] = slug
+            numbers["files"] = _files(run, out)
             per_run.append(numbers)
             scale = run.settings.get("time_scale")
             for kind, data in (
                 ("timeline", plots.timeline(run, cost)),
                 ("latency", plots.latency_cdf(latencies, scale)),
             ):
-                name = f"run{i + 1}-{kind}.png"
+                name = f"{slug}-{kind}.png"
                 (tmp / name).write_bytes(data)
                 images.append((run.label, kind, name, data))
         data = plots.cost_bars(
@@ -133,11 +145,141 @@ def build_report(runs: list[Run], out: str | Path, price: float | None = None) -
         )
         (tmp / "cost.png").write_bytes(data)
         images.append(("all runs", "duplicated tokens by cause", "cost.png", data))
-        document = {"runs": per_run}
+        made = provenance(runs)
+        document = {"provenance": made, "runs": per_run}
         (tmp / "metrics.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
-        (tmp / "summary.md").write_text(summary_md(per_run))
-        (tmp / "report.html").write_text(report_html(per_run, images))
+        (tmp / "summary.md").write_text(summary_md(per_run, made))
+        (tmp / "report.html").write_text(report_html(per_run, images, made))
     return out
+
+
+def write_summary(runs: list[Run], path: str | Path, price: float | None = None) -> Path:
+    """`summary.md` alone (verdicts first, then cost), for a CI job summary: what `chaos run`
+    writes into its output folder without `--report` (no plots drawn)."""
+    per_run = [metrics(run, price)[0] for run in runs]
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(summary_md(per_run, provenance(runs)))
+    tmp.replace(path)
+    return path
+
+
+def run_slugs(runs: list[Run]) -> list[str]:
+    """A file-name-safe name per run, after its scenario, mode and seed (`-2`, `-3`, ...
+    when two runs share one): the plots are named after what they show."""
+    out: list[str] = []
+    for run in runs:
+        base = re.sub(r"[^A-Za-z0-9_.-]+", "-", run.label.replace(" · ", "-")).strip("-")
+        slug, n = base or "run", 1
+        while slug in out:
+            n += 1
+            slug = f"{base}-{n}"
+        out.append(slug)
+    return out
+
+
+def _verdicts(run: Run) -> dict[str, dict[str, Any]]:
+    """Each invariant's verdict and the cases it judged, as the run's journal has them."""
+    verdicts = run.journal.get("verdicts")
+    cases = run.journal.get("cases")
+    cases = cases if isinstance(cases, dict) else {}
+    return {
+        str(name): {"verdict": str(v), "cases": cases.get(name)}
+        for name, v in (verdicts if isinstance(verdicts, dict) else {}).items()
+    }
+
+
+#: The files of a run a reader may want next to its verdicts, when the run has them.
+RUN_FILES = ("journal.json", "history.jsonl", "harness_error.txt")
+
+
+def _files(run: Run, out: Path) -> dict[str, str]:
+    """A run's journal, history and worker logs, as links relative to the report's folder."""
+    found = [run.path / name for name in RUN_FILES if (run.path / name).is_file()]
+    found += sorted(run.path.glob("*.log")) + sorted(run.path.glob("logs/*.log"))
+    return {f.name: os.path.relpath(f.resolve(), out.resolve()) for f in found}
+
+
+def provenance(runs: list[Run]) -> dict[str, Any]:
+    """Where the numbers come from: the commit of the harness, the modes, seeds and mutants
+    of the runs, and when the report was made."""
+    return {
+        "made": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "commit": _commit(),
+        "modes": sorted({run.mode for run in runs}),
+        "seeds": sorted({s for run in runs if isinstance(s := run.extra.get("seed"), int)}),
+        "mutants": sorted({str(m) for run in runs if (m := run.extra.get("mutant"))}),
+        "runs": len(runs),
+    }
+
+
+def _commit() -> str:
+    """The harness's git commit (with `+changes` when its tree differs), or `unknown`."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}+changes" if dirty else head or "unknown"
+
+
+def headline(per_run: list[dict[str, Any]]) -> str:
+    """`3 of 4 runs passed; failing: x · sim · seed 2 (all_terminal)`, or all passed."""
+    failing = [m for m in per_run if not m.get("ok")]
+    text = f"{len(per_run) - len(failing)} of {len(per_run)} runs passed"
+    if not failing:
+        return text
+    named = []
+    for m in failing:
+        broken = [k for k, v in m.get("verdicts", {}).items() if v["verdict"] == "fail"]
+        why = ", ".join(broken) or "; ".join(m.get("failures") or []) or "not ok"
+        named.append(f"{m['run']} ({why})")
+    return f"{text}; failing: {'; '.join(named)}"
+
+
+def _verdict_rows(per_run: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for m in per_run:
+        verdicts = m.get("verdicts", {})
+        judged = sum(v["cases"] or 0 for v in verdicts.values())
+        broken = [k for k, v in verdicts.items() if v["verdict"] == "fail"]
+        unknown = [k for k, v in verdicts.items() if v["verdict"] == "unknown"]
+        rows.append(
+            [
+                m["run"],
+                "PASS" if m.get("ok") else "FAIL",
+                str(judged),
+                ", ".join(broken) or "-",
+                ", ".join(unknown) or "-",
+                "; ".join(m.get("failures") or []) or "-",
+            ]
+        )
+    return rows
+
+
+VERDICT_HEADERS = ["run", "verdict", "cases judged", "broken", "unknown", "budgets, exercised"]
+
+
+def _provenance_text(made: dict[str, Any]) -> str:
+    seeds = ", ".join(map(str, made["seeds"])) or "-"
+    mutants = ", ".join(made["mutants"]) or "none"
+    return (
+        f"commit {made['commit']}; modes {', '.join(made['modes']) or '-'}; seeds {seeds}; "
+        f"mutants {mutants}; {made['runs']} run(s); made {made['made']}"
+    )
 
 
 def _s(value: Any) -> str:
@@ -251,7 +393,7 @@ def _legend() -> list[tuple[str, str]]:
     return [*CAUSE_TEXT.items(), ("not_run", NOT_RUN_TEXT)]
 
 
-def summary_md(per_run: list[dict[str, Any]]) -> str:
+def summary_md(per_run: list[dict[str, Any]], made: dict[str, Any] | None = None) -> str:
     def table(headers: list[str], rows: list[list[str]]) -> list[str]:
         return [
             "| " + " | ".join(headers) + " |",
@@ -259,7 +401,11 @@ def summary_md(per_run: list[dict[str, Any]]) -> str:
             *("| " + " | ".join(row) + " |" for row in rows),
         ]
 
-    lines = ["# What the faults cost", "", IDENTITY_TEXT, "", *table(HEADERS, _rows(per_run))]
+    lines = ["# Verdicts", "", f"**{headline(per_run)}**", ""]
+    if made is not None:
+        lines += [_provenance_text(made), ""]
+    lines += table(VERDICT_HEADERS, _verdict_rows(per_run))
+    lines += ["", "# What the faults cost", "", IDENTITY_TEXT, "", *table(HEADERS, _rows(per_run))]
     rows = _budget_rows(per_run)
     if rows:
         lines += ["", "Budgets:", "", *table(["run", "budget", "limit", "value", "within"], rows)]
@@ -280,7 +426,11 @@ def summary_md(per_run: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report_html(per_run: list[dict[str, Any]], images: list[tuple[str, str, str, bytes]]) -> str:
+def report_html(
+    per_run: list[dict[str, Any]],
+    images: list[tuple[str, str, str, bytes]],
+    made: dict[str, Any] | None = None,
+) -> str:
     def table(headers: list[str], rows: list[list[str]]) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
         body = "".join(
@@ -288,12 +438,37 @@ def report_html(per_run: list[dict[str, Any]], images: list[tuple[str, str, str,
         )
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-    figures = "".join(
-        f'<figure><img alt="{html.escape(kind)} of {html.escape(label)}" '
-        f'src="data:image/png;base64,{base64.b64encode(data).decode()}">'
-        f"<figcaption>{html.escape(label)}: {html.escape(kind)}</figcaption></figure>"
-        for label, kind, _, data in images
+    def figure(label: str, kind: str, name: str, data: bytes) -> str:
+        return (
+            f'<figure><img alt="{html.escape(kind)} of {html.escape(label)}" '
+            f'src="data:image/png;base64,{base64.b64encode(data).decode()}">'
+            f"<figcaption>{html.escape(label)}: {html.escape(kind)} "
+            f"(<code>{html.escape(name)}</code>)</figcaption></figure>"
+        )
+
+    cost_figures = "".join(figure(*i) for i in images if i[0] == "all runs")
+    sections = []
+    for m in per_run:
+        verdicts = table(
+            ["invariant", "verdict", "cases"],
+            [[k, v["verdict"], _s(v["cases"])] for k, v in m.get("verdicts", {}).items()],
+        )
+        links = " · ".join(
+            f'<a href="{html.escape(href)}">{html.escape(name)}</a>'
+            for name, href in m.get("files", {}).items()
+        )
+        plotted = "".join(figure(*i) for i in images if i[0] == m["run"])
+        state = "PASS" if m.get("ok") else "FAIL"
+        sections.append(
+            f'<section id="{html.escape(m.get("slug", ""))}"><h2>{html.escape(m["run"])}: '
+            f"{state}</h2><p>{links}</p>{verdicts}{plotted}</section>"
+        )
+    toc = "".join(
+        f'<li><a href="#{html.escape(m.get("slug", ""))}">{html.escape(m["run"])}</a> '
+        f"{'PASS' if m.get('ok') else '<strong>FAIL</strong>'}</li>"
+        for m in per_run
     )
+    made_html = f"<p class=made>{html.escape(_provenance_text(made))}</p>" if made else ""
     rows = _budget_rows(per_run)
     budget_html = ""
     if rows:
@@ -319,23 +494,34 @@ td:first-child, th:first-child {{ text-align: left; }}
 figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }}
 figcaption {{ color: #666; font-size: 12px; }}
 dt {{ font-weight: 600; margin-top: .4em; }} dd {{ margin-left: 1.5em; }}
+.headline {{ font-size: 16px; }} .made {{ color: #666; font-size: 12px; }}
+section {{ border-top: 2px solid #ddd; margin-top: 2em; }}
 </style></head><body>
-<h1>What the faults cost</h1>
+<h1>Chaos runs: verdicts and what the faults cost</h1>
+<p class=headline><strong>{html.escape(headline(per_run))}</strong></p>
+{made_html}
+<nav><ul>
+<li><a href="#verdicts">Verdicts</a></li><li><a href="#cost">What the faults cost</a></li>
+<li><a href="#latency">Retry latency</a></li><li><a href="#settings">Settings</a></li>
+<li>Runs<ul>{toc}</ul></li></ul></nav>
+<h2 id="verdicts">Verdicts</h2>
+{table(VERDICT_HEADERS, _verdict_rows(per_run))}
+<h2 id="cost">What the faults cost</h2>
 <p>{html.escape(IDENTITY_TEXT)}</p>
 {table(HEADERS, _rows(per_run))}
 {budget_html}
 <h2>Duplicated tokens by cause</h2>
+{cost_figures}
 {table(["run", *CAUSES], _cause_rows(per_run, "duplicated_by_cause", CAUSES))}
 <h2>Reruns by cause</h2>
 {table(["run", *RERUN_CAUSES], _cause_rows(per_run, "reruns_by_cause", RERUN_CAUSES))}
 <h3>Causes</h3>
 <dl>{legend}</dl>
-<h2>Retry latency</h2>
+<h2 id="latency">Retry latency</h2>
 <p>{html.escape(UNITS_TEXT)}</p>
 {latency}
-<h2>Settings that bound recovery and scale time</h2>
+<h2 id="settings">Settings that bound recovery and scale time</h2>
 {table(["run", *SETTINGS], _settings_rows(per_run))}
-<h2>Plots</h2>
-{figures}
+{"".join(sections)}
 </body></html>
 """

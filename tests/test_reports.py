@@ -180,7 +180,9 @@ def test_a_report_agrees_with_the_checker_and_renders_every_plot(name: str, tmp_
         height, width = pixels.shape[:2]
         assert height > 200 and width > 400, png.name
         assert pixels.std() > 0.05, f"{png.name} is blank"
-    assert (report / "summary.md").read_text().startswith("# What the faults cost")
+    summary = (report / "summary.md").read_text()
+    assert summary.startswith("# Verdicts\n\n**1 of 1 runs passed**")  # verdicts first
+    assert summary.index("# What the faults cost") > summary.index("| run | verdict |")
 
 
 def outcome_scale(name: str) -> float:
@@ -279,7 +281,8 @@ def test_the_report_renders_in_a_browser_with_every_plot(tmp_path: Path) -> None
     dom = _chromium(["--dump-dom", probe.as_uri()], tmp_path)
     seen = re.findall(r'<p class="probe">(\w+) (\d+)x(\d+)</p>', dom)
     expected = []
-    for name in ("run1-timeline.png", "run1-latency.png", "cost.png"):
+    slug = "worker_kill_storm-sim-seed-8"  # the plots are named after their run
+    for name in ("cost.png", f"{slug}-timeline.png", f"{slug}-latency.png"):  # page order
         height, width = matplotlib.image.imread(report / name).shape[:2]
         expected.append(("true", str(width), str(height)))
     assert seen == expected
@@ -379,3 +382,30 @@ def test_chaos_sim_report_gathers_every_seed(tmp_path: Path) -> None:
     assert scenario["level_2"]["p50"] < 1 and scenario["level_2"]["n"] == levels["level_2"]["n"]
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 2 and "http" not in page
+
+
+def test_a_report_reads_at_a_glance(tmp_path: Path) -> None:
+    """A headline of verdicts before any cost, a table of contents, a section per run with
+    its verdicts, case counts, links to its files and its plots, and provenance; and
+    `chaos run` writes summary.md (verdicts first) without --report."""
+    out = tmp_path / "out"
+    scenario = str(ROOT / "scenarios" / "crash_after_ack.yaml")
+    assert main(["run", scenario, scenario, "--mode", "sim", "--out", str(out)]) == 0
+    summary = (out / "summary.md").read_text()  # no --report: the summary alone
+    assert summary.startswith("# Verdicts\n\n**2 of 2 runs passed**")
+    assert not (out / "report").exists()
+    broken = tmp_path / "broken"
+    argv = ["run", scenario, "--mode", "sim", "--mutant", "no_sweeper", "--out", str(broken)]
+    assert main(argv) == 1
+    report = build_report(find_runs([out, broken]), tmp_path / "report")
+    page = (report / "report.html").read_text()
+    head = "2 of 3 runs passed; failing: crash_after_ack · sim · seed 2 · mutant no_sweeper"
+    assert head in page and page.index(head) < page.index("What the faults cost</h2>")
+    for slug in ("crash_after_ack-sim-seed-2", "crash_after_ack-sim-seed-2-2"):
+        assert f'<a href="#{slug}">' in page and f'<section id="{slug}">' in page
+        assert (report / f"{slug}-timeline.png").is_file()
+    assert '<a href="../out/crash_after_ack/journal.json">journal.json</a>' in page
+    assert "<td>all_terminal</td><td>fail</td><td>3</td>" in page  # verdict and cases
+    made = json.loads((report / "metrics.json").read_text())["provenance"]
+    assert made["modes"] == ["sim"] and made["seeds"] == [2] and made["mutants"] == ["no_sweeper"]
+    assert made["commit"] != "" and "commit " in page
