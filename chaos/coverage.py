@@ -177,12 +177,15 @@ def _text(lines: list[str], n: int) -> str:
 
 
 def _branches(path: str, arcs: Iterable[Sequence[int]], root: Path) -> list[Branch]:
+    """`arcs` as branches: every branch of the file, reached or not, so that two with the
+    same code in one function get their rank (`#2`) from their order in the file, whichever
+    of them a run reached."""
     source = (root / path).read_text()
     lines = source.splitlines()
     functions = _functions(source)
     out = []
     seen: dict[str, int] = {}
-    for start, to in sorted(arcs, key=lambda a: (a[0], a[1])):
+    for start, to in sorted(arcs, key=lambda a: (a[0], a[1] if a[1] > 0 else 1 << 30)):
         function = _innermost(functions, start)
         key = f"{path}::{function}::{_text(lines, start)} -> {_text(lines, to)}"
         seen[key] = seen.get(key, 0) + 1
@@ -207,8 +210,10 @@ def analyse(report: dict[str, Any], root: Path = ROOT) -> list[FileCoverage]:
         if data is None:  # never imported: nothing of it ran; its branches are unknown
             files.append(fc)
             continue
-        fc.reached = _branches(path, data.get("executed_branches", []), root)
-        fc.unreached = _branches(path, data.get("missing_branches", []), root)
+        reached = {tuple(a) for a in data.get("executed_branches", [])}
+        every = _branches(path, [*reached, *map(tuple, data.get("missing_branches", []))], root)
+        fc.reached = [b for b in every if (b.start, b.to) in reached]
+        fc.unreached = [b for b in every if (b.start, b.to) not in reached]
         if path == REFERENCE_FILE:
 
             def wanted(b: Branch) -> bool:
