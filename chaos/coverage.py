@@ -21,6 +21,7 @@ reported as `unexplained` (exit 1 with `--strict`).
 from __future__ import annotations
 
 import ast
+import io
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,7 +113,7 @@ class Measurement:
                         }
                         for b in f.unreached
                     ],
-                    "reached_keys": [b.key for b in f.reached],
+                    "reached_branches": [{"where": b.where(), "key": b.key} for b in f.reached],
                 }
                 for f in self.files
             },
@@ -173,7 +175,18 @@ def _innermost(functions: list[tuple[int, int, str]], line: int) -> str:
 
 
 def _text(lines: list[str], n: int) -> str:
-    return " ".join(lines[n - 1].split()) if 0 < n <= len(lines) else "exit"
+    """Line `n`'s code, its comment and spacing left out (`exit`: out of the function)."""
+    if not 0 < n <= len(lines):
+        return "exit"
+    line = lines[n - 1]
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(line).readline):
+            if tok.type == tokenize.COMMENT:
+                line = line[: tok.start[1]]
+                break
+    except (tokenize.TokenError, SyntaxError):  # a line of a longer statement: as it reads
+        pass
+    return " ".join(line.split())
 
 
 def _branches(path: str, arcs: Iterable[Sequence[int]], root: Path) -> list[Branch]:
@@ -307,11 +320,17 @@ def measure(
             )
             for i in range(jobs)
         ]
-        for child in children:
-            out, _ = child.communicate()
-            if child.returncode != 0:
-                raise RuntimeError(f"a measuring process ended with {child.returncode}")
-            failed += json.loads(out.strip().splitlines()[-1])
+        try:
+            for child in children:
+                out, _ = child.communicate()
+                if child.returncode != 0:
+                    raise RuntimeError(f"a measuring process ended with {child.returncode}")
+                failed += json.loads(out.strip().splitlines()[-1])
+        finally:  # an interrupt or a failed child: none is left running
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
         cov = coverage.Coverage(data_file=data_file, branch=True, config_file=False)
         cov.combine([tmp], keep=True)
         report_file = Path(tmp) / "report.json"
