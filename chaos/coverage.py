@@ -343,7 +343,10 @@ def measure(
 # --- the documented list ----------------------------------------------------------------------
 
 #: A row of docs/coverage.md's tables: `| where | key | path | status |`.
-_ROW = re.compile(r"^\|\s*`(?P<where>[^`]+)`\s*\|\s*`(?P<key>[^`]+)`\s*\|(?P<rest>.*)\|\s*$")
+_ROW = re.compile(
+    r"^\|\s*`(?P<where>[\w/.]+\.py:\d+ -> (?:\d+|exit))`\s*\|\s*`(?P<key>[^`]+)`\s*\|"
+    r"(?P<rest>.*)\|\s*$"
+)
 
 
 def documented(path: Path = DOCS) -> dict[str, tuple[str, str]]:
