@@ -9,6 +9,7 @@
     python -m chaos clean     # stop and delete what a SIGKILLed run left behind
     python -m chaos images build   # Redis and RabbitMQ images from this machine's own
     python -m chaos docs [--check]  # docs/reference/, written from the code
+    python -m chaos coverage [SCENARIO...] [--seeds 50] [--json FILE]  # branches reached
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
 3 the stack could not be started (containers mode: no Docker engine answers), 4 the harness
@@ -179,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     prx.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
     prx.add_argument("--port", type=_within(0, 65535), default=8474, help="API port (8474)")
     prx.add_argument("--seed", type=_within(0, MAX_SEED), default=0, help="draws' seed (0)")
+    cov = sub.add_parser("coverage", help="the protocol's branches the scenarios reach (sim)")
+    cov.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: the suite")
+    cov.add_argument(
+        "--seeds", type=_within(0, MAX_SEEDS), default=50, help="explored a scenario (50)"
+    )
+    cov.add_argument("--first-seed", type=_within(0, MAX_SEED), default=0)
+    cov.add_argument("--jobs", type=_within(0, 256), default=0, help="processes (every core)")
+    cov.add_argument(
+        "--json", type=Path, default=Path("out/coverage.json"), help="(out/coverage.json)"
+    )
+    cov.add_argument(
+        "--strict", action="store_true", help="exit 1 on a branch unreached and not documented"
+    )
     return p
 
 
@@ -229,6 +243,10 @@ def _main(argv: list[str] | None) -> int:
         from chaos.proxy.server import serve
 
         return serve(args.host, args.port, args.seed)
+    if args.command == "coverage":
+        from chaos.coverage import coverage_command
+
+        return coverage_command(args)
     loaded, errors = _load_all(args.scenarios)
     for line in errors:  # every bad file, before anything runs
         print(line, file=sys.stderr)
@@ -360,7 +378,18 @@ def _report(paths: list[Path], out: Path | None, price: float | None, console: C
 # --- interrupts and leftovers -------------------------------------------------------------
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_COMMANDS = ("run", "sim", "report", "compare", "validate", "list", "clean", "proxy", "images")
+_COMMANDS = (
+    "run",
+    "sim",
+    "report",
+    "compare",
+    "validate",
+    "list",
+    "clean",
+    "proxy",
+    "images",
+    "coverage",
+)
 
 
 class Interrupted(KeyboardInterrupt):
