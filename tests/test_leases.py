@@ -58,6 +58,21 @@ def test_a_lease_renewed_in_time_passes() -> None:
     assert result.cases["leases_renewed"] == 6 + 5  # six intervals, five extensions
 
 
+def test_a_renewal_sent_in_the_begins_millisecond_counts() -> None:
+    """`sent_ms` is whole milliseconds: a renewal sent at once after the begin may read a
+    millisecond before the begin's record; it still renews that lease (sentinel_failover
+    seed 43 in sim: each Redis batch waits 0.3 s for the replica)."""
+    h = H().submit()
+    h.ev("delivered", "w1", 11, attempt_id=A, kind="execute")
+    h.t += 0.0004  # the begin recorded 0.4 ms into a millisecond
+    h.ev("evaluation_started", "w1", 11, attempt_id=A, kind="execute", fence="1:w1")
+    first = renew(h, dt=0.0, sent_ms=int(h.t * 1000))  # sent in the same millisecond
+    first["t"] = h.t = h.t + 0.59  # answered 0.59 s later
+    renew(h, dt=0.1)  # 0.69 s after the begin, 0.1 s after the first renewal's answer
+    h.ev("parked", "w1", 11, attempt_id=A, waiting={})
+    passing(check(h, "leases_renewed"), "leases_renewed")
+
+
 def test_a_heartbeat_that_stops_is_a_violation() -> None:
     h = held(2, park=False)
     h.t += 1.0  # a second without a renewal, the lease is 0.6 s

@@ -93,7 +93,9 @@ def check_leases_renewed(cx: Context) -> Outcome:
             pid = s.proc[1]
             t_end = min(s.t1, end_of_run)
             held_from, last = s.t0, s.started  # the lease runs out by held_from + lease
-            beats = [e for e in mine.get(s.proc, []) if s.t0 <= _sent(e) <= t_end]
+            # `sent_ms` is in whole milliseconds: a renewal sent in the begin's millisecond
+            # reads up to one earlier than the session's start
+            beats = [e for e in mine.get(s.proc, []) if s.t0 - _MS <= _sent(e) <= t_end]
             gaps: list[tuple[float, float, dict, dict | None]] = []
             for e in beats:
                 gaps.append((held_from, _sent(e), last, e))
