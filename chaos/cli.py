@@ -8,6 +8,7 @@
     python -m chaos list
     python -m chaos clean     # stop and delete what a SIGKILLed run left behind
     python -m chaos images build   # Redis and RabbitMQ images from this machine's own
+    python -m chaos mutate [--paths P ...] [--jobs J]   # mutants of the engine vs the suite
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
 3 the stack could not be started (containers mode: no Docker engine answers), 130 / 143
@@ -146,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     prx.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
     prx.add_argument("--port", type=_within(0, 65535), default=8474, help="API port (8474)")
     prx.add_argument("--seed", type=_within(0, MAX_SEED), default=0, help="draws' seed (0)")
+    from chaos.mutate.command import add_parser as add_mutate
+
+    add_mutate(sub, _within)
     return p
 
 
@@ -194,6 +198,10 @@ def _main(argv: list[str] | None) -> int:
         from chaos.proxy.server import serve
 
         return serve(args.host, args.port, args.seed)
+    if args.command == "mutate":
+        from chaos.mutate.command import mutate_command
+
+        return mutate_command(args, console)
     loaded, errors = _load_all(args.scenarios if args.command != "sim" else [args.scenario])
     for line in errors:  # every bad file, before anything runs
         print(line, file=sys.stderr)
@@ -305,7 +313,10 @@ def _report(paths: list[Path], out: Path | None, price: float | None, console: C
 # --- interrupts and leftovers -------------------------------------------------------------
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_COMMANDS = ("run", "sim", "report", "compare", "validate", "list", "clean", "proxy", "images")
+_COMMANDS = (
+    *("run", "sim", "report", "compare", "validate", "list", "clean", "proxy", "images"),
+    "mutate",
+)
 
 
 class Interrupted(KeyboardInterrupt):
