@@ -114,7 +114,9 @@ def mutate_command(args: argparse.Namespace, console: Console) -> int:
     if args.limit is not None:
         mutants = mutants[: args.limit]
     ids = {m.id for m in mutants}
-    stale = sorted(i for i in equivalent if i not in ids) if args.limit is None else []
+    # an entry is stale when its file was mutated whole and no mutant has its id any more
+    whole = {t.path for t in targets} if args.function is None and args.limit is None else set()
+    stale = sorted(i for i in equivalent if i not in ids and i.split(":")[0] in whole)
     to_run = [m for m in mutants if m.id not in equivalent]
     console.print(
         f"chaos mutate: {len(mutants)} mutants of {len(targets)} files "

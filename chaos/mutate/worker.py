@@ -69,10 +69,12 @@ def _failed(result: Any) -> str:
 
 
 def _crash() -> str:
-    """The exception's type and message and the innermost frame: one line."""
+    """The exception's type and message and the innermost frame of the checkout: one line."""
     kind, exc, tb = sys.exc_info()
     frames = traceback.extract_tb(tb)
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    root = os.getcwd() + os.sep  # the checkout: its innermost frame says more than a library's
+    ours = [f for f in frames if f.filename.startswith(root)] or frames
+    where = f" at {os.path.relpath(ours[-1].filename)}:{ours[-1].lineno}" if ours else ""
     text = f"{kind.__name__ if kind else 'error'}: {exc}"
     return " ".join(text.split())[:300] + where
 

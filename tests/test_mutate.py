@@ -1,0 +1,144 @@
+"""`python -m chaos mutate`: mutants of the engine's own code judged by the sim suite.
+
+Kept fast: one function of the engine at a time, against one scenario
+(`amqp_blackhole`, which kills every mutant of `engine.core.dag.ready` but the one that
+loops forever). Each run is a real `python -m chaos mutate` in a subprocess, its workers
+real interpreters with the mutated module imported in place of the file's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from chaos.mutate.generate import mutants, targets
+from chaos.stack import marked_pids
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIO = "scenarios/amqp_blackhole.yaml"
+TIMEOUT_S = 240  # a hang of the command itself fails the test
+
+
+def _env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+def _mutate(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "chaos", "mutate", *argv],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+def _left_dirs(pid: int) -> list[Path]:
+    """The temp dirs the command with this pid made (`chaos-mutate-<pid>_<start>-*`)."""
+    return list(Path(tempfile.gettempdir()).glob(f"chaos-mutate-{pid}_*"))
+
+
+def test_a_mutant_is_killed_and_an_endless_one_times_out(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--paths", "engine/core/dag.py", "--function", "ready", "--scenarios", SCENARIO]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chaos", "mutate", *argv, "--timeout", "8", "--out", str(out)],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, stdout + stderr  # every mutant killed
+    data = json.loads((out / "mutation.json").read_text())
+    by_change = {m["diff"].splitlines()[-2].strip(): m for m in data["mutants"]}
+    endless = by_change["+        if state[d] is _SUCCEEDED:"]
+    assert endless["status"] == "timeout"
+    assert "within 8 s" in endless["detail"]
+    assert by_change["+    return False"]["status"] == "killed"
+    assert by_change["+    return False"]["scenario"] == SCENARIO
+    assert data["counts"]["killed"] == 2 and data["counts"]["timeout"] == 1
+    assert data["score"] == 1.0
+    assert "mutation score 100.0 %: 3 of 3 killed" in stdout
+    assert _left_dirs(proc.pid) == []
+
+
+def test_a_survivor_is_listed_with_its_diff_and_an_equivalent_is_excluded(
+    tmp_path: Path,
+) -> None:
+    # `_show` only shapes an error message no scenario prints: its mutants survive
+    target = targets(["engine/policy.py"], ROOT)[0]
+    first, second, third = mutants(target, ROOT, "_show")[:3]
+    listed = tmp_path / "equivalent.toml"
+    listed.write_text(f'[[mutant]]\nid = "{first.id}"\nwhy = "test: same text either way"\n')
+    out = tmp_path / "out"
+    argv = ["--paths", "engine/policy.py", "--function", "_show", "--limit", "3"]
+    got = _mutate(*argv, "--scenarios", SCENARIO, "--equivalent", str(listed), "--out", str(out))
+    assert got.returncode == 1, got.stdout + got.stderr  # survivors
+    data = json.loads((out / "mutation.json").read_text())
+    status = {m["id"]: m["status"] for m in data["mutants"]}
+    assert status == {first.id: "equivalent", second.id: "survived", third.id: "survived"}
+    assert data["counts"]["equivalent"] == 1 and data["score"] == 0.0
+    assert f"survived: {second.id}" in got.stdout
+    assert "mutation score 0.0 %: 0 of 2 killed" in got.stdout
+    md = (out / "mutation.md").read_text()
+    assert "```diff\n" + second.diff.rstrip("\n") + "\n```" in md
+    assert "test: same text either way" in md
+    assert second.diff.startswith("--- a/engine/policy.py\n+++ b/engine/policy.py\n")
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    for argv, expected in (
+        (["--paths", "engine/nowhere.py"], "engine/nowhere.py: no such file or folder"),
+        (["--jobs", "0"], "--jobs"),
+        (["--timeout", "-3"], "--timeout"),
+        (["--paths", "engine/policy.py", "--function", "nope"], "--function: nope"),
+        (["--scenarios", "scenarios/none.yaml"], "scenarios/none.yaml"),
+    ):
+        got = _mutate(*argv, "--out", str(tmp_path / "out"))
+        assert got.returncode == 2, (argv, got.stderr)
+        assert len(got.stderr.strip().splitlines()) == 1, got.stderr
+        assert expected in got.stderr, got.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_stops_the_workers_and_removes_the_temp_dir(tmp_path: Path) -> None:
+    argv = ["--paths", "engine/core/dag.py", "--function", "ready", "--scenarios", SCENARIO]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chaos", "mutate", *argv, "--timeout", "600", "--jobs", "1"],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # the first mutant (the endless one) runs once its job is written (m1: the baseline)
+        deadline = time.monotonic() + TIMEOUT_S
+        dirs: list[Path] = []
+        while not any((d / "m2.job.json").exists() for d in dirs):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+            dirs = _left_dirs(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted (SIGINT)" in stderr
+    assert _left_dirs(proc.pid) == []
+    assert not any(d.exists() for d in dirs)
+    assert marked_pids(f"mutate-{proc.pid}") == []  # the worker it was running: killed
