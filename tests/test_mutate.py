@@ -78,25 +78,47 @@ def test_a_mutant_is_killed_and_an_endless_one_times_out(tmp_path: Path) -> None
 def test_a_survivor_is_listed_with_its_diff_and_an_equivalent_is_excluded(
     tmp_path: Path,
 ) -> None:
-    # `_show` only shapes an error message no scenario prints: its mutants survive
-    target = targets(["engine/policy.py"], ROOT)[0]
-    first, second, third = mutants(target, ROOT, "_show")[:3]
+    # amqp_blackhole runs `pass_outcome`'s line, but no pass of it ends partial: a wrong
+    # word for "partial" goes unseen there
+    target = targets(["engine/core/dag.py"], ROOT)[0]
+    found = {m.change.rpartition("else ")[2]: m for m in mutants(target, ROOT, "pass_outcome")}
+    survivor, equivalent = found['"XXpartialXX"'], found['"PARTIAL"']
     listed = tmp_path / "equivalent.toml"
-    listed.write_text(f'[[mutant]]\nid = "{first.id}"\nwhy = "test: same text either way"\n')
+    listed.write_text(f'[[mutant]]\nid = "{equivalent.id}"\nwhy = "test: same either way"\n')
     out = tmp_path / "out"
-    argv = ["--paths", "engine/policy.py", "--function", "_show", "--limit", "3"]
-    got = _mutate(*argv, "--scenarios", SCENARIO, "--equivalent", str(listed), "--out", str(out))
+    argv = ["--paths", "engine/core/dag.py", "--function", "pass_outcome", "--scenarios"]
+    got = _mutate(*argv, SCENARIO, "--equivalent", str(listed), "--out", str(out))
     assert got.returncode == 1, got.stdout + got.stderr  # survivors
     data = json.loads((out / "mutation.json").read_text())
     status = {m["id"]: m["status"] for m in data["mutants"]}
-    assert status == {first.id: "equivalent", second.id: "survived", third.id: "survived"}
-    assert data["counts"]["equivalent"] == 1 and data["score"] == 0.0
-    assert f"survived: {second.id}" in got.stdout
-    assert "mutation score 0.0 %: 0 of 2 killed" in got.stdout
+    assert status[equivalent.id] == "equivalent"
+    assert status[survivor.id] == "survived"
+    assert data["counts"]["equivalent"] == 1
+    assert data["counts"]["killed"] + data["counts"]["crashed"] >= 4
+    assert f"survived: {survivor.id} line 42" in got.stdout
+    kills = sum(data["counts"][s] for s in ("killed", "crashed", "timeout"))
+    assert f"{kills} of {len(status) - 1} killed" in got.stdout
     md = (out / "mutation.md").read_text()
-    assert "```diff\n" + second.diff.rstrip("\n") + "\n```" in md
-    assert "test: same text either way" in md
-    assert second.diff.startswith("--- a/engine/policy.py\n+++ b/engine/policy.py\n")
+    assert "```diff\n" + survivor.diff.rstrip("\n") + "\n```" in md
+    assert "test: same either way" in md
+    assert survivor.diff.startswith("--- a/engine/core/dag.py\n+++ b/engine/core/dag.py\n")
+    journal = (out / "verdicts.jsonl").read_text().splitlines()
+    assert {json.loads(line)["id"] for line in journal} == set(status) - {equivalent.id}
+
+
+def test_a_mutant_on_lines_no_scenario_runs_survives_unrun(tmp_path: Path) -> None:
+    # `_show` only shapes the message of a setting out of bounds: no scenario has one
+    out = tmp_path / "out"
+    argv = ["--paths", "engine/policy.py", "--function", "_show", "--limit", "2"]
+    got = _mutate(*argv, "--scenarios", SCENARIO, "--out", str(out))
+    assert got.returncode == 1, got.stdout + got.stderr
+    data = json.loads((out / "mutation.json").read_text())
+    assert [(m["status"], m["reached"]) for m in data["mutants"]] == [("survived", False)] * 2
+    assert all(
+        m["detail"].startswith("not reached: no scenario runs line") for m in data["mutants"]
+    )
+    assert data["ran"] == 0
+    assert "survived 2 (2 on lines no scenario runs)" in got.stdout
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:

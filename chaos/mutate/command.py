@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shlex
 import sys
@@ -129,7 +130,7 @@ def mutate_command(args: argparse.Namespace, console: Console) -> int:
     modules = sorted({m.module for m in mutants})
     with run.pool(root) as p:
         try:
-            base = run.baseline(p, scenarios, args.explore, modules)
+            base = run.baseline(p, scenarios, args.explore, modules, [t.path for t in targets])
         except run.BaselineError as exc:
             print(str(exc), file=sys.stderr)
             return EXIT_SURVIVORS
@@ -137,10 +138,23 @@ def mutate_command(args: argparse.Namespace, console: Console) -> int:
         for name in missing:
             console.print(f"warning: no scenario imports {name}: its mutants survive", markup=False)
         timeout = args.timeout or max(run.MIN_TIMEOUT_S, run.TIMEOUT_FACTOR * base.seconds)
-        progress = _Progress(console, len(to_run))
-        verdicts_run = run.run_all(
+        unreached = [
+            run.Verdict(m, "survived", detail=_unreached(m), reached=False)
+            for m in to_run
+            if not base.reached(m)
+        ]
+        reached = [m for m in to_run if base.reached(m)]
+        console.print(
+            f"chaos mutate: baseline {base.seconds:.1f} s; {len(unreached)} mutants on lines "
+            f"no scenario runs (survivors, not run); {len(reached)} to run, "
+            f"timeout {timeout:.0f} s each",
+            markup=False,
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        progress = _Progress(console, len(reached), out / "verdicts.jsonl")
+        verdicts_run = unreached + run.run_all(
             p,
-            to_run,
+            reached,
             scenarios,
             args.explore,
             base.skip,
@@ -163,7 +177,7 @@ def mutate_command(args: argparse.Namespace, console: Console) -> int:
         "timeout_s": timeout,
         "baseline_s": round(base.seconds, 3),
         "seconds": round(time.monotonic() - started, 1),
-        "ran": len(verdicts_run),
+        "ran": len(verdicts_run) - len(unreached),  # the others survived unrun
     }
     report.print_summary(console, verdicts, by_function=not args.by_file)
     for s in stale:
@@ -174,15 +188,27 @@ def mutate_command(args: argparse.Namespace, console: Console) -> int:
     return EXIT_SURVIVORS if survived else EXIT_OK
 
 
-class _Progress:
-    """One line every 10 % of the mutants (or a rich bar on a terminal)."""
+def _unreached(m: Any) -> str:
+    shown = ", ".join(str(n) for n in m.lines)
+    return f"not reached: no scenario runs line{'s' if len(m.lines) > 1 else ''} {shown}"
 
-    def __init__(self, console: Console, total: int) -> None:
+
+class _Progress:
+    """A line on stderr every 10 % of the mutants; each verdict appended to a JSON-lines
+    file as it comes, so that a run stopped midway keeps what it measured."""
+
+    def __init__(self, console: Console, total: int, journal: Path) -> None:
         self.console, self.total, self.done, self.started = console, total, 0, time.monotonic()
         self.counts: dict[str, int] = {}
         self.step = max(1, total // 10)
+        self.journal = journal
 
     def tick(self, verdict: Any) -> None:
+        with self.journal.open("a", encoding="utf-8") as f:
+            m = verdict.mutant
+            line = {"id": m.id, "status": verdict.status, "scenario": verdict.scenario}
+            line |= {"seed": verdict.seed, "detail": verdict.detail, "seconds": verdict.seconds}
+            f.write(json.dumps(line) + "\n")
         self.done += 1
         self.counts[verdict.status] = self.counts.get(verdict.status, 0) + 1
         if self.done % self.step == 0 or self.done == self.total:

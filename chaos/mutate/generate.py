@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: What `chaos mutate` targets by default: the engine's pure core, its one shell, its retry
 #: policy and the store's Python references (the methods of `sim.redis.SimRedis` named in
 #: `sim.redis.REFERENCES`, each proven equal to its Lua script on a real Redis).
-DEFAULT_PATHS = ("engine/core", "engine/shell", "engine/policy.py")
+DEFAULT_PATHS = ("engine/core", "engine/policy.py", "engine/shell")
 REFERENCE_FILE = "sim/redis.py"
 
 
@@ -50,6 +51,9 @@ class Mutant:
     node: str  # the kind of node changed (libcst's class name): the survivors' class
     diff: str
     source: str  # the whole mutated file
+    #: The lines whose execution would run the change: the node's own and the first line of
+    #: the statement holding it (what coverage.py records of a statement spanning lines).
+    lines: tuple[int, ...] = ()
 
     @property
     def change(self) -> str:
@@ -109,7 +113,7 @@ def mutants(target: Target, root: Path, function: str | None = None) -> list[Mut
     """Every mutant of `target`'s functions (of `function` only, when given: a qualified
     name `Class.method`, or a bare name matching any function or method so named)."""
     import libcst as cst
-    from libcst.metadata import MetadataWrapper, PositionProvider
+    from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
     from mutmut.mutation.file_mutation import MutationVisitor, deep_replace
     from mutmut.mutation.mutators import mutation_operators
     from mutmut.mutation.pragma_handling import IgnoredCode, PragmaVisitor
@@ -125,6 +129,7 @@ def mutants(target: Target, root: Path, function: str | None = None) -> list[Mut
     module = wrapper.module
     names = _qualified_names(module)
     positions = wrapper.resolve(PositionProvider)
+    parents = wrapper.resolve(ParentNodeProvider)
     original = code.splitlines(keepends=True)
     found: list[Mutant] = []
     seen: dict[str, int] = {}
@@ -164,8 +169,28 @@ def mutants(target: Target, root: Path, function: str | None = None) -> list[Mut
         position = positions.get(mutation.original_node)
         line = position.start.line if position is not None else 0
         node = type(mutation.original_node).__name__
-        found.append(Mutant(key, target.path, target.module, name, line, node, diff, source))
+        lines = _lines(mutation.original_node, positions, parents)
+        found.append(Mutant(key, target.path, target.module, name, line, node, diff, source, lines))
     return found
+
+
+def _lines(node: Any, positions: Mapping[Any, Any], parents: Mapping[Any, Any]) -> tuple[int, ...]:
+    """The node's lines and the first line of its innermost statement (a small one, or a
+    compound one's header): coverage.py records a statement by its first line, so a
+    change on a continuation line is reached when that line is."""
+    import libcst as cst
+
+    position = positions.get(node)
+    lines = set(range(position.start.line, position.end.line + 1)) if position else set()
+    current = node
+    while current is not None:
+        if isinstance(current, cst.BaseSmallStatement | cst.BaseCompoundStatement):
+            where = positions.get(current)
+            if where is not None:
+                lines.add(where.start.line)
+            break
+        current = parents.get(current)
+    return tuple(sorted(lines))
 
 
 def _qualified_names(module: object) -> dict[int, str]:

@@ -22,6 +22,8 @@ from rich.table import Table
 from chaos.mutate.run import Verdict
 
 KILLS = ("killed", "crashed", "timeout")
+#: The table's counts; `unreached`: the survivors on lines no scenario runs (not run).
+COLUMNS = ("killed", "crashed", "timeout", "survived", "unreached", "equivalent")
 STATUSES = ("killed", "crashed", "timeout", "survived", "not_imported", "equivalent")
 
 
@@ -74,6 +76,8 @@ def _rows(verdicts: Sequence[Verdict]) -> list[tuple[str, str, Counter[str]]]:
     by: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     for v in verdicts:
         by[(v.mutant.path, v.mutant.function)][v.status] += 1
+        if not v.reached:
+            by[(v.mutant.path, v.mutant.function)]["unreached"] += 1
     return [(path, fn, c) for (path, fn), c in by.items()]
 
 
@@ -87,7 +91,7 @@ def table(verdicts: Sequence[Verdict], by_function: bool) -> Table:
     t.add_column("file")
     if by_function:
         t.add_column("function")
-    for name in ("killed", "crashed", "timeout", "survived", "equivalent", "score"):
+    for name in ("killed", "crashed", "timeout", "survived", "unreached", "equivalent", "score"):
         t.add_column(name, justify="right")
     files: dict[str, Counter[str]] = defaultdict(Counter)
     rows = _rows(verdicts)
@@ -97,13 +101,16 @@ def table(verdicts: Sequence[Verdict], by_function: bool) -> Table:
         [(p, fn, c) for p, fn, c in rows] if by_function else [(p, "", c) for p, c in files.items()]
     )
     for path, fn, c in shown:
-        cells = [str(c[s]) for s in ("killed", "crashed", "timeout", "survived", "equivalent")]
+        cells = [str(c[s]) for s in COLUMNS]
         t.add_row(path, *([fn] if by_function else []), *cells, _score_text(c))
     return t
 
 
-def survivors_by_class(verdicts: Sequence[Verdict]) -> Counter[str]:
-    return Counter(v.mutant.node for v in verdicts if v.status == "survived")
+def survivors_by_class(verdicts: Sequence[Verdict], reached: bool) -> Counter[str]:
+    """The survivors per kind of node changed, among those the suite reaches or not."""
+    return Counter(
+        v.mutant.node for v in verdicts if v.status == "survived" and v.reached is reached
+    )
 
 
 def write(
@@ -132,6 +139,7 @@ def write(
                 "seed": v.seed,
                 "detail": v.detail,
                 "seconds": round(v.seconds, 3),
+                "reached": v.reached,
                 "diff": v.mutant.diff,
             }
             for v in verdicts
@@ -153,7 +161,8 @@ def markdown(verdicts: Sequence[Verdict], meta: dict[str, Any], stale: Sequence[
         "",
         f"**Score: {score}** = (killed {c['killed']} + crashed {c['crashed']} + timeout "
         f"{c['timeout']}) / (mutants {len(verdicts)} - equivalent {c['equivalent']}); "
-        f"survived {c['survived']}"
+        f"survived {c['survived']} ({sum(not v.reached for v in verdicts)} on lines no "
+        "scenario runs)"
         + (f", not imported {c['not_imported']}" if c["not_imported"] else "")
         + ".",
         "",
@@ -162,26 +171,38 @@ def markdown(verdicts: Sequence[Verdict], meta: dict[str, Any], stale: Sequence[
         f"timeout {meta.get('timeout_s', 0):.0f} s a mutant, "
         f"{meta.get('seconds', 0):.0f} s in all.",
         "",
-        "| file | function | killed | crashed | timeout | survived | equivalent | score |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| file | function | killed | crashed | timeout | survived | of which unreached "
+        "| equivalent | score |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for path, fn, k in _rows(verdicts):
-        cells = " | ".join(
-            str(k[s]) for s in ("killed", "crashed", "timeout", "survived", "equivalent")
-        )
+        cells = " | ".join(str(k[s]) for s in COLUMNS)
         lines.append(f"| {path} | {fn} | {cells} | {_score_text(k)} |")
-    classes = survivors_by_class(verdicts)
-    if classes:
-        lines += ["", "## Survivors by kind of change", ""]
-        lines += [f"- {node}: {n}" for node, n in classes.most_common()]
+    for reached, title in ((True, "reached by the suite"), (False, "on lines no scenario runs")):
+        classes = survivors_by_class(verdicts, reached)
+        if classes:
+            lines += ["", f"## Survivors {title}, by kind of change", ""]
+            lines += [f"- {node}: {n}" for node, n in classes.most_common()]
+    unreached = [v for v in verdicts if v.status == "survived" and not v.reached]
+    if unreached:
+        lines += [
+            "",
+            f"## Survivors on lines no scenario runs: {len(unreached)}",
+            "",
+            "Not run: the unmutated suite never executes these lines, so no scenario can "
+            "tell the mutant apart. A scenario that reaches them comes first.",
+            "",
+        ]
+        for v in unreached:
+            lines.append(f"- `{v.mutant.id}` line {v.mutant.line}: {v.mutant.change}")
     for status, title in (
-        ("survived", "Survivors (the harness misses these bugs)"),
+        ("survived", "Survivors reached by the suite (the harness runs them and misses them)"),
         ("not_imported", "Not imported by any scenario"),
         ("timeout", "Timed out (kills)"),
         ("crashed", "Crashed the simulator (kills)"),
         ("equivalent", "Equivalent (excluded from the score)"),
     ):
-        chosen = [v for v in verdicts if v.status == status]
+        chosen = [v for v in verdicts if v.status == status and v.reached]
         if not chosen:
             continue
         lines += ["", f"## {title}: {len(chosen)}", ""]
@@ -199,7 +220,7 @@ def markdown(verdicts: Sequence[Verdict], meta: dict[str, Any], stale: Sequence[
 def print_summary(console: Console, verdicts: Sequence[Verdict], by_function: bool) -> None:
     console.print(table(verdicts, by_function))
     for v in verdicts:
-        if v.status in ("survived", "not_imported"):
+        if v.status in ("survived", "not_imported") and v.reached:
             console.print(f"{v.status}: {v.mutant.id} line {v.mutant.line}", markup=False)
             console.print(f"  {v.mutant.change}", markup=False)
     summary = summarize(verdicts)
@@ -208,7 +229,8 @@ def print_summary(console: Console, verdicts: Sequence[Verdict], by_function: bo
     console.print(
         f"mutation score {score}: {summary.kills} of {summary.scored} killed "
         f"(killed {c['killed']}, crashed {c['crashed']}, timeout {c['timeout']}), "
-        f"survived {c['survived']}, equivalent {c['equivalent']} excluded"
+        f"survived {c['survived']} ({sum(not v.reached for v in verdicts)} on lines no "
+        f"scenario runs), equivalent {c['equivalent']} excluded"
         + (f", not imported {c['not_imported']}" if c["not_imported"] else ""),
         markup=False,
     )

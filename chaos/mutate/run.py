@@ -50,6 +50,8 @@ class Verdict:
     seed: int | None = None
     detail: str = ""
     seconds: float = 0.0
+    #: False: no line of the change runs in the unmutated suite, so it survived unrun
+    reached: bool = True
 
 
 @dataclass
@@ -57,6 +59,13 @@ class Baseline:
     seconds: float
     skip: list[tuple[str, int]] = field(default_factory=list)
     imported: dict[str, str | None] = field(default_factory=dict)
+    #: path (relative to the checkout) -> the lines the unmutated suite runs
+    lines: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    def reached(self, m: Mutant) -> bool:
+        """Whether the suite runs any line of the change (else it cannot tell it apart)."""
+        ran = self.lines.get(m.path)
+        return ran is None or not m.lines or any(line in ran for line in m.lines)
 
 
 class Pool:
@@ -165,10 +174,19 @@ def pool(root: Path) -> Iterator[Pool]:
         p.close()
 
 
-def baseline(p: Pool, scenarios: Sequence[str], explore: int, modules: Sequence[str]) -> Baseline:
+def baseline(
+    p: Pool, scenarios: Sequence[str], explore: int, modules: Sequence[str], paths: Sequence[str]
+) -> Baseline:
     """The suite on the unmutated engine: every scenario must pass; failing exploration
-    seeds are returned to be skipped; which target modules the scenarios import."""
-    job = {"scenarios": list(scenarios), "explore": explore, "targets": list(modules)}
+    seeds are returned to be skipped; which target modules the scenarios import, and which
+    lines of the target files (`paths`, relative to the checkout) they run."""
+    files = {str(p.root / path): path for path in paths}
+    job = {
+        "scenarios": list(scenarios),
+        "explore": explore,
+        "targets": list(modules),
+        "coverage": list(files),
+    }
     verdict, took = p.run(job, None)
     assert verdict is not None
     if verdict.get("status") != "baseline":
@@ -181,7 +199,8 @@ def baseline(p: Pool, scenarios: Sequence[str], explore: int, modules: Sequence[
                 f"({failure['status']}: {failure['detail'][:200]}); expected a green suite"
             )
         skip.append((failure["scenario"], int(failure["seed"])))
-    return Baseline(took, skip, verdict.get("imported", {}))
+    lines = {files[k]: frozenset(v) for k, v in verdict.get("lines", {}).items()}
+    return Baseline(took, skip, verdict.get("imported", {}), lines)
 
 
 def run_all(

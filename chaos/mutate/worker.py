@@ -10,9 +10,11 @@ order, and stops at the first failure: the first scenario that fails kills the m
 The job (JSON): `root` (the checkout), `scenarios` (paths), `explore` (seeds per
 scenario), `skip` (`[scenario, seed]` pairs that fail without any mutant), `module`,
 `path` and `source` (the mutant; absent for the baseline), `result` (where the verdict
-goes). The verdict (JSON): `status` (killed, crashed, survived; the baseline: every
-failure rather than the first), `scenario`, `seed`, `detail`, `mutated` (whether the
-mutated module was imported at all).
+goes), and for the baseline `targets` (module names) and `coverage` (the files whose
+executed lines it reports: a mutant on lines the unmutated suite never runs cannot change
+what it does, so it survives without being run). The verdict (JSON): `status` (killed,
+crashed, survived; the baseline: every failure rather than the first), `scenario`,
+`seed`, `detail`, `mutated` (whether the mutated module was imported at all).
 """
 
 from __future__ import annotations
@@ -137,10 +139,20 @@ def main(argv: list[str]) -> int:
             source = f.read()
         finder = _MutantFinder(job["module"], job["path"], source)
         sys.meta_path.insert(0, finder)
+    cov = None
+    if job.get("coverage"):  # the baseline: which lines of the targets the suite runs
+        import coverage
+
+        cov = coverage.Coverage(data_file=None, include=job["coverage"], config_file=False)
+        cov.start()
     try:
         verdict = judge(job)
     except Exception:  # a scenario the mutated engine cannot even load: no verdict
         verdict = {"status": "crashed", "scenario": None, "seed": None, "detail": _crash()}
+    if cov is not None:
+        cov.stop()
+        data = cov.get_data()
+        verdict["lines"] = {path: sorted(data.lines(path) or []) for path in job["coverage"]}
     verdict["mutated"] = finder.loaded if finder is not None else None
     if finder is not None and not finder.loaded:
         # the scenarios never imported it, or another file of that name shadows it
