@@ -71,13 +71,17 @@ def _failed(result: Any) -> str:
 
 
 def _crash() -> str:
-    """The exception's type and message and the innermost frame of the checkout: one line."""
-    kind, exc, tb = sys.exc_info()
+    """The exception's type and message and the innermost frame of the checkout, of the
+    first exception of the chain (simpy raises a copy of a process's, its cause): one line."""
+    exc = sys.exc_info()[1]
+    while exc is not None and exc.__cause__ is not None:  # simpy re-raises a copy
+        exc = exc.__cause__
+    kind, tb = type(exc), exc.__traceback__ if exc is not None else None
     frames = traceback.extract_tb(tb)
     root = os.getcwd() + os.sep  # the checkout: its innermost frame says more than a library's
     ours = [f for f in frames if f.filename.startswith(root)] or frames
     where = f" at {os.path.relpath(ours[-1].filename)}:{ours[-1].lineno}" if ours else ""
-    text = f"{kind.__name__ if kind else 'error'}: {exc}"
+    text = f"{kind.__name__}: {exc}"
     return " ".join(text.split())[:300] + where
 
 
