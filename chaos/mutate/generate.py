@@ -98,6 +98,8 @@ def targets(paths: Iterable[str] | None, root: Path) -> list[Target]:
             raise TargetError(f"--paths: {raw}: expected a path inside {root}") from None
     if not explicit and (root / REFERENCE_FILE).is_file():
         chosen.append(_references(root))
+    if not chosen:
+        raise TargetError(f"--paths: no Python file under {' '.join(paths or DEFAULT_PATHS)}")
     return chosen
 
 

@@ -171,6 +171,18 @@ def markdown(verdicts: Sequence[Verdict], meta: dict[str, Any], stale: Sequence[
         f"timeout {meta.get('timeout_s', 0):.0f} s a mutant, "
         f"{meta.get('seconds', 0):.0f} s in all.",
         "",
+        "| file | killed | crashed | timeout | survived | of which unreached "
+        "| equivalent | score |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    files: dict[str, Counter[str]] = defaultdict(Counter)
+    for path, _fn, k in _rows(verdicts):
+        files[path].update(k)
+    for path, k in files.items():
+        cells = " | ".join(str(k[s]) for s in COLUMNS)
+        lines.append(f"| {path} | {cells} | {_score_text(k)} |")
+    lines += [
+        "",
         "| file | function | killed | crashed | timeout | survived | of which unreached "
         "| equivalent | score |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
