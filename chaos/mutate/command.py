@@ -35,7 +35,7 @@ def add_parser(sub: Any, within: Callable[[int, int], Callable[[str], int]]) -> 
         "--paths",
         nargs="+",
         metavar="PATH",
-        help="files or folders to mutate (default: engine/core engine/shell engine/policy.py "
+        help="files or folders to mutate (default: engine/core engine/policy.py engine/shell "
         "and the store references of sim/redis.py)",
     )
     m.add_argument("--function", help="only this function (`name` or `Class.method`)")
@@ -46,7 +46,7 @@ def add_parser(sub: Any, within: Callable[[int, int], Callable[[str], int]]) -> 
         help="the suite (default: scenarios/*.yaml scenarios/regressions/*.yaml)",
     )
     m.add_argument(
-        "--jobs", type=within(1, 256), default=os.cpu_count() or 1, help="mutants at once"
+        "--jobs", type=within(1, 256), default=os.cpu_count() or 1, help="mutants at once (default: every core)"
     )
     m.add_argument(
         "--timeout",
