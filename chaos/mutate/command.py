@@ -46,7 +46,10 @@ def add_parser(sub: Any, within: Callable[[int, int], Callable[[str], int]]) -> 
         help="the suite (default: scenarios/*.yaml scenarios/regressions/*.yaml)",
     )
     m.add_argument(
-        "--jobs", type=within(1, 256), default=os.cpu_count() or 1, help="mutants at once (default: every core)"
+        "--jobs",
+        type=within(1, 256),
+        default=os.cpu_count() or 1,
+        help="mutants at once (default: every core)",
     )
     m.add_argument(
         "--timeout",
