@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from chaos.mutate import run
 from chaos.mutate.generate import Mutant, mutants, targets
 from chaos.stack import marked_pids
@@ -170,3 +172,17 @@ def test_ctrl_c_stops_the_workers_and_removes_the_temp_dir(tmp_path: Path) -> No
     assert _left_dirs(proc.pid) == []
     assert not any(d.exists() for d in dirs)
     assert marked_pids(f"mutate-{proc.pid}") == []  # the worker it was running: killed
+
+
+def test_a_spliced_mutant_is_the_file_rebuilt_with_the_mutated_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the fast path (the node's text replaced in place) against libcst's whole-tree rebuild
+    import chaos.mutate.generate as generate
+
+    dag, policy = targets(["engine/core/dag.py", "engine/policy.py"], ROOT)
+    fast = mutants(dag, ROOT) + mutants(policy, ROOT)
+    monkeypatch.setattr(generate, "_spliced", lambda *_args: None)
+    rebuilt = mutants(dag, ROOT) + mutants(policy, ROOT)
+    assert len(fast) == len(rebuilt) > 150
+    assert fast == rebuilt
