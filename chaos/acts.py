@@ -103,7 +103,8 @@ class ResumeWorker:
 @dataclass(frozen=True, slots=True)
 class KillService:
     """SIGKILL "redis" or "broker" (`graceful`: stop it cleanly, SIGTERM or `docker stop`;
-    the simulator, where nothing acknowledged is lost either way, kills it)."""
+    the simulator, where nothing acknowledged is lost either way, kills it). Sent back: how
+    many messages the broker held, where the runner can count them (None: not counted)."""
 
     name: str
     graceful: bool = False
@@ -112,7 +113,8 @@ class KillService:
 @dataclass(frozen=True, slots=True)
 class RestartService:
     """Bring "redis" or "broker" back (Redis losing `redis.lose_last_writes` writes first);
-    the number of writes lost is sent back (None: none were to be lost)."""
+    the number of writes lost is sent back (None: none were to be lost), or for the
+    broker the messages it found on restart, where the runner can count them."""
 
     name: str
 
@@ -218,9 +220,9 @@ class Disconnect:
 
 @dataclass(frozen=True, slots=True)
 class BindConsumer:
-    """The harness's consumer of `evaluation.completed`, until `CloseConsumer`: a durable
-    queue bound before the first submit; each delivery recorded (`completed_received`),
-    then acknowledged."""
+    """The harness's consumer of `evaluation.completed` and `evaluation.started`, until
+    `CloseConsumer`: a durable queue bound to both before the first submit; each delivery
+    recorded (`completed_received`, `started_received`), then acknowledged."""
 
 
 @dataclass(frozen=True, slots=True)

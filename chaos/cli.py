@@ -8,10 +8,12 @@
     python -m chaos list
     python -m chaos clean     # stop and delete what a SIGKILLed run left behind
     python -m chaos images build   # Redis and RabbitMQ images from this machine's own
+    python -m chaos docs [--check]  # docs/reference/, written from the code
     python -m chaos mutate [--paths P ...] [--jobs J]   # mutants of the engine vs the suite
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
-3 the stack could not be started (containers mode: no Docker engine answers), 130 / 143
+3 the stack could not be started (containers mode: no Docker engine answers), 4 the harness
+failed in a scenario (one `ERROR` line; the other scenarios still run), 130 / 143
 interrupted by SIGINT / SIGTERM (at any moment: everything the command started is stopped
 first; one line on stderr). `clean` exits 0, or 1 when a process would not die. A live run
 starts with the same reaping as `clean`: only what belongs to a dead runner is touched,
@@ -29,6 +31,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -43,6 +46,7 @@ from engine.config import OneLineParser
 from engine.policy import MAX_SEED
 
 EXIT_OK, EXIT_VIOLATION, EXIT_INPUT, EXIT_STACK = 0, 1, 2, 3
+EXIT_HARNESS = 4  # a fault injector of the harness failed in a scenario: no verdict
 NO_WRAP_WIDTH = 100_000  # the console width off a terminal: wider than any line printed
 
 
@@ -70,10 +74,10 @@ def _within(least: int, most: int) -> Callable[[str], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m chaos", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m chaos", description=OneLineParser.summary(__doc__))
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     run = sub.add_parser("run", help="run scenarios and check their invariants")
-    run.add_argument("scenarios", nargs="+", metavar="SCENARIO")
+    run.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")
     run.add_argument(
         "--mode",
         choices=["auto", "live", "containers", "sim"],
@@ -90,11 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--price-per-1k", type=_price, help="USD per 1,000 tokens in the report")
     sim = sub.add_parser("sim", help="explore many seeds in the simulator, shrink failures")
-    sim.add_argument("scenario", metavar="SCENARIO")
+    sim.add_argument(
+        "scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML), each explored"
+    )
     sim.add_argument(
         "--seeds", type=_within(1, MAX_SEEDS), default=100, help="how many seeds (default 100)"
     )
-    sim.add_argument("--first-seed", type=_within(0, MAX_SEED), default=0)
+    sim.add_argument(
+        "--first-seed",
+        type=_within(0, MAX_SEED),
+        default=0,
+        help="explore seeds from this one on (default 0)",
+    )
     sim.add_argument(
         "--jobs", type=_within(0, 256), default=0, help="processes (default: every core)"
     )
@@ -104,7 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--report",
         type=Path,
         metavar="DIR",
-        help="what the faults cost over the seeds: report.html, summary.md, metrics.json",
+        help="what the faults cost over the seeds: report.html, summary.md, metrics.json "
+        "(DIR/<name> for each of several scenarios)",
+    )
+    sim.add_argument(
+        "--out",
+        type=Path,
+        help="output folder: --shrink writes OUT/regressions/ there (default out/sim-<time>)",
     )
     sim.add_argument(
         "--all-failpoints",
@@ -114,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--regressions",
         type=Path,
-        default=Path("scenarios/regressions"),
-        help="where --shrink writes the failing case (default scenarios/regressions)",
+        metavar="DIR",
+        help="where --shrink writes the failing case instead of OUT/regressions (e.g. "
+        "scenarios/regressions, to keep it in the gate)",
     )
     rep = sub.add_parser("report", help="what the faults of finished runs cost, plotted")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's folder, or --out's")
@@ -124,8 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser(
         "compare", help="both memories vs RabbitMQ only vs the seed as written, side by side"
     )
-    cmp.add_argument("scenarios", nargs="+", metavar="SCENARIO")
-    cmp.add_argument("--mode", choices=["auto", "live", "containers", "sim"], default="auto")
+    cmp.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")
+    cmp.add_argument(
+        "--mode",
+        choices=["auto", "live", "containers", "sim"],
+        default="auto",
+        help="as run's --mode (sim: --seeds runs of each scenario per design)",
+    )
     cmp.add_argument(
         "--seeds", type=_within(1, MAX_SEEDS), default=20, help="sim: seeds per design (20)"
     )
@@ -138,11 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
         "sentinel: the answers to lost writes behind Sentinel, alone, together and none",
     )
     val = sub.add_parser("validate", help="check scenario files without running them")
-    val.add_argument("scenarios", nargs="+", metavar="SCENARIO")
-    sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
+    val.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")
+    lst = sub.add_parser("list", help="scenarios, invariants, failpoints and mutants")
+    lst.add_argument(
+        "--long", action="store_true", help="whole descriptions (default: one line each)"
+    )
     sub.add_parser("clean", help="stop and delete what killed runs left (their runner is dead)")
     img = sub.add_parser("images", help="containers mode's images, built from this machine's")
-    img.add_argument("action", choices=["build"])
+    img.add_argument(
+        "action", choices=["build"], help="build: the chaos-redis and chaos-rabbitmq images"
+    )
+    docs = sub.add_parser(
+        "docs", help="write docs/reference/ from the code: scenarios, fields, invariants, ..."
+    )
+    docs.add_argument("--check", action="store_true", help="exit 1 if a page is out of date")
     prx = sub.add_parser("proxy", help="a seeded Toxiproxy-compatible server, until interrupted")
     prx.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
     prx.add_argument("--port", type=_within(0, 65535), default=8474, help="API port (8474)")
@@ -191,9 +223,11 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "images":
         return _images(console)
     if args.command == "list":
-        return _list(console)
+        return _list(console, args.long)
     if args.command == "report":
         return _report(args.runs, args.out, args.price_per_1k, console)
+    if args.command == "docs":
+        return _docs(args.check, console)
     if args.command == "proxy":
         from chaos.proxy.server import serve
 
@@ -202,7 +236,7 @@ def _main(argv: list[str] | None) -> int:
         from chaos.mutate.command import mutate_command
 
         return mutate_command(args, console)
-    loaded, errors = _load_all(args.scenarios if args.command != "sim" else [args.scenario])
+    loaded, errors = _load_all(args.scenarios)
     for line in errors:  # every bad file, before anything runs
         print(line, file=sys.stderr)
     if args.command == "validate":
@@ -214,9 +248,12 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "sim":
         if args.mutant is not None and _bad_mutant(args.mutant):
             return EXIT_INPUT
-        from chaos.simcli import explore_command
+        from chaos.simcli import explore_all
 
-        return explore_command(loaded[0], args, console)
+        if args.regressions is None:
+            now = datetime.now(UTC).strftime("sim-%Y%m%dT%H%M%SZ")
+            args.regressions = (args.out or Path("out") / now) / "regressions"
+        return explore_all(loaded, args, console)
     if args.command == "compare":
         out = args.out or Path("out") / datetime.now(UTC).strftime("compare-%Y%m%dT%H%M%SZ")
         return _compare(loaded, out, args, console)
@@ -441,8 +478,11 @@ def _bad_mutant(name: str) -> bool:
 
     if name in MUTANTS:
         return False
+    from engine.validation import did_you_mean
+
     names = ", ".join(sorted(MUTANTS))
-    print(f"--mutant: unknown mutant {name!r}; expected one of {names}", file=sys.stderr)
+    tip = did_you_mean(name, MUTANTS)
+    print(f"--mutant: unknown mutant {name!r}{tip}; expected one of {names}", file=sys.stderr)
     return True
 
 
@@ -472,7 +512,33 @@ def _toxics() -> list[tuple[str, str]]:
     return rows
 
 
-def _list(console: Console) -> int:
+def _docs(check: bool, console: Console) -> int:
+    """The generated reference pages: written, or (`--check`) compared with what is there."""
+    from chaos import docsgen
+
+    if check:
+        for rel in (out := docsgen.stale()):
+            print(f"{rel} is out of date: run `{docsgen.COMMAND}`", file=sys.stderr)
+        return EXIT_VIOLATION if out else EXIT_OK
+    for rel in docsgen.write():
+        console.print(f"wrote {rel}", markup=False)
+    return EXIT_OK
+
+
+#: `chaos list`'s descriptions without --long: cut to this many characters, on a word.
+BRIEF_CHARS = 96
+
+
+def brief(text: str, limit: int = BRIEF_CHARS) -> str:
+    """One line of a description: its first sentence, cut on a word to `limit` characters."""
+    flat = " ".join(text.split())
+    first = flat.split(". ", 1)[0].rstrip(".")
+    if len(first) <= limit:
+        return first
+    return first[: limit - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+
+
+def _list(console: Console, long: bool = False) -> int:
     from chaos.checker import INVARIANTS
     from chaos.mutants import MUTANTS
     from engine.failpoints import FAILPOINTS
@@ -485,7 +551,8 @@ def _list(console: Console) -> int:
 
     for path in [*sorted(root.glob("*.yaml")), *sorted(root.glob("regressions/*.yaml"))]:
         try:
-            desc = load_scenario(path).spec.description.split("\n")[0]
+            desc = load_scenario(path).spec.description
+            desc = " ".join(desc.split()) if long else brief(desc)
         except ScenarioError as exc:
             desc = f"[red]invalid: {exc}"
         table.add_row(str(path.relative_to(root.parent)), desc)
@@ -493,14 +560,14 @@ def _list(console: Console) -> int:
     for title, rows in (
         ("invariants", INVARIANTS.items()),
         ("failpoints", FAILPOINTS.items()),
-        ("mutants", ((m.name, f"{m.description} (breaks {m.breaks})") for m in MUTANTS.values())),
+        ("mutants", ((m.name, f"breaks {m.breaks}: {m.description}") for m in MUTANTS.values())),
         ("toxics (add_toxic, update_toxic, remove_toxic on link redis or broker)", _toxics()),
     ):
         t = Table(title=title, **_table_style(console))
         t.add_column("name")
         t.add_column("meaning")
         for name, meaning in rows:
-            t.add_row(name, meaning)
+            t.add_row(name, meaning if long else brief(meaning))
         console.print(t)
     return EXIT_OK
 
@@ -575,16 +642,21 @@ async def _run_all(
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as Bar
 
-    from chaos.journal import Ticker, format_violation, write_junit, write_outputs
-    from chaos.runner import RunRefused, ScenarioRun
+    from chaos.journal import (
+        Ticker,
+        format_violation,
+        fresh_run_dir,
+        suite_name,
+        write_junit,
+        write_outputs,
+    )
+    from chaos.runner import HarnessError, RunRefused, ScenarioRun
 
     out.mkdir(parents=True, exist_ok=True)
     suites = []
     worst = EXIT_OK
     for sc in loaded:
-        run_dir = out / sc.spec.name
-        if run_dir.exists():
-            run_dir = out / f"{sc.spec.name}-{len(suites)}"
+        run_dir = fresh_run_dir(out, sc.spec.name)
         bar = Bar(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -610,13 +682,29 @@ async def _run_all(
 
         run.on_progress = show
         started = time.monotonic()
-        with bar:
-            outcome = await run.run()
+        try:
+            with bar:
+                outcome = await run.run()
+        except HarnessError as exc:  # no verdict for this one; the others still run
+            await _ensure_services(services)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            evidence = run_dir / "harness_error.txt"
+            evidence.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+            spent = time.monotonic() - started
+            console.print(
+                f"ERROR {sc.spec.name} ({_live_mode(args)}): {exc} ({spent:.1f} s)", markup=False
+            )
+            console.print(f"  evidence: {evidence}", markup=False)
+            worst = max(worst, EXIT_HARNESS)
+            suites.append((suite_name(sc.spec.name, _live_mode(args), run.seed), str(exc), spent))
+            continue
         await _ensure_services(services)
         result = outcome.result
         extra = {**outcome.extra, "mode": _live_mode(args)}
         write_outputs(run_dir, sc.spec.name, outcome.history, result, extra)
-        suites.append((sc.spec.name, result, outcome.duration_s))
+        suites.append(
+            (suite_name(sc.spec.name, _live_mode(args), run.seed), result, outcome.duration_s)
+        )
         (run_dir / "history.raw.jsonl").unlink(missing_ok=True)  # merged into history.jsonl
         _summary(console, sc.spec.name, outcome, time.monotonic() - started, _live_mode(args))
         if not result.ok:
@@ -624,7 +712,7 @@ async def _run_all(
         for v in result.violations[:10]:
             console.print(format_violation(v), markup=False)
         if not result.ok:
-            worst = EXIT_VIOLATION
+            worst = max(worst, EXIT_VIOLATION)
     write_junit(out / "junit.xml", suites)
     console.print(f"outputs: {out}", markup=False)
     return worst

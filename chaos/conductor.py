@@ -38,8 +38,14 @@ from chaos.scenario.schema import SERVICE_ACTIONS
 from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
 from engine.plan import Plan
 
-#: The harness's durable queue of `evaluation.completed` (in the run's namespace).
+#: The harness's durable queue of `evaluation.completed` (in the run's namespace), bound
+#: to `evaluation.started` too: one queue, so that an evaluation's announcements reach the
+#: consumer in the order the broker took them.
 COMPLETED_QUEUE = "chaos.completed"
+STARTED_KEY = "evaluation.started"
+#: The routing keys the harness's consumer binds, each recorded (`events_consumer_bound`);
+#: a delivery of the first is a `completed_received`, of the second a `started_received`.
+EVENT_KEYS = ("evaluation.completed", STARTED_KEY)
 #: How often the runner supervises the workers and looks whether the run has settled.
 POLL_S = 0.05
 #: How often it reads new history events (event-triggered faults, deliveries at the end).
@@ -88,15 +94,19 @@ class Progress:
     note: str = ""
 
 
-def delivered(body: Any, message_id: str | None, redelivered: bool) -> dict[str, Any]:
+def delivered(
+    body: Any, message_id: str | None, redelivered: bool, delivery_mode: Any = None
+) -> dict[str, Any]:
     """What the consumer records of a delivery of `evaluation.completed` (its
-    `completed_received`), before it acknowledges it."""
+    `completed_received`) or `evaluation.started` (`started_received`), before it
+    acknowledges it: with its delivery mode (2: persistent), as the publisher set it."""
     attempt_id = body.get("attempt_id") if isinstance(body, dict) else None
     return {
         "attempt_id": attempt_id,
         "message_id": message_id,
         "body": body,
         "redelivered": redelivered,
+        "delivery_mode": delivery_mode,
     }
 
 
@@ -299,9 +309,11 @@ class Conductor:
                 yield from self._pause(self.slots[fault.target], fault.pause_s or 0.0, fault_id)
             case "kill_redis" | "kill_broker" | "stop_redis" | "stop_broker":
                 name, how = SERVICE_ACTIONS[fault.action]
-                yield acts.KillService(name, graceful=how == "stop")
+                held = yield acts.KillService(name, graceful=how == "stop")
                 signal = {"signal": "SIGTERM"} if how == "stop" else {}
-                yield acts.Record("service_killed", {"service": name, **signal})
+                # what the node held, when the runner can count it (the simulator's model)
+                counted = {"messages": held} if held is not None else {}
+                yield acts.Record("service_killed", {"service": name, **signal, **counted})
                 if name == "redis" and self.spec.redis.topology == "sentinel":
                     # Sentinel promotes the replica by itself: the fault heals then; the
                     # killed primary, restarted later, rejoins as a replica
@@ -441,6 +453,8 @@ class Conductor:
         extra = (
             {"lost_writes": lost} if name == "redis" and self.spec.redis.lose_last_writes else {}
         )
+        if name == "broker" and lost is not None:  # the messages the node found on disk
+            extra = {"messages": lost}
         yield acts.Record("service_restarted", {"service": name, **extra})
         if fault_id is not None:
             yield from self._healed(fault_id)

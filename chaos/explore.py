@@ -314,8 +314,8 @@ def simulate(data: dict[str, Any], mutant: str | None = None, measure: bool = Fa
     unknown = tuple(k for k, v in result.verdicts.items() if v == "unknown")
     measures = None
     if measure:
-        bill = result.stats.get("reference_tokens")
-        measures = measure_cost(outcome.history, loaded.spec.time_scale, mutant, bill)
+        # the figures the checker recorded for this seed: the one definition
+        measures = measure_cost(outcome.history, loaded.spec.time_scale, result.stats, mutant)
     return SeedResult(
         seed, result.ok, tuple(failed), outcome.history_hash, first, crashed, unknown, measures
     )

@@ -10,10 +10,11 @@ on its own, with the time its own check took. Every file is written to a tempora
 and moved into place: a reader never sees half a file, and a crash leaves the previous
 one.
 
-`summary_line` is the line a run prints per scenario: mode, faults fired, reruns by kind
-(a rerun in the write window or of a call in flight is the engine's promise kept; one after
-completion is the violation). `Ticker` prints a progress line every few seconds where no
-progress bar can be drawn (a pipe, a CI log), so a long run is never silent.
+`summary_line` is the line a run prints per scenario: mode, faults fired, reruns and
+duplicated tokens by cause, under the names the journal and the report use (the figures
+of `chaos.checker.cost`, as the checker recorded them). `Ticker` prints a progress line
+every few seconds where no progress bar can be drawn (a pipe, a CI log), so a long run is
+never silent.
 """
 
 from __future__ import annotations
@@ -70,15 +71,32 @@ def write_outputs(
     _atomic_write(out / "journal.json", json.dumps(journal, indent=2, default=str) + "\n")
 
 
+def fresh_run_dir(out: Path, name: str) -> Path:
+    """A scenario's folder under `out`: its `name:`, or `name-2`, `name-3`, ... when an earlier
+    scenario of the same invocation took it (two files of one name never overwrite)."""
+    run_dir, n = out / name, 1
+    while run_dir.exists():
+        n += 1
+        run_dir = out / f"{name}-{n}"
+    return run_dir
+
+
+def suite_name(scenario: str, mode: str, seed: int | None) -> str:
+    """A JUnit suite's name: the scenario's `name:` with the mode and seed it ran with, so a
+    live and a simulated run of one scenario (or two seeds) are two suites, not one."""
+    return f"{scenario} ({mode}, seed {seed})" if seed is not None else f"{scenario} ({mode})"
+
+
 def junit_cases(
     scenario_name: str, result: CheckResult, duration_s: float = 0.0
 ) -> list[ET.Element]:
     """One `<testcase>` per invariant judged (classname = scenario, name = invariant), timed
     by its own check (`result.durations_s`): a `<failure>` with the violations and their
-    timelines, `<skipped>` for "unknown"; plus a `budgets` case (time 0: comparing numbers)
-    when any budget was set (`stats["budgets"]` lists them). The scenario's run time is the
-    suite's; only a result built without timings (by hand) puts `duration_s` on its first
-    case, as before."""
+    timelines, `<skipped>` for "unknown"; a `budgets` case (time 0: comparing numbers) when
+    any budget was set (`stats["budgets"]` lists them); and an `exercised` case timed by the
+    scenario's own run (`duration_s`: what a CI tab adds up is then the scenario's time),
+    failing when the run judged fewer cases than its `exercised` minimums, which fails the
+    run as a violation does."""
     cases: list[ET.Element] = []
     for name, verdict in result.verdicts.items():
         took = _seconds(result.durations_s.get(name, 0.0))
@@ -106,8 +124,15 @@ def junit_cases(
             )
             failure.text = "\n".join(result.budget_failures)
         cases.append(case)
-    if cases and not result.durations_s:
-        cases[0].set("time", _seconds(duration_s))
+    case = ET.Element(
+        "testcase", classname=scenario_name, name="exercised", time=_seconds(duration_s)
+    )
+    if result.exercise_failures:
+        failure = ET.SubElement(
+            case, "failure", message="; ".join(result.exercise_failures), type="exercised"
+        )
+        failure.text = "\n".join(result.exercise_failures)
+    cases.append(case)
     return cases
 
 
@@ -116,14 +141,26 @@ def _seconds(value: float) -> str:
     return f"{max(value, 0.0):.6f}"
 
 
-def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult, float]]) -> None:
-    """Write one JUnit XML report: a `<testsuite>` per (scenario, result, duration)."""
+def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult | str, float]]) -> None:
+    """Write one JUnit XML report: a `<testsuite>` per (suite name, result, duration). A
+    result that is a string is a scenario the harness could not judge (its injector
+    failed): one `run` case with that `<error>`. Two suites of one name (one scenario file
+    given twice) are kept apart: `#2`, `#3`, ..."""
     root = ET.Element("testsuites", name="chaos")
-    total = failures = skipped = 0
+    total = failures = errors = skipped = 0
     elapsed = 0.0
-    for scenario, result, duration in suites:
-        cases = junit_cases(scenario, result, duration)
+    seen: dict[str, int] = {}
+    for given, result, duration in suites:
+        seen[given] = seen.get(given, 0) + 1
+        scenario = given if seen[given] == 1 else f"{given} #{seen[given]}"
+        if isinstance(result, str):
+            case = ET.Element("testcase", classname=scenario, name="run", time=_seconds(duration))
+            ET.SubElement(case, "error", message=result, type="harness")
+            cases = [case]
+        else:
+            cases = junit_cases(scenario, result, duration)
         n_fail = sum(1 for c in cases if c.find("failure") is not None)
+        n_err = sum(1 for c in cases if c.find("error") is not None)
         n_skip = sum(1 for c in cases if c.find("skipped") is not None)
         suite = ET.SubElement(
             root,
@@ -131,18 +168,19 @@ def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult, float
             name=scenario,
             tests=str(len(cases)),
             failures=str(n_fail),
-            errors="0",
+            errors=str(n_err),
             skipped=str(n_skip),
             time=f"{max(duration, 0.0):.3f}",
         )
         suite.extend(cases)
         total += len(cases)
         failures += n_fail
+        errors += n_err
         skipped += n_skip
         elapsed += max(duration, 0.0)
     root.set("tests", str(total))
     root.set("failures", str(failures))
-    root.set("errors", "0")
+    root.set("errors", str(errors))
     root.set("skipped", str(skipped))
     root.set("time", f"{elapsed:.3f}")
     ET.indent(root)
@@ -151,18 +189,32 @@ def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult, float
 
 
 def rerun_split(stats: Mapping[str, Any]) -> str:
-    """`reruns 9 (write window 2, in flight 7, after completion 0)`: the total is every
-    rerun; only the last kind breaks `no_completed_rerun`."""
-    kinds = stats.get("rerun_kinds")
-    if not isinstance(kinds, Mapping):  # a journal from before the split
-        return f"reruns {stats.get('reruns', 0)}"
-    window, flight, after = (
-        int(kinds.get(k, 0)) for k in ("write_window", "in_flight", "after_completion")
-    )
-    return (
-        f"reruns {window + flight + after} (write window {window}, in flight {flight}, "
-        f"after completion {after})"
-    )
+    """`reruns 9 (write_window 4, sweeper_resume 5)`: every rerun, then each cause that
+    had one, named as in the journal and the report (`chaos.checker.cost.CAUSE_TEXT`)."""
+    return f"reruns {stats.get('reruns', 0)}" + _by_cause(stats.get("reruns_by_cause"))
+
+
+def cost_text(stats: Mapping[str, Any]) -> str:
+    """`duplicated tokens 4826 (write_window 4826) = 10.3% of the fault-free bill 46765`:
+    the checker's figures (`chaos.checker.cost.Figures`), as the report shows them; and
+    the reference's calls this run never made (`not_run`), when there are any."""
+    text = f"duplicated tokens {stats.get('duplicated_tokens', 0)}"
+    text += _by_cause(stats.get("duplicated_by_cause"))
+    bill = stats.get("reference_tokens")
+    if isinstance(bill, int) and bill > 0 and "duplicated_ratio" in stats:
+        text += f" = {100 * float(stats['duplicated_ratio']):.1f}% of the fault-free bill {bill}"
+    not_run = stats.get("not_run_tokens")
+    if isinstance(not_run, int) and not_run > 0:
+        text += f", not_run {not_run}"
+    return text
+
+
+def _by_cause(counts: Any) -> str:
+    """` (a 4, b 5)`: the causes with a count, in the order given; empty if none."""
+    if not isinstance(counts, Mapping):
+        return ""
+    shown = [f"{cause} {n}" for cause, n in counts.items() if n]
+    return f" ({', '.join(shown)})" if shown else ""
 
 
 def faults_text(stats: Mapping[str, Any]) -> str:
@@ -178,7 +230,7 @@ def summary_line(
 ) -> Text:
     """The one line a run prints per scenario, in a pipe as on a terminal (the styles are
     dropped where colours are): verdict, scenario, mode, size and time, faults fired,
-    reruns by kind, duplicated tokens, the cases judged in all, then `tail` (e.g. the
+    reruns and duplicated tokens by cause, the cases judged in all, then `tail` (e.g. the
     sim's history hash) and only what broke or stayed unknown, with its case count.
     `timing` is already worded ("in 4.2 s", "in 12.0 s simulated (0.31 s real)")."""
     stats = result.stats
@@ -188,7 +240,7 @@ def summary_line(
         ("PASS", "green") if result.ok else ("FAIL", "red"),
         f" {name} ({mode}): {evaluations} evaluation{'' if evaluations == 1 else 's'} {timing}; "
         f"{faults_text(stats)}; "
-        f"{rerun_split(stats)}, duplicated tokens {stats.get('duplicated_tokens', 0)}",
+        f"{rerun_split(stats)}; {cost_text(stats)}",
     )
     if result.cases:
         line.append(f"; {sum(result.cases.values())} cases judged")

@@ -15,6 +15,7 @@ loudly if that seam is gone, rather than silently running the correct engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
 from collections.abc import Callable, Sequence
@@ -40,9 +41,11 @@ from engine.plan import Plan
 from engine.policy import RetryPolicy
 from engine.runtime import store
 from engine.runtime.broker import Broker
-from engine.shell import orchestrator
+from engine.runtime.drive import drive
+from engine.shell import heartbeat, orchestrator
+from engine.shell import sweeper as shell_sweeper
 from engine.shell.controller import EvaluationController
-from engine.shell.effects import PublishEvent, Step, Stepper, Store
+from engine.shell.effects import Failpoint, PublishEvent, Sleep, Step, Stepper, Store
 from engine.shell.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
@@ -379,6 +382,56 @@ def slow_tier() -> None:
     RetryPolicy.tier_for = one_tier_later
 
 
+def ignore_rule_max_attempts() -> None:
+    """matches_reference: a plan's per-rule `max_attempts` is ignored: `Evaluation.max_attempts`
+    answers the policy's number for every rule, so a rule the plan lets retry longer ends
+    permanently failed (and prunes its dependents), and one it gives fewer attempts is
+    retried past them. The reference reads the plan with the checker's own code, so it
+    does not move with the engine."""
+
+    def policy_only(self: Evaluation, rule_id: str) -> int:
+        return self.policy.max_attempts
+
+    Evaluation.max_attempts = policy_only
+
+
+def forget_permanent_failure() -> None:
+    """attempts_monotonic: recovery forgets a permanent failure. `ReEvaluateUseCase` gives
+    the core a snapshot without its `permanently_failed` statuses, so a resumed evaluation
+    takes a rule given up on for one never run, and runs it again from attempt 1."""
+    rebuild = ReEvaluateUseCase.rebuild
+
+    def forgetful_rebuild(
+        self: ReEvaluateUseCase, plan: Plan, attempt_id: str, snapshot: Snapshot, due: Any
+    ) -> Evaluation:
+        statuses = {r: s for r, s in snapshot.statuses.items() if s != "permanently_failed"}
+        blank = dataclasses.replace(snapshot, statuses=statuses)
+        return rebuild(self, plan, attempt_id, blank, due)
+
+    ReEvaluateUseCase.rebuild = forgetful_rebuild
+
+
+#: How long `hold_due_retry` holds a due retry back, in engine ms (scaled by time_scale):
+#: half the 100 s of slack the check used to allow, so that only a proof catches it.
+HOLD_DUE_RETRY_MS = 50_000
+
+
+def hold_due_retry() -> None:
+    """retry_delays_respected: a due retry is held back for nothing. Each delayed retry's
+    rule, once its slot is granted, waits `HOLD_DUE_RETRY_MS` (engine time) before its
+    first call: no slot was busy, nothing was resumed, no fault was open."""
+    run_rule = orchestrator.PassExecutionOrchestrator._run_rule
+
+    def held_back(
+        self: orchestrator.PassExecutionOrchestrator, action: Any, execution: int
+    ) -> Step:
+        if action.attempt >= 2 and action.try_no == 1:
+            yield Sleep(HOLD_DUE_RETRY_MS * self.config.time_scale / 1000)
+        yield from run_rule(self, action, execution)
+
+    orchestrator.PassExecutionOrchestrator._run_rule = held_back
+
+
 # --- the history ---------------------------------------------------------------------------
 
 #: `drop_history_events` loses every DROP_EVERY-th event a worker records.
@@ -549,6 +602,283 @@ def no_fencing() -> None:
     orchestrator.PassExecutionOrchestrator._lease_short = lambda self, now: False  # type: ignore[method-assign]
 
 
+def results_only_reannounced() -> None:
+    """completed_delivered: an evaluation announced again (its announcer died between the
+    final write and the publish) is announced with the verdicts of its stored results
+    only, as before issue 25's fix: its permanently failed rules and their skipped
+    dependents are missing, so one message id carries another body than the first."""
+    if not hasattr(Evaluation, "stored_verdicts"):
+        raise RuntimeError("results_only_reannounced: Evaluation.stored_verdicts is gone")
+
+    def results_only(self: Evaluation) -> dict[str, str]:
+        return {r: v.verdict for r, v in self.snapshot.results.items()}
+
+    Evaluation.stored_verdicts = results_only  # type: ignore[method-assign]
+
+
+def old_close_order() -> None:
+    """reruns_explained: a stopping worker hands its evaluations back while it still
+    consumes (the close order before issue 25): it abandons them (their held retries
+    requeued, their leases released) and only then closes the broker, so a requeued
+    retry comes straight back to it and is begun again (a new lease), its rules started
+    and dropped once more. No `worker_stopping` is recorded: its abandons mark the stop."""
+
+    async def close(self: engine.worker.Worker) -> None:
+        tasks = [*self._tasks, *self._deliveries]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await drive(self.controller.shutdown(), self.rt)
+        await self.rt.broker.close()
+        await self.rt.store.close()
+        self.rt.history.record("worker_stopped")
+        self.rt.history.close()
+
+    engine.worker.Worker.close = close  # type: ignore[method-assign]
+
+
+# --- engine bugs that the engine absorbs ----------------------------------------------------
+
+
+def raise_in_shell() -> None:
+    """no_engine_error: the controller's set-up of a delivery raises `KeyError` the first
+    time each process meets an evaluation (a lookup of something not there yet). The
+    shell's own `except` absorbs it: the delivery fails, goes back to the queue, and comes
+    round again, so every evaluation still ends as it should; only the error tells."""
+    begin = EvaluationController._begin
+
+    def lookup_first(self: EvaluationController, kind: str, attempt_id: str, *args: Any) -> Step:
+        met = self.__dict__.setdefault("_mutant_met", set())
+        if attempt_id not in met:
+            met.add(attempt_id)
+            raise KeyError(attempt_id)
+        return (yield from begin(self, kind, attempt_id, *args))
+
+    EvaluationController._begin = lookup_first  # type: ignore[method-assign]
+
+
+def retry_to_undeclared_queue() -> None:
+    """no_engine_error: a delayed retry is published to a delay queue nobody declared (its
+    jitter bucket 1000 past the policy's): the broker's table of delay queues has no such
+    queue, the publish fails, the evaluation is abandoned, and the sweeper re-publishes
+    the overdue retry: the run ends as it should, and only the error tells. The patch is
+    of `engine.shell.module.schedule_retry`, the step both shells run."""
+    from engine.shell import module
+
+    schedule_retry = module.schedule_retry
+
+    def misrouted(config: Any, attempt_id: str, action: Any) -> Step:
+        wrong = dataclasses.replace(action, bucket=action.bucket + 1000)
+        return (yield from schedule_retry(config, attempt_id, wrong))
+
+    module.schedule_retry = misrouted
+
+
+# --- evaluation.started ---------------------------------------------------------------------
+
+
+def _is_started(effect: Any) -> bool:
+    return isinstance(effect, PublishEvent) and effect.routing_key == "evaluation.started"
+
+
+def started_after_ack() -> None:
+    """started_announced: `evaluation.started` is published after the ACK. The controller's
+    set-up of a delivery holds the publish back (answered at once, so `evaluation_started`
+    is still recorded where it was) and sends it once the execute message is acknowledged
+    (after `after_ack`), or at the end of the set-up for a retry: a crash right after the
+    ACK leaves an evaluation that was taken off the queue and never announced."""
+    begin = EvaluationController._begin
+
+    def ack_first(self: EvaluationController, *args: Any) -> Step:
+        stepper = Stepper(begin(self, *args))
+        held: list[Any] = []
+        while (effect := stepper.next()) is not None:
+            if _is_started(effect):
+                held.append(effect)
+                stepper.reply(None)
+                continue
+            try:
+                stepper.reply((yield effect))
+            except BaseException as exc:
+                stepper.fail(exc)
+            if held and isinstance(effect, Failpoint) and effect.name == "after_ack":
+                yield held.pop()
+        for effect in held:
+            yield effect
+        return stepper.value
+
+    EvaluationController._begin = ack_first  # type: ignore[method-assign]
+
+
+def no_started_event() -> None:
+    """started_announced: `evaluation.started` is never published; everything else (the
+    `evaluation_started` record, the ACK after it) is as usual."""
+    begin = EvaluationController._begin
+
+    def unannounced(self: EvaluationController, *args: Any) -> Step:
+        stepper = Stepper(begin(self, *args))
+        while (effect := stepper.next()) is not None:
+            if _is_started(effect):
+                stepper.reply(None)
+                continue
+            try:
+                stepper.reply((yield effect))
+            except BaseException as exc:
+                stepper.fail(exc)
+        return stepper.value
+
+    EvaluationController._begin = unannounced  # type: ignore[method-assign]
+
+
+# --- RabbitMQ flow control and durability ---------------------------------------------------
+
+
+def unbounded_prefetch() -> None:
+    """prefetch_respected: the worker consumes with prefetch 0, RabbitMQ's "no limit":
+    `EngineConfig.prefetch` answers 0 (the worker's own config, live and in the
+    simulator), so a busy worker is handed the whole queue and holds it unacknowledged
+    while its slots are taken."""
+    EngineConfig.prefetch = property(lambda self: 0)  # type: ignore[assignment,method-assign]
+
+
+def non_persistent() -> None:
+    """nothing_lost_on_restart: the worker publishes every message transient (delivery mode
+    1): retries waiting in their delay queues, re-published evaluations and the
+    announcements are held in the broker's memory only, and a broker restart loses them,
+    durable queues or not. The encoded properties of `engine.runtime.wire` (and the
+    delivery mode aiormq's path reads) are changed before the worker connects."""
+    from engine.runtime import wire
+
+    props = wire._FIXED_PROPS
+    at = len(b"\x10application/json\x00\x00\x00\x00")
+    if wire.DELIVERY_MODE != 2 or props[at] != 2:
+        raise RuntimeError("non_persistent: the encoded message properties changed")
+    wire.DELIVERY_MODE = 1
+    wire._FIXED_PROPS = props[:at] + b"\x01" + props[at + 1 :]
+
+
+# --- the lease machinery ------------------------------------------------------------------
+
+
+def heartbeat_stops_when_idle() -> None:
+    """leases_renewed: the heartbeat stops at its first idle beat. A worker that holds no
+    evaluation when its heartbeat first beats never renews a lease again: its leases live
+    only as long as its fenced writes run them on, and lapse during any long call."""
+    beat = heartbeat.beat
+    stopped: set[str] = set()
+
+    def beat_until_idle(worker_id: str, evaluations: Any, *args: Any) -> Step:
+        if not evaluations:
+            stopped.add(worker_id)
+        if worker_id in stopped:
+            return
+        yield from beat(worker_id, evaluations, *args)
+
+    heartbeat.beat = beat_until_idle  # type: ignore[assignment]
+
+
+#: `slow_heartbeat`: how many times longer than `heartbeat_ms` the heartbeat sleeps.
+SLOW_HEARTBEAT = 10
+
+
+def slow_heartbeat() -> None:
+    """leases_renewed: the heartbeat beats ten times too slowly (it sleeps ten times
+    `heartbeat_ms`, longer than the lease at every shipped setting): between two beats a
+    lease lapses unless a fenced write happens to run it on."""
+    sleep = heartbeat.Sleep
+
+    def slow(seconds: float) -> Any:
+        return sleep(seconds * SLOW_HEARTBEAT)
+
+    heartbeat.Sleep = slow  # type: ignore[assignment,misc]
+
+
+def renew_never_extends() -> None:
+    """leases_renewed: the renewal answers that the lease is still held and stamps the
+    running index, but never extends the lease (its `PEXPIRE` is gone): the lease runs out
+    `stale_ms` after the owner's last fenced write, and a delivery to another worker may
+    take the evaluation from its living owner. The source is edited before
+    `RedisStore.__init__` registers it."""
+    extend = "redis.call('PEXPIRE', KEYS[1], ARGV[2])\n"
+    if store._RENEW.count(extend) != 2:
+        raise RuntimeError("renew_never_extends: the renew script changed")
+    store._RENEW = store._RENEW.replace(extend, "")
+
+
+#: `sweeper_claims_early`: the fraction of `stale_ms` the sweeper waits for.
+EARLY_CLAIM = 10
+#: The line of the claim script that leaves a lease still held alone.
+_LEASE_HELD = "if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end\n"
+
+
+def _sweep_early(config: EngineConfig, held: Any) -> Step:
+    """`sweep` with a tenth of `stale_ms` as the age a stamp must reach (one generator
+    between the loop and the real sweep, each store call's threshold rewritten)."""
+    step = _real_sweep(config, held)
+    early = max(1, config.stale_ms // EARLY_CLAIM)
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            effect = step.throw(error) if error is not None else step.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(effect, Store) and effect.op in ("stale_evaluations", "claim_stale"):
+            effect = Store(effect.op, (*effect.args[:-1], early))
+        try:
+            reply, error = (yield effect), None
+        except BaseException as exc:
+            reply, error = None, exc
+
+
+_real_sweep = shell_sweeper.sweep
+
+
+def early_sweep() -> None:
+    """The shell half of `sweeper_claims_early` (the simulator's too)."""
+    global _real_sweep
+    _real_sweep = shell_sweeper.sweep
+    shell_sweeper.sweep = _sweep_early  # type: ignore[assignment]
+
+
+def sweeper_claims_early() -> None:
+    """leases_respected: the sweeper claims far too early. It takes an evaluation whose
+    stamp is a tenth of `stale_ms` old, whether or not its lease is still held (the claim
+    script no longer looks at the lease), and re-publishes it while its owner is running
+    it. The script's source is edited before `RedisStore.__init__` registers it."""
+    if store._CLAIM_STALE.count(_LEASE_HELD) != 1:
+        raise RuntimeError("sweeper_claims_early: the claim script changed")
+    store._CLAIM_STALE = store._CLAIM_STALE.replace(_LEASE_HELD, "")
+    early_sweep()
+
+
+#: The line of a fenced script that refuses a write whose token is not the current one.
+_REFUSED = f"if other then return {{'{store.FENCED}', other}} end"
+
+
+def _unfence(name: str, mutant: str) -> None:
+    source = getattr(store, name)
+    if source.count(_REFUSED) != 1:
+        raise RuntimeError(f"{mutant}: the script {name} changed")
+    setattr(store, name, source.replace(_REFUSED, ""))
+
+
+def status_unfenced() -> None:
+    """writes_fenced: status writes are not fenced. The status script no longer refuses a
+    stale token, so an owner that lost its lease (paused past it while a call was failing)
+    still writes `failed_attempt_N` over its successor's state. The source is edited before
+    `RedisStore.__init__` registers it."""
+    _unfence("_WRITE_STATUS", "status_unfenced")
+
+
+def final_unfenced() -> None:
+    """writes_fenced: final-state writes are not fenced. The finish script no longer refuses
+    a stale token, so an owner that lost its lease (paused before its final write) still
+    writes its terminal state. The source is edited before `RedisStore.__init__` registers
+    it."""
+    _unfence("_FINISH", "final_unfenced")
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -695,6 +1025,91 @@ MUTANTS: dict[str, Mutant] = {
             "no_completed_rerun",
             "the owner's writes are not fenced: a worker that lost its lease writes on",
         ),
+        _mutant(
+            results_only_reannounced,
+            "completed_delivered",
+            "an evaluation announced again names its stored results only, not what failed",
+        ),
+        _mutant(
+            old_close_order,
+            "reruns_explained",
+            "a stopping worker hands work back while it consumes: it begins it again",
+        ),
+        _mutant(
+            raise_in_shell,
+            "no_engine_error",
+            "a delivery's set-up raises KeyError the first time a process meets an evaluation",
+        ),
+        _mutant(
+            retry_to_undeclared_queue,
+            "no_engine_error",
+            "a delayed retry is published to a delay queue nobody declared",
+        ),
+        _mutant(
+            started_after_ack,
+            "started_announced",
+            "evaluation.started is published after the ACK of the execute message",
+        ),
+        _mutant(
+            no_started_event,
+            "started_announced",
+            "evaluation.started is never published",
+        ),
+        _mutant(
+            unbounded_prefetch,
+            "prefetch_respected",
+            "the worker consumes with prefetch 0 (no limit): a busy worker takes the whole queue",
+        ),
+        _mutant(
+            non_persistent,
+            "nothing_lost_on_restart",
+            "the worker publishes transient messages: a broker restart loses them",
+        ),
+        _mutant(
+            ignore_rule_max_attempts,
+            "matches_reference",
+            "a plan's per-rule max_attempts is ignored: every rule gets the policy's",
+        ),
+        _mutant(
+            hold_due_retry,
+            "retry_delays_respected",
+            "a due retry is held back for nothing before its first call",
+        ),
+        _mutant(
+            forget_permanent_failure,
+            "attempts_monotonic",
+            "recovery forgets a permanent failure: a resumed evaluation runs the rule again",
+        ),
+        _mutant(
+            heartbeat_stops_when_idle,
+            "leases_renewed",
+            "the heartbeat stops at its first idle beat: leases live on fenced writes alone",
+        ),
+        _mutant(
+            slow_heartbeat,
+            "leases_renewed",
+            "the heartbeat beats ten times too slowly: leases lapse between beats",
+        ),
+        _mutant(
+            renew_never_extends,
+            "leases_renewed",
+            "the renewal says the lease is held but never extends it",
+        ),
+        _mutant(
+            sweeper_claims_early,
+            "leases_respected",
+            "the sweeper claims evaluations whose lease is still held, at a tenth of stale_ms",
+        ),
+        _mutant(
+            status_unfenced,
+            "writes_fenced",
+            "status writes are not fenced: an owner that lost its lease writes statuses",
+        ),
+        _mutant(
+            final_unfenced,
+            "writes_fenced",
+            "final-state writes are not fenced: an owner that lost its lease writes its end",
+        ),
     )
 }
 
@@ -703,7 +1118,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     mutant = MUTANTS.get(args[0]) if args else None
     if mutant is None:
-        problem = f"unknown mutant {args[0]!r}" if args else "no mutant given"
+        from engine.validation import did_you_mean
+
+        problem = (
+            f"unknown mutant {args[0]!r}{did_you_mean(args[0], MUTANTS)}"
+            if args
+            else "no mutant given"
+        )
         names = ", ".join(MUTANTS)
         print(f"chaos.mutants: {problem}; valid: {names}", file=sys.stderr)
         return 2

@@ -4,23 +4,32 @@ Faults may cost a run time and tokens, never a different outcome: the engine owe
 every evaluation not cancelled on purpose, the final status, the completed, permanently
 failed and skipped rules, each rule's verdict and each pass's published result of a run
 without faults. `reference_for` computes that run from the two things that decide it: the
-engine's pure core (`engine.core.Evaluation`, which makes every decision of the protocol)
-and the fake agent's draws, on the same seed, plans, agent profile and retry policy. No
-shell, no broker, no Redis, no clock: nothing in between can fail, so the core is fed
-each call's answer at once, and each delayed retry as soon as it is scheduled. It costs
-well under a millisecond per evaluation, so every run, live or simulated, gets one
-(`CheckSpec.reference`, filled by `LoadedScenario.check_spec`), and the checker's
-`matches_reference` compares with it.
+fake agent's draws and the scenario's own retry numbers (immediate retries, `max_attempts`
+and each rule's own `max_attempts` in the plan), on the same seed, plans and agent profile.
+
+It is computed by the checker's own code, never by the engine's: nothing here imports
+`engine.core` (but the stored result's data type) or `engine.policy`
+(`tests/test_style.py` holds it to that). A bug of the engine's core or policy (a plan's
+per-rule `max_attempts` ignored, a wrong prune) would otherwise move the expected outcome
+with the engine's, and `matches_reference` would agree with the bug. A rule runs once
+every rule it depends on has a result; each attempt makes up to `1 + immediate_retries`
+calls; an error the checker's table calls permanent (`oracle.PERMANENT_ERRORS`) ends it
+for good at once, and so does the last transient failure of attempt `max_attempts`
+(`oracle.max_attempts_of`); the rules it prunes are its transitive dependents
+(`oracle.dependents_of`, from the plan's `depends_on` edges). No shell, no broker, no
+Redis, no clock, no core: well under a millisecond per evaluation, so every run, live or
+simulated, gets one (`CheckSpec.reference`, filled by `LoadedScenario.check_spec`), and
+the checker's `matches_reference` compares with it.
 
 It is sound because the fake agent draws from (seed, attemptId, ruleId, attempt, try)
 only (`engine.agent.FakeAgent.draw`): whichever worker runs a call, after whatever crash,
-the call answers as in the reference, and the core's outcome does not depend on the order
+the call answers as in the reference, and the outcome does not depend on the order
 answers come in. The one exception is the profile's `drift`: a rerun may give another
 verdict, so with drift > 0 verdicts are not the reference's to judge (`Reference.drift`;
 `idempotent_results` compares them with the first durable write). Computed without the
-shells, the reference is also a check of them: a shell that carried out the core's
-decisions wrongly would differ from it even without faults (`tests/test_reference.py`
-holds the simulator's fault-free runs to it).
+engine, the reference is also a check of it: an engine that decided wrongly would differ
+from it even without faults (`tests/test_reference.py` holds the simulator's fault-free
+runs to it).
 
 Rule sets come from the final state alone (`outcome_of`), for the run: completed = a
 result in Redis; permanently failed = that status and no result (a result beats a status,
@@ -30,22 +39,23 @@ as recovery reads it); skipped = every other rule of the plan.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.agent import AgentProfile, Draw, FakeAgent, agent_error
-from engine.core import actions as act
-from engine.core.evaluation import Evaluation
+from engine.agent import AgentProfile, Draw, FakeAgent
 from engine.core.results import RuleResult
-from engine.core.states import PERMANENTLY_FAILED
 from engine.plan import Plan
-from engine.policy import RetryPolicy
 
 if TYPE_CHECKING:
     from chaos.checker import EvaluationFinal
+    from chaos.checker.records import RetrySettings
     from chaos.scenario import LoadedScenario
+
+#: The stored status of a rule given up on, as the seed spells it (the checker's own copy).
+PERMANENTLY_FAILED = "permanently_failed"
+SUCCEEDED = "succeeded"
+SKIPPED = "skipped"
 
 _CACHE_SIZE = 64
 
@@ -71,6 +81,9 @@ class Outcome:
     passes: dict[str, PassOutcome] = field(default_factory=dict)
     #: What its calls cost without faults (tokens); not part of the outcome compared.
     tokens: int = field(default=0, compare=False)
+    #: Each call it makes, (ruleId, attempt, try) -> tokens: the bill call by call, which
+    #: `chaos.checker.cost.figures` splits a run's cost against; not compared either.
+    calls: dict[tuple[str, int, int], int] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, sorted, for a journal or a test's comparison."""
@@ -169,33 +182,31 @@ def reference_for(
     """The fault-free reference of a run of `loaded` under `seed` on `plans` (attemptId ->
     plan, as the run submitted them).
 
-    The same agent profile (its seed the run's unless the scenario sets one), retry policy
-    and engine settings; cached per what it reads of them (`_key`), since shrinking reruns
-    one seed many times. `draws`: what the run's agents drew, read where they are the
-    reference's own (same profile and retries)."""
+    The same agent profile (its seed the run's unless the scenario sets one) and the
+    scenario's retry numbers, as plain data (`RetrySettings`); cached per what it reads of
+    them (`_key`), since shrinking reruns one seed many times. `draws`: what the run's
+    agents drew, read where they are the reference's own (same profile and retries)."""
+    from chaos.checker.records import RetrySettings
+
     if dict(plans) != loaded.evaluations(seed):
         raise ValueError(
             f"the plans are not the evaluations of {loaded.spec.name} under seed {seed}: a "
             "reference runs the scenario's own submissions"
         )
     spec = loaded.spec
-    own = seed == spec.seed  # the loaded scenario's own policy and profile, built for it
-    policy = loaded.retry_policy if own else spec.retry.policy(seed)
-    key = _key(loaded, seed, policy, plans)
+    own = seed == spec.seed  # the loaded scenario's own profile, built for it
+    settings = RetrySettings.of(spec.retry)
+    key = _key(loaded, seed, settings, plans)
     cached = _cache.get(key)
     if cached is not None:
         return cached
     profile = loaded.agent if own else AgentProfile.from_dict({"seed": seed, **spec.agent})
-    agent = FakeAgent(profile, salt=0, immediate_retries=policy.immediate_retries)
-    parallel = spec.engine.max_parallel
+    agent = FakeAgent(profile, salt=0, immediate_retries=settings.immediate_retries)
     known = None
     if draws is not None and draws.profile is profile:
-        known = draws.table if draws.immediate_retries == policy.immediate_retries else None
+        known = draws.table if draws.immediate_retries == settings.immediate_retries else None
     ref = Reference(
-        {
-            a: fault_free_outcome(plan, a, policy, agent, parallel, known)
-            for a, plan in plans.items()
-        },
+        {a: fault_free_outcome(plan, a, settings, agent, known) for a, plan in plans.items()},
         profile.drift,
     )
     if len(_cache) >= _CACHE_SIZE:
@@ -204,72 +215,102 @@ def reference_for(
     return ref
 
 
+def _topological(plan: Plan) -> list[str]:
+    """The plan's rules, each after every rule it depends on (file order otherwise), from
+    the `depends_on` edges alone: the checker's own order, not the plan's."""
+    rules = plan.rules
+    listed = [r for p in plan.passes for r in p.rule_ids]
+    placed: set[str] = set()
+    out: list[str] = []
+    while len(out) < len(listed):
+        progress = False
+        for rid in listed:
+            if rid not in placed and all(d in placed for d in rules[rid].depends_on):
+                placed.add(rid)
+                out.append(rid)
+                progress = True
+        if not progress:  # a cycle: a validated plan has none
+            raise ValueError(f"plan {plan.id}: its dependencies form a cycle")
+    return out
+
+
 def fault_free_outcome(
     plan: Plan,
     attempt_id: str,
-    policy: RetryPolicy,
+    settings: RetrySettings,
     agent: FakeAgent,
-    max_parallel: int = 4,
     known: Mapping[tuple[str, str, int, int], Draw] | None = None,
 ) -> Outcome:
-    """One evaluation run by its core alone: each action carried out at once, in order
-    (`known`: draws of `agent`'s own, already made; see `Draws`)."""
-    core = Evaluation(plan, attempt_id, policy, max_parallel=max_parallel)
+    """One evaluation without faults, rule by rule from the agent's draws and the retry
+    numbers, by the checker's own rules (`known`: draws of `agent`'s own, already made;
+    see `Draws`). The engine's core is never asked."""
+    from chaos.checker.oracle import dependents_of, is_permanent_error, max_attempts_of
+
+    tries = 1 + settings.immediate_retries  # level 1: the first call and its retries
     results: dict[str, RuleResult] = {}
     failed: set[str] = set()
-    passes: dict[str, PassOutcome] = {}
-    status: str | None = None
     tokens = 0
-    todo: deque[act.Action] = deque(core.start())
-    while todo:
-        action = todo.popleft()
-        if isinstance(action, act.RunRule):
-            d = None
-            if known is not None:
-                d = known.get((attempt_id, action.rule_id, action.attempt, action.try_no))
-            if d is None:
-                d = agent.draw(attempt_id, action.rule_id, action.attempt, action.try_no)
-            tokens += d.tokens
-            if d.error is None:
-                assert d.result is not None
-                todo.extend(core.rule_succeeded(action.rule_id, d.result))
-            else:
-                err = agent_error(d.error, tokens=d.tokens)
-                todo.extend(core.rule_failed(action.rule_id, err.kind, retryable=err.retryable))
-        elif isinstance(action, act.ScheduleRetry):  # due at once: nothing else is waited for
-            todo.extend(core.retry_due(action.rule_id, action.attempt))
-        elif isinstance(action, act.PersistResult):
-            results[action.rule_id] = action.result
-        elif isinstance(action, act.PersistStatus) and action.status == PERMANENTLY_FAILED:
-            failed.add(action.rule_id)
-        elif isinstance(action, act.PublishPassResult):
-            passes.setdefault(action.pass_id, PassOutcome(action.outcome, dict(action.rules)))
-        elif isinstance(action, act.Finish):
-            status = action.status.value
+    paid: dict[tuple[str, int, int], int] = {}  # each call's tokens, by (rule, attempt, try)
+    for rid in _topological(plan):
+        if any(d not in results for d in plan.rules[rid].depends_on):
+            continue  # a dependency failed for good, or was pruned: pruned below
+        result: RuleResult | None = None
+        gave_up = False
+        for attempt in range(1, max_attempts_of(plan, rid, settings) + 1):  # levels 2 and 3
+            for try_no in range(1, tries + 1):
+                d = known.get((attempt_id, rid, attempt, try_no)) if known is not None else None
+                if d is None:
+                    d = agent.draw(attempt_id, rid, attempt, try_no)
+                tokens += d.tokens
+                paid[rid, attempt, try_no] = d.tokens
+                if d.error is None:
+                    result = d.result
+                    break
+                if is_permanent_error(d.error):
+                    gave_up = True
+                    break
+            if result is not None or gave_up:
+                break
+        if result is not None:
+            results[rid] = result
+        else:
+            failed.add(rid)
     completed = frozenset(results)
-    lost = frozenset(failed) - completed
+    lost = frozenset(failed)
+    skipped = dependents_of(plan, lost) - lost
+    state = {r: SUCCEEDED for r in completed} | {r: PERMANENTLY_FAILED for r in lost}
+    passes: dict[str, PassOutcome] = {}
+    for p in plan.passes:
+        shown = {
+            r: results[r].verdict if r in results else state.get(r, SKIPPED) for r in p.rule_ids
+        }
+        whole = all(r in results for r in p.rule_ids)
+        passes[p.id] = PassOutcome("complete" if whole else "partial", shown)
+    if len(completed) == len(plan.rules):
+        status = "completed"
+    else:
+        status = "partial" if completed else "failed"
     return Outcome(
         status=status,
         completed=completed,
         permanently_failed=lost,
-        skipped=frozenset(r for r in plan.order if r not in completed and r not in lost),
+        skipped=frozenset(r for r in plan.rules if r in skipped),
         verdicts={r: res.verdict for r, res in results.items()},
         scores={r: round(float(res.score), 6) for r, res in results.items()},
         passes=passes,
         tokens=tokens,
+        calls=paid,
     )
 
 
 def _key(
-    loaded: LoadedScenario, seed: int, policy: RetryPolicy, plans: Mapping[str, Plan]
+    loaded: LoadedScenario, seed: int, settings: RetrySettings, plans: Mapping[str, Plan]
 ) -> tuple[Any, ...]:
     """What `reference_for` reads of its inputs, and nothing else: the seed, the retry
-    policy (a frozen value), the scenario's agent settings (the profile is theirs, with
-    the seed), `max_parallel` and the plans. Cheap: every seed explored computes it, and
-    the whole scenario as JSON cost a twentieth of the reference."""
+    settings (a frozen value, its tiers a tuple), the scenario's agent settings (the
+    profile is theirs, with the seed) and the plans. Cheap: every seed explored computes
+    it, and the whole scenario as JSON cost a twentieth of the reference."""
     spec = loaded.spec
     agent = repr(spec.agent)  # equal settings give an equal repr, or a miss: never wrong
     plan_keys = tuple((a, p.to_json()) for a, p in plans.items())
-    # the policy as its own key (hashed by value), unless a list of tiers makes it unhashable
-    policy_key = policy if isinstance(policy.tiers_ms, tuple) else repr(policy)
-    return (seed, policy_key, agent, spec.engine.max_parallel, plan_keys)
+    return (seed, settings, agent, plan_keys)

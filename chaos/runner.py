@@ -32,14 +32,16 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
+from aio_pika.exceptions import AMQPError, ChannelInvalidStateError, ChannelNotFoundEntity
 
 from chaos import acts
 from chaos.acts import Step
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.checker.records import LIVE_SCHEDULING_SLACK_S
 from chaos.conductor import (
     COMPLETED_QUEUE,
+    EVENT_KEYS,
     EVENT_POLL_S,
+    STARTED_KEY,
     STOP_TIMEOUT_S,
     Conductor,
     Progress,
@@ -55,6 +57,7 @@ from engine.config import EngineConfig
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.history import FileHistory, read_history
 from engine.plan import Plan
+from engine.runtime.broker import delay_queue_names
 from engine.runtime.store import RedisStore, eval_key, glob_escape
 from engine.shell.effects import Stepper
 from engine.submit import EngineClient
@@ -65,6 +68,19 @@ READY_TIMEOUT_S = 30.0
 SERVICE_STOP_TIMEOUT_S = 30.0
 #: How often the end of a Redis failover is looked for (Sentinel tells no one).
 FAILOVER_POLL_S = 0.05
+#: The loss injector (`broker.dead_letter_loss`) rides out the broker faults it runs beside:
+#: while the broker is down it waits; once it runs, a take that keeps failing is tried this
+#: many times, `INJECTOR_RETRY_S` apart, on a new connection each, before the scenario ends
+#: in a `HarnessError`.
+INJECTOR_TRIES = 40
+INJECTOR_RETRY_S = 0.25
+#: What a broker that went away (killed, restarting, paused) makes an AMQP client raise.
+_BROKER_AWAY = (AMQPError, OSError, ChannelInvalidStateError)  # TimeoutError is an OSError
+
+
+class HarnessError(RuntimeError):
+    """The harness itself failed in a scenario (a fault injector could not carry out its
+    fault): the scenario has no verdict. One line says why; the run goes on to the next."""
 
 
 def run_prefix(namespace: str, *, shared_redis: bool) -> str:
@@ -173,6 +189,7 @@ class ScenarioRun:
         self._events_queue: AbstractQueue | None = None
         self._received: set[str] = set()  # attemptIds whose evaluation.completed arrived
         self._spawned: list[asyncio.Task[Any]] = []  # the conductor's steps alongside
+        self._stopped: set[str] = set()  # services killed, stopped or paused, until back
         self.network = Network(  # behind Sentinel the workers reach the primary directly
             self.ns,
             self.seed,
@@ -337,6 +354,7 @@ class ScenarioRun:
             await asyncio.to_thread(self.sentinel.kill)
             return
         svc = self.services.service(a.name)
+        self._stopped.add(a.name)
         if a.graceful:
             await asyncio.to_thread(svc.terminate, SERVICE_STOP_TIMEOUT_S)
         else:
@@ -350,18 +368,21 @@ class ScenarioRun:
         if a.name == "redis" and self.spec.redis.lose_last_writes:
             lost = await self._lose_redis_writes()
         await asyncio.to_thread(self.services.service(a.name).restart)
+        self._stopped.discard(a.name)  # ready again: the restart waits for it
         return lost
 
     async def on_pause_service(self, a: acts.PauseService) -> None:
         if a.name == "redis" and self.sentinel is not None:
             await asyncio.to_thread(self.sentinel.pause)
             return
+        self._stopped.add(a.name)
         await asyncio.to_thread(self.services.service(a.name).pause)
 
     async def on_resume_service(self, a: acts.ResumeService) -> bool:
         if a.name == "redis" and self.sentinel is not None:
             return await asyncio.to_thread(self.sentinel.resume)
         await asyncio.to_thread(self.services.service(a.name).resume)
+        self._stopped.discard(a.name)
         return False
 
     async def on_kill_sentinel(self, a: acts.KillSentinel) -> None:
@@ -466,11 +487,13 @@ class ScenarioRun:
     async def _lose_retries(self, client: EngineClient) -> None:
         """`broker.dead_letter_loss`: each delayed retry the workers publish is lost or not,
         by the draw the simulator makes on the same id (`BrokerSpec.loses`); a lost one is
-        taken off its delay queue and acknowledged before its TTL sends it on."""
+        taken off its delay queue and acknowledged before its TTL sends it on. The injector
+        has a connection of its own, opened again after the broker went away (`_Taker`);
+        any failure of its own ends the scenario in a `HarnessError` line."""
         broker = self.spec.broker
         if not broker.dead_letter_loss or client.broker.connection is None:
             return
-        channel = await client.broker.connection.channel()
+        taker = _Taker(client.broker.config, self._broker_up)
         try:
             async for ev in self._history_events():
                 if ev.get("ev") != "retry_published":
@@ -479,16 +502,28 @@ class ScenarioRun:
                 seed_id = f"{str(a).removeprefix(self.run_prefix)}:{rule}:{n}"
                 if broker.loses(self.seed, seed_id):
                     queue = client.broker.delay_queues.get((int(ev["tier"]) - 1, ev["bucket"]))
-                    taken = queue is not None and await _take(channel, queue, f"{a}:{rule}:{n}")
+                    taken = queue is not None and await taker.take(queue, f"{a}:{rule}:{n}")
                     self.history.record(
                         "retry_lost" if taken else "retry_loss_missed",
                         attempt_id=a,
                         rule_id=rule,
                         attempt=n,
                     )
+        except HarnessError:
+            raise
+        except Exception as exc:  # the injector's own bug: one line, not a traceback
+            raise HarnessError(
+                f"broker.dead_letter_loss: the loss injector failed: {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
-            with contextlib.suppress(Exception):
-                await channel.close()
+            await taker.close()
+
+    def _broker_up(self) -> bool:
+        """Whether the scenario's broker runs and answers: not killed, stopped or paused by
+        the run since its last restart or resume came back ready (a broker given by
+        AMQP_URL is never stopped by the run)."""
+        node = self.services.broker
+        return "broker" not in self._stopped and (node is None or node.alive)
 
     async def _history_events(self) -> AsyncIterator[dict[str, Any]]:
         """The events the workers and the runner append, as they land."""
@@ -558,7 +593,7 @@ class ScenarioRun:
             a = ev.get("attempt_id")
             if isinstance(a, str) and a.startswith(prefix):
                 ev = {**ev, "attempt_id": a.removeprefix(prefix)}
-            if ev.get("ev") == "completed_received":  # the message names the run's ids
+            if ev.get("ev") in RECEIVED_EVENTS:  # the message names the run's ids
                 body = ev.get("body")
                 if isinstance(body, dict):
                     body = {**body, "attempt_id": bare(body.get("attempt_id"))}
@@ -613,10 +648,10 @@ class ScenarioRun:
 
     async def on_bind_consumer(self, a: acts.BindConsumer) -> None:
         """Before the first submit: a durable queue (a broker kill keeps what it holds and
-        what was confirmed into it) bound to the events exchange for `evaluation.completed`,
-        consumed on a robust connection of its own. Every delivery is recorded as
-        `completed_received`, then acknowledged. `x-expires` removes the queue should the
-        runner die before deleting it."""
+        what was confirmed into it) bound to the events exchange for `evaluation.completed`
+        and `evaluation.started`, consumed on a robust connection of its own. Every
+        delivery is recorded (`completed_received`, `started_received`), then acknowledged.
+        `x-expires` removes the queue should the runner die before deleting it."""
         config = self.config()
         url = self.services.amqp_url
         self._events_conn = await aio_pika.connect_robust(url, reconnect_interval=0.5)
@@ -627,25 +662,37 @@ class ScenarioRun:
         )
         name = config.name(COMPLETED_QUEUE)
         queue = await channel.declare_queue(name, durable=True, arguments={"x-expires": 600_000})
-        await queue.bind(exchange, routing_key="evaluation.completed")
+        for key in EVENT_KEYS:
+            await queue.bind(exchange, routing_key=key)
         await queue.consume(self._on_completed, no_ack=False)
         self._events_queue = queue
-        self.history.record("events_consumer_bound", queue=name, routing_key="evaluation.completed")
+        for key in EVENT_KEYS:
+            self.history.record("events_consumer_bound", queue=name, routing_key=key)
 
     async def _on_completed(self, message: AbstractIncomingMessage) -> None:
         try:
             body: Any = json.loads(message.body)
         except ValueError:
             body = message.body.decode("utf-8", "replace")
-        fields = delivered(body, message.message_id, message.redelivered)
-        self.history.record("completed_received", **fields)
-        if isinstance(body, dict):
-            self._received.add(str(body.get("attempt_id")))
+        fields = delivered(body, message.message_id, message.redelivered, message.delivery_mode)
+        if message.routing_key == STARTED_KEY:
+            self.history.record("started_received", **fields)
+        else:
+            self.history.record("completed_received", **fields)
+            if isinstance(body, dict):
+                self._received.add(str(body.get("attempt_id")))
         with contextlib.suppress(Exception):  # the channel went with the broker: redelivered
             await message.ack()
 
     async def on_close_consumer(self, a: acts.CloseConsumer | None = None) -> None:
-        """Delete the queue (a shared broker keeps nothing of the run) and disconnect."""
+        """Delete the queue (a shared broker keeps nothing of the run) and disconnect. At
+        the end of a run (the workers stopped: nothing is held unacknowledged), first take
+        what is left in the work and delay queues (`queues_drained`, their message ids):
+        the messages a broker restart kept that nobody consumed (`nothing_lost_on_restart`)."""
+        if a is not None and self._events_conn is not None:
+            left = await self._drain_queues(self._events_conn)
+            if left is not None:
+                self.history.record("queues_drained", message_ids=left)
         queue, conn = self._events_queue, self._events_conn
         self._events_queue = self._events_conn = None
         if queue is not None:
@@ -654,6 +701,28 @@ class ScenarioRun:
         if conn is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 5.0)
+
+    async def _drain_queues(self, conn: AbstractRobustConnection) -> list[str] | None:
+        """The message ids left in the run's work and delay queues, taken off them (None:
+        the broker could not be asked)."""
+        config = self.config()
+        names = [config.name("evaluation.execute")]
+        names += [name for name, _ in delay_queue_names(config).values()]
+        names.append(config.name("evaluation.retry.shared"))  # the per_message_ttl mutant's
+        left: list[str] = []
+        try:
+            for name in names:
+                channel = await asyncio.wait_for(conn.channel(), 5.0)
+                try:
+                    queue = await channel.declare_queue(name, passive=True, timeout=5.0)
+                except ChannelNotFoundEntity:
+                    continue  # never declared (the failed declare closed the channel)
+                while (m := await queue.get(no_ack=True, fail=False, timeout=5.0)) is not None:
+                    left.append(str(m.message_id))
+                await channel.close()
+        except Exception:  # the broker is down at the end: nothing to say
+            return None
+        return sorted(left)
 
     async def on_read_final(self, a: acts.ReadFinal) -> FinalState:
         redis = self.services.redis if self.sentinel is None else None
@@ -704,8 +773,52 @@ class ScenarioRun:
 
         agent = AgentProfile.from_dict(self.agent_dict())
         cancelled = {a.removeprefix(self.run_prefix) for a in self.cancelled}
-        spec = self.loaded.check_spec(self.seed, self.seed_plans, cancelled, agent)
-        return dataclasses.replace(spec, scheduling_slack_s=LIVE_SCHEDULING_SLACK_S)
+        return self.loaded.check_spec(self.seed, self.seed_plans, cancelled, agent)
+
+
+class _Taker:
+    """The loss injector's own connection to the broker, opened when a take needs it and
+    opened again after the broker went away, so that the injector survives a broker kill
+    or restart beside it: while the broker is down, a take waits for it; once it runs, a
+    take is tried `INJECTOR_TRIES` times before it fails the scenario (`HarnessError`)."""
+
+    def __init__(self, config: EngineConfig, broker_up: Callable[[], bool]) -> None:
+        self.url = config.amqp_url
+        self.timeout_s = config.connect_timeout_s
+        self.broker_up = broker_up
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+
+    async def take(self, queue: str, message_id: str) -> bool:
+        """`_take` on a live channel; False when the message had left its queue."""
+        tries = 0
+        while True:
+            try:
+                return await _take(await self._open(), queue, message_id)
+            except _BROKER_AWAY as exc:
+                await self.close()
+                if self.broker_up():
+                    tries += 1
+                    if tries >= INJECTOR_TRIES:
+                        raise HarnessError(
+                            f"broker.dead_letter_loss: the loss injector could not take "
+                            f"{message_id} off {queue} in {tries} tries with the broker "
+                            f"running ({type(exc).__name__}: {exc})"
+                        ) from exc
+                await asyncio.sleep(INJECTOR_RETRY_S)
+
+    async def _open(self) -> AbstractChannel:
+        if self._channel is None or self._channel.is_closed:
+            await self.close()
+            self._connection = await aio_pika.connect(self.url, timeout=self.timeout_s)
+            self._channel = await asyncio.wait_for(self._connection.channel(), self.timeout_s)
+        return self._channel
+
+    async def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), self.timeout_s)
 
 
 async def _take(channel: AbstractChannel, queue_name: str, message_id: str) -> bool:
@@ -729,5 +842,8 @@ async def _take(channel: AbstractChannel, queue_name: str, message_id: str) -> b
             await message.nack(requeue=True)
     return found
 
+
+#: The consumer's records of a delivery: their message names the run's ids.
+RECEIVED_EVENTS = frozenset({"completed_received", "started_received"})
 
 _NOW, _LATER = acts.handlers(ScenarioRun, waits=inspect.iscoroutinefunction)

@@ -32,7 +32,7 @@ def run_in_sim(
 ) -> int:
     """`chaos run` in the simulator: same checker, outputs and exit codes as live."""
     from chaos.insim import outputs, run_scenario
-    from chaos.journal import format_violation, write_junit
+    from chaos.journal import format_violation, fresh_run_dir, suite_name, write_junit
 
     if _refused(loaded):
         return EXIT_INPUT
@@ -42,10 +42,12 @@ def run_in_sim(
     for sc in loaded:
         started = time.monotonic()
         outcome = run_scenario(sc, seed=args.seed, mutant=args.mutant)
-        run_dir = out / sc.spec.name
+        run_dir = fresh_run_dir(out, sc.spec.name)
         outputs(outcome, run_dir)
         result = outcome.result
-        suites.append((sc.spec.name, result, outcome.sim_time_s))
+        suites.append(
+            (suite_name(sc.spec.name, "sim", outcome.extra.get("seed")), result, outcome.sim_time_s)
+        )
         real = time.monotonic() - started
         timing = f"in {outcome.sim_time_s:.1f} s simulated ({real:.2f} s real)"
         tail = f"history {outcome.history_hash[:16]}"
@@ -77,6 +79,21 @@ def _refused(loaded: list[LoadedScenario]) -> bool:
             print(problem, file=sys.stderr)
             return True
     return False
+
+
+def explore_all(loaded: list[LoadedScenario], args: argparse.Namespace, console: Console) -> int:
+    """`chaos sim A.yaml B.yaml ...`: each scenario explored in turn, the worst exit code.
+    With several scenarios, `--report DIR` writes each one's report to DIR/<name>."""
+    if _refused(loaded):
+        return EXIT_INPUT
+    worst = EXIT_OK
+    report = getattr(args, "report", None)
+    for sc in loaded:
+        one = args
+        if report is not None and len(loaded) > 1:
+            one = argparse.Namespace(**{**vars(args), "report": Path(report) / sc.spec.name})
+        worst = max(worst, explore_command(sc, one, console))
+    return worst
 
 
 def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: Console) -> int:
@@ -192,7 +209,7 @@ def _shrink_and_write(
     path = write_regression(small, args.regressions, name, description)
     console.print(
         f"shrunk to {len(small.get('faults', []))} fault(s) in {tries} simulations; "
-        f"replay with: python -m chaos run {shlex.quote(str(path))}"
+        f"replay with: python -m chaos run {shlex.quote(str(path))} --mode sim"
         + (f" --mutant {shlex.quote(args.mutant)}" if args.mutant else ""),
         markup=False,
     )

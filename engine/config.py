@@ -61,6 +61,13 @@ class EngineConfig:
         return ms * self.time_scale / 1000.0
 
     @property
+    def prefetch(self) -> int:
+        """The consumers' prefetch: the deliveries a worker holds unacknowledged at most. A
+        delivery waits for a free slot with its ACK pending, so a worker takes no more than
+        it can soon begin (4 x max_evaluations, a 16-bit count for RabbitMQ)."""
+        return self.max_evaluations * 4
+
+    @property
     def grace_ms(self) -> int:
         return self.retry_grace_ms if self.retry_grace_ms is not None else self.stale_ms
 
@@ -70,6 +77,12 @@ class EngineConfig:
 
 class OneLineParser(argparse.ArgumentParser):
     """Bad input is one line on stderr and exit 2 (argparse would add the usage)."""
+
+    @staticmethod
+    def summary(doc: str | None) -> str:
+        """A module docstring's first paragraph on one line: `--help`'s description, whole
+        (its first line alone may stop mid-sentence)."""
+        return " ".join((doc or "").strip().split("\n\n", 1)[0].split())
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog.removeprefix('python -m ')}: {message}\n")

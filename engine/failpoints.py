@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.validation import did_you_mean
+
 FAILPOINTS: dict[str, str] = {
     "on_delivery": "a work message was received; nothing done yet",
     "before_ack": "config loaded, job initialised, evaluation.started published; no ACK yet",
@@ -37,6 +39,8 @@ FAILPOINTS: dict[str, str] = {
     "before_pass_publish": "a pass is terminal; its result is not published",
     "before_final_publish": "the final state is in Redis; evaluation.completed is not published",
     "after_final_publish": "evaluation.completed is published; the evaluation is still indexed",
+    "rule_after_call_failed": "the agent failed; the rule's status is not in Redis",
+    "before_final_write": "the evaluation is decided; its final state is not in Redis",
 }
 
 #: Failpoints hit with no rule: a `rule` filter on one of them would never match.
@@ -47,6 +51,7 @@ RULELESS_FAILPOINTS: frozenset[str] = frozenset(
         "before_pass_publish",
         "before_final_publish",
         "after_final_publish",
+        "before_final_write",
     }
 )
 
@@ -123,7 +128,8 @@ def parse_specs(text: str) -> list[Failpoint]:
             raise FailpointError(f"failpoint {entry!r}: expected NAME=ACTION")
         if name not in FAILPOINTS:
             raise FailpointError(
-                f"failpoint {name!r}: unknown name; expected one of {', '.join(FAILPOINTS)}"
+                f"failpoint {name!r}: unknown name{did_you_mean(name, FAILPOINTS)}; "
+                f"expected one of {', '.join(FAILPOINTS)}"
             )
         action, *opts = [p.strip() for p in rest.split(",")]
         fp = _action(name, action)

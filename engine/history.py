@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,18 @@ class FileHistory(History):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+#: The checkout's root: tracebacks name files relative to it (one seed, one history, on any
+#: checkout).
+CHECKOUT = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def error_fields(exc: BaseException, during: str) -> dict[str, Any]:
+    """An `engine_error` event's fields: what escaped the engine's code, where, and its
+    traceback (files named from the checkout's root)."""
+    trace = "".join(traceback.format_exception(exc)).replace(CHECKOUT, "").rstrip()
+    return {"error": f"{type(exc).__name__}: {exc}", "during": during, "traceback": trace}
 
 
 def open_history(path: str | Path | None, source: str) -> History:

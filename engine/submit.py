@@ -29,6 +29,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
 from aio_pika.exceptions import AMQPError
 from redis.exceptions import RedisError
@@ -42,7 +43,7 @@ from engine.config import (
 )
 from engine.core.routing import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
-from engine.plan import Plan, PlanError, load_plan
+from engine.plan import Plan, PlanError, load_plan, plan_from_dict
 from engine.runtime.broker import Broker, QueueInUse, amqp_unavailable
 from engine.runtime.store import RedisStore, now_ms, redis_unavailable
 
@@ -127,13 +128,17 @@ class EngineClient:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m engine.submit", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m engine.submit", description=OneLineParser.summary(__doc__))
     p.add_argument("plan", nargs="?", help="plan file (YAML)")
     p.add_argument("--attempt-id", help="the candidate submission's attemptId")
     p.add_argument("--count", type=int, default=1, help="submit this many evaluations")
     p.add_argument("--prefix", default="", help="attemptId prefix with --count")
-    p.add_argument("--cancel", metavar="ATTEMPT_ID")
-    p.add_argument("--status", metavar="ATTEMPT_ID")
+    p.add_argument(
+        "--cancel", metavar="ATTEMPT_ID", help="cancel an evaluation; prints its final state"
+    )
+    p.add_argument(
+        "--status", metavar="ATTEMPT_ID", help="an evaluation's state, and its rules' verdicts"
+    )
     p.add_argument(
         "--purge",
         nargs="*",
@@ -141,10 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete the keys of attemptIds starting with PREFIX, and the namespace's queues",
     )
     p.add_argument("--wait", action="store_true", help="wait until every one is terminal")
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--namespace")
-    p.add_argument("--redis-url")
-    p.add_argument("--amqp-url")
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds --wait waits at most (default 60)"
+    )
+    p.add_argument(
+        "--namespace", help="prefix of queues, exchanges and index keys ($ENGINE_NAMESPACE)"
+    )
+    p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
+    p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
     return p
 
 
@@ -217,13 +226,38 @@ def _unknown(config: EngineConfig, attempt_id: str) -> int:
 
 async def _known(config: EngineConfig, attempt_id: str) -> tuple[bool, str | None]:
     """Whether the engine has seen `attempt_id`, and its state; Redis only."""
+    known, state, _ = await _status(config, attempt_id, rules=False)
+    return known, state
+
+
+async def _status(
+    config: EngineConfig, attempt_id: str, rules: bool = True
+) -> tuple[bool, str | None, dict[str, Any]]:
+    """Whether the engine has seen `attempt_id`, its state, and (`rules`) what Redis holds
+    of each rule of its stored plan, in the plan's order: the verdict, score and attempt of
+    a result, or the status (`failed_attempt_N`, `permanently_failed`, `skipped`), or
+    `pending` for a rule with neither."""
     store = RedisStore(config)
     try:
         await store.probe()
         record = await store.record(attempt_id)
+        shown: dict[str, Any] = {}
+        if rules and record.plan_json is not None:
+            order = plan_from_dict(json.loads(record.plan_json)).order
+            snap = await store.snapshot(attempt_id, order)
+            for rule_id in order:
+                result = snap.results.get(rule_id)
+                if result is not None:
+                    shown[rule_id] = {
+                        "verdict": result.verdict,
+                        "score": result.score,
+                        "attempt": result.attempt,
+                    }
+                else:
+                    shown[rule_id] = {"status": snap.statuses.get(rule_id, "pending")}
     finally:
         await store.close()
-    return record.state is not None or record.plan_json is not None, record.state
+    return record.state is not None or record.plan_json is not None, record.state, shown
 
 
 async def purge(config: EngineConfig, prefixes: Iterable[str]) -> tuple[int, list[str]]:
@@ -261,10 +295,10 @@ async def _run(config: EngineConfig, plan: Plan | None, args: argparse.Namespace
     if args.purge is not None:
         return await _purge(config, args.purge)
     if args.status:
-        known, state = await _known(config, args.status)
+        known, state, rules = await _status(config, args.status)
         if not known:
             return _unknown(config, args.status)
-        print(json.dumps({"attempt_id": args.status, "state": state}))
+        print(json.dumps({"attempt_id": args.status, "state": state, "rules": rules}))
         return 0
     if args.cancel:
         known, _ = await _known(config, args.cancel)

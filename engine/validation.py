@@ -7,10 +7,11 @@ scenario's hints for unknown fields, a plan's rule name).
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -67,6 +68,27 @@ def got(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def did_you_mean(value: Any, choices: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` for a typed name close to one of `choices`, else ``."""
+    if not isinstance(value, str):
+        return ""
+    hint = difflib.get_close_matches(value, list(choices), n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
+
+
+#: How long a list of names an error line spells out in full.
+NAMES_IN_FULL = 300
+
+
+def one_of(choices: list[str]) -> str:
+    """`one of a, b, c`; a list too long for one readable line is shortened to its count
+    and first names (the did-you-mean tip still names the closest one)."""
+    names = ", ".join(choices)
+    if len(names) <= NAMES_IN_FULL:
+        return f"one of {names}"
+    return f"one of {len(choices)} names: {', '.join(choices[:3])}, ..."
+
+
 def expected(err: Mapping[str, Any], patterns: Mapping[str, str] | None = None) -> str:
     """What one pydantic error says was expected, and what was found instead."""
     kind = err["type"]
@@ -80,7 +102,8 @@ def expected(err: Mapping[str, Any], patterns: Mapping[str, str] | None = None) 
         return f"expected {_TYPES[kind]}; got {found}"
     if kind == "literal_error":
         choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
-        return f"expected one of {', '.join(choices)}; got {found}"
+        tip = did_you_mean(err.get("input"), choices)
+        return f"expected {one_of(choices)}; got {found}{tip}"
     if kind in _BOUNDS:
         op, key = _BOUNDS[kind]
         bound = ctx.get(key)

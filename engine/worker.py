@@ -42,7 +42,7 @@ from engine.config import (
 )
 from engine.core import RuleResult
 from engine.failpoints import FailpointError, Failpoints, fired_fields, parse_specs
-from engine.history import open_history
+from engine.history import History, open_history
 from engine.metrics import Metrics
 from engine.plan import Rule
 from engine.runtime.broker import Broker, amqp_unavailable
@@ -52,6 +52,7 @@ from engine.runtime.store import RedisStore, redis_unavailable
 from engine.shell.controller import EvaluationController
 from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
+from engine.shell.window import DeliveryWindow
 
 log = logging.getLogger("engine.worker")
 
@@ -109,20 +110,38 @@ class Worker:
             history=history,
             metrics=Metrics(),
         )
+        if type(history) is not History:  # the deliveries held unsettled, when recorded
+            self.rt.window = DeliveryWindow(
+                lambda ev, fields: history.record(ev, **fields),
+                config.prefetch,
+                config.max_evaluations,
+            )
         self.metrics_port = metrics_port
         self.controller = EvaluationController(LiveHost(self.rt), config, self.worker_id)
         self.private_queue = ""
         self._stop = asyncio.Event()
+        self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._deliveries: set[asyncio.Task[Any]] = set()
 
     async def on_message(self, message: AbstractIncomingMessage) -> None:
         """A delivery, decoded for the controller; its step runs `detached` from aio-pika's
-        task, which a closing channel cancels."""
+        task, which a closing channel cancels. One that reaches a stopping worker (sent
+        before its consumers were cancelled) is left unacknowledged: the broker requeues it
+        for another worker when the connection closes."""
+        if self._stopping:
+            return
         try:
             body = orjson.loads(message.body)
         except orjson.JSONDecodeError:
             body = None  # the controller drops it, with one line
+        window = self.rt.window
+        if window is not None:  # per consumer: a restored channel is a new one
+            try:
+                channel: Any = message.channel
+            except Exception:  # closed already: its deliveries went back with it
+                channel = id(message)
+            window.delivered(message, (channel, message.consumer_tag), message.routing_key or "")
         step = self.controller.on_message(message, body, message.redelivered)
         await detached(step, self.rt, self._deliveries)
 
@@ -134,7 +153,7 @@ class Worker:
         if self.metrics_port is not None:
             rt.metrics.serve(self.metrics_port)  # OSError when the port is taken
         await rt.store.probe()
-        await rt.broker.connect(prefetch=cfg.max_evaluations * 4)
+        await rt.broker.connect(prefetch=cfg.prefetch)
         try:
             await rt.store.remember_topology(rt.broker.declared)
         except (RedisError, OSError) as exc:
@@ -145,7 +164,8 @@ class Worker:
         except (AMQPError, OSError) as exc:
             raise amqp_unavailable(exc, cfg.amqp_url, cfg.connect_timeout_s) from None
         held = self.controller.evaluations
-        self._tasks.append(asyncio.create_task(drive(heartbeat(cfg, self.worker_id, held), rt)))
+        beating = heartbeat(cfg, self.worker_id, held, self.controller.host.recording)
+        self._tasks.append(asyncio.create_task(drive(beating, rt)))
         if cfg.sweeper:
             self._tasks.append(asyncio.create_task(drive(sweeper(cfg, held), rt)))
         rt.history.record("worker_started", sweeper=cfg.sweeper)
@@ -171,10 +191,18 @@ class Worker:
         self._stop.set()
 
     async def close(self) -> None:
+        """Stop: deliveries in flight and the loops end, consuming stops, and only then are
+        the evaluations in memory handed back (their retries requeued, their leases
+        released), so that nothing handed back is delivered to this process again (begun
+        anew, its rules started and dropped once more); then the connections close."""
+        if self.private_queue and not self._stopping:
+            self.rt.history.record("worker_stopping")
+        self._stopping = True
         tasks = [*self._tasks, *self._deliveries]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.rt.broker.stop_consuming()
         await drive(self.controller.shutdown(), self.rt)
         await self.rt.broker.close()
         await self.rt.store.close()
@@ -195,17 +223,19 @@ def _agent_profile(raw: str | None) -> AgentProfile:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m engine.worker", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m engine.worker", description=OneLineParser.summary(__doc__))
     p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
     p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
     p.add_argument("--namespace", help="prefix of queues, exchanges and index keys")
     p.add_argument("--time-scale", type=float, help="multiply retry delays (0.001: 30 s -> 30 ms)")
     p.add_argument("--max-evaluations", type=int, help="evaluations in memory at once")
     p.add_argument("--max-parallel", type=int, help="rules of one evaluation in flight at once")
-    p.add_argument("--heartbeat-ms", type=int)
+    p.add_argument("--heartbeat-ms", type=int, help="how often a lease is renewed")
     p.add_argument("--stale-ms", type=int, help="a heartbeat older than this is a dead owner")
-    p.add_argument("--sweep-ms", type=int)
-    p.add_argument("--retry-grace-ms", type=int)
+    p.add_argument("--sweep-ms", type=int, help="how often the sweeper looks for stale work")
+    p.add_argument(
+        "--retry-grace-ms", type=int, help="a retry overdue by more is lost: re-published"
+    )
     p.add_argument("--connect-timeout-s", type=float, help="per connection (default 5)")
     p.add_argument("--read-timeout-s", type=float, help="per command or broker call (default 30)")
     p.add_argument(
@@ -230,9 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--failpoint", action="append", default=[], help="NAME=ACTION[,hit=N]...")
     p.add_argument("--history", help="append the event history (JSON lines) to this file")
-    p.add_argument("--worker-id")
+    p.add_argument("--worker-id", help="this worker's name in the history and leases")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1")
-    p.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "WARNING"))
+    p.add_argument(
+        "--log-level",
+        default=os.environ.get("ENGINE_LOG_LEVEL", "WARNING"),
+        help="DEBUG, INFO, WARNING (default, or $ENGINE_LOG_LEVEL), ERROR",
+    )
     p.add_argument(
         "--event-loop",
         choices=EVENT_LOOPS,

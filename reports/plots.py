@@ -1,6 +1,7 @@
 """The report's plots, as PNG bytes (matplotlib, no display): a timeline per run (rules
 as bars, reruns in red, faults as marks, as Jepsen draws its timelines), retry latency
-CDFs per level, and duplicated cost by cause."""
+CDFs per level (scenario time and the production estimate), and duplicated tokens by
+cause."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ COLORS = {
     "lost_state": "#9d755d",
     "mutant": "#54a24b",
     "after_completion": "#000000",
+    "extra_calls": "#72b7b2",
 }
 
 
@@ -89,23 +91,43 @@ def timeline(run: Run, cost: Cost) -> bytes:
 
 
 def latency_cdf(latencies: list[RetryLatency], scale: float | None) -> bytes:
-    """The CDF of retry latency per level, in production time when the scale is known."""
+    """The CDF of retry latency per level: in scenario seconds (as the run timed it), and,
+    when the scale is known, as a production estimate (only the tier waits and the agent's
+    calls scaled back; fault windows and the rest as they happened), dashed."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    unit = "production seconds" if scale else "scenario seconds"
     drawn = False
     for level, name in LEVELS.items():
-        values = sorted(x.seconds / (scale or 1.0) for x in latencies if x.level == level)
-        if not values:
+        mine = [x for x in latencies if x.level == level]
+        if not mine:
             continue
-        ys = [(i + 1) / len(values) for i in range(len(values))]
-        ax.step(values, ys, where="post", label=f"{name}, n={len(values)}")
+        ys = [(i + 1) / len(mine) for i in range(len(mine))]
+        line = ax.step(
+            sorted(x.seconds for x in mine),
+            ys,
+            where="post",
+            label=f"{name}, n={len(mine)}: scenario s",
+        )
+        if scale:
+            ax.step(
+                sorted(x.production_s(scale) for x in mine),
+                ys,
+                where="post",
+                ls="--",
+                color=line[0].get_color(),
+                label=f"{name}: production estimate s",
+            )
         drawn = True
     if not drawn:
         ax.text(0.5, 0.5, "no rule failed: no retry to time", ha="center", va="center")
     else:
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=7, loc="lower right")
         ax.set_xscale("symlog", linthresh=1e-3)
-    ax.set_xlabel(f"first failure to success or permanent failure ({unit})")
+    ax.set_xlabel(
+        "first failure to success or permanent failure (s): solid, scenario time as it "
+        "happened;\ndashed, production estimate (tier waits and agent calls scaled back, "
+        "fault windows as they happened)",
+        fontsize=8,
+    )
     ax.set_ylabel("fraction of rules")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
@@ -113,22 +135,36 @@ def latency_cdf(latencies: list[RetryLatency], scale: float | None) -> bytes:
     return png(fig)
 
 
-def cost_bars(labels: list[str], costs: list[Cost]) -> bytes:
-    """Per run: the fault-free bill, and the duplicated tokens stacked by cause."""
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(costs) + 3), 4))
-    xs = range(len(costs))
-    ax.bar(xs, [c.reference_tokens for c in costs], color="#cccccc", label="fault-free calls")
-    bottom = [c.reference_tokens for c in costs]
+def cost_bars(labels: list[str], by_cause: list[dict[str, int]]) -> bytes:
+    """Duplicated tokens per run, stacked by cause (the figures' `duplicated_by_cause`,
+    which add up to the run's duplicated tokens), the most expensive run first. Runs
+    without any duplicated token are named below the plot, not drawn as empty bars."""
+    totals = [sum(b.values()) for b in by_cause]
+    order = sorted((i for i, t in enumerate(totals) if t), key=lambda i: (-totals[i], i))
+    spared = [labels[i] for i, t in enumerate(totals) if not t]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(order) + 3), 4.2))
+    xs = range(len(order))
+    bottom = [0] * len(order)
     for cause in CAUSES:
-        values = [c.by_cause()[cause] for c in costs]
+        values = [by_cause[i].get(cause, 0) for i in order]
         if any(values):
-            ax.bar(xs, values, bottom=bottom, color=COLORS[cause], label=cause.replace("_", " "))
+            ax.bar(xs, values, 0.6, bottom=bottom, color=COLORS[cause], label=cause)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([_short(label) for label in labels], fontsize=7, rotation=20, ha="right")
-    ax.set_ylabel("tokens")
-    ax.legend(fontsize=8)
-    ax.set_title("LLM tokens: the fault-free bill and what faults added, by cause", fontsize=10)
+    if order:
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([_short(labels[i]) for i in order], fontsize=7, rotation=20, ha="right")
+        ax.legend(fontsize=8, title="cause", title_fontsize=8)
+    else:
+        ax.set_xticks([])
+        ax.text(0.5, 0.5, "no run paid a duplicated token", ha="center", va="center")
+    if len(order) < 4:  # a bar or two: keep them bars, not a wall of colour
+        ax.set_xlim((len(order) - 1) / 2 - 2, (len(order) - 1) / 2 + 2)
+    if spared:
+        shown = "\n".join(_short(label, 60) for label in spared[:6])
+        more = f"\nand {len(spared) - 6} more" if len(spared) > 6 else ""
+        ax.set_xlabel(f"runs without duplicated tokens:\n{shown}{more}", fontsize=7)
+    ax.set_ylabel("duplicated tokens (paid beyond the fault-free bill)")
+    ax.set_title("Duplicated LLM tokens by cause, per run (most first)", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     return png(fig)
 

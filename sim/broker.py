@@ -51,11 +51,21 @@ CONTROL = "evaluation.control"
 
 
 class Message:
-    __slots__ = ("body", "expires_at", "message_id", "redelivered")
+    __slots__ = ("body", "expires_at", "message_id", "persistent", "redelivered", "routing_key")
 
-    def __init__(self, body: dict[str, Any], message_id: str | None) -> None:
+    def __init__(
+        self,
+        body: dict[str, Any],
+        message_id: str | None,
+        routing_key: str = "",
+        *,
+        persistent: bool = True,
+    ) -> None:
         self.body = body
         self.message_id = message_id
+        self.routing_key = routing_key  # the key it was published with (its queue's name
+        # for the default exchange: only the events' consumer reads it)
+        self.persistent = persistent  # delivery mode 2: it survives a broker kill
         self.redelivered = False
         self.expires_at = 0.0
 
@@ -104,13 +114,26 @@ class Connection:
 class Delivery:
     """One delivery of a message to a consumer: what aio-pika's IncomingMessage is."""
 
-    __slots__ = ("body", "conn", "message_id", "redelivered", "settled", "tag")
+    __slots__ = (
+        "body",
+        "conn",
+        "delivery_mode",
+        "message_id",
+        "queue",
+        "redelivered",
+        "routing_key",
+        "settled",
+        "tag",
+    )
 
-    def __init__(self, conn: Connection, tag: int, message: Message) -> None:
+    def __init__(self, conn: Connection, tag: int, message: Message, queue: str) -> None:
         self.conn = conn
         self.tag = tag
+        self.queue = queue  # the consumer's queue
         self.body = message.body
         self.message_id = message.message_id
+        self.routing_key = message.routing_key
+        self.delivery_mode = 2 if message.persistent else 1
         self.redelivered = message.redelivered
         self.settled = False
 
@@ -184,6 +207,14 @@ class SimBroker:
         conn.consumers.append(c)
         self._dispatch(q)
 
+    def cancel_consumers(self, conn: Connection) -> None:
+        """basic.cancel of every consumer of `conn`: nothing more is delivered to it; what
+        it has not acknowledged stays its own until settled or the connection drops."""
+        for c in conn.consumers:
+            if c in c.queue.consumers:
+                c.queue.consumers.remove(c)
+        conn.consumers = []
+
     def drop(self, conn: Connection, *, exclusive_too: bool = True, tell: bool = False) -> None:
         """The broker closes `conn`: its unacked messages go back, its queues away."""
         if not conn.open:
@@ -220,49 +251,74 @@ class SimBroker:
         if conn.net is not None:  # the proxy sees the broker's side go, and closes
             conn.net.close("server")
 
-    def kill(self) -> None:
-        """SIGKILL the node: every connection drops; durable queues and their messages stay."""
+    def kill(self) -> int:
+        """SIGKILL the node: every connection drops (its unacknowledged deliveries go back to
+        their queues, its exclusive queues away); durable queues stay with their persistent
+        messages and lose the others (RabbitMQ holds a transient message in memory only,
+        even in a durable queue). Returns how many messages the node held."""
         self.up = False
         for conn in list(self.connections):
             self.drop(conn, tell=True)
+        held = 0
         for q in self.queues.values():
             q.timer = None  # no TTL runs while the node is down
+            held += len(q.messages)
+            if not all(m.persistent for m in q.messages):
+                q.messages = deque(m for m in q.messages if m.persistent)
+        return held
 
-    def restart(self) -> None:
+    def restart(self) -> int:
+        """The node back; returns how many messages it found on disk."""
         self.up = True
+        held = sum(len(q.messages) for q in self.queues.values())
         for q in self.queues.values():
             if q.delay:
                 self._arm(q)  # messages that expired meanwhile dead-letter now
+        return held
 
     # --- frames arriving at the broker ------------------------------------------------
 
     def publish_arrive(
-        self, exchange: str, key: str, body: dict[str, Any], message_id: str | None
+        self,
+        exchange: str,
+        key: str,
+        body: dict[str, Any],
+        message_id: str | None,
+        persistent: bool = True,
     ) -> bool:
-        """Route one published message; False when nothing took it (unroutable)."""
+        """Route one published message; False when nothing took it (unroutable: the default
+        exchange with the name of no queue, as RabbitMQ, which drops it, or returns it
+        when the publish is mandatory)."""
         if exchange == EVENTS:  # not mandatory: routed to the bound queues, if any
             for bound_key, name in self.event_bindings:
                 if bound_key == key:
-                    self._enqueue(self.queues[name], Message(body, message_id))
+                    msg = Message(body, message_id, key, persistent=persistent)
+                    self._enqueue(self.queues[name], msg)
             return True
         if exchange == CONTROL:
             for q in self.private.values():
-                self._enqueue(q, Message(body, message_id))
+                self._enqueue(q, Message(body, message_id, persistent=persistent))
             return True
         q = self.queues.get(key)
         if q is None:
             return False
-        msg = Message(body, message_id)
+        msg = Message(body, message_id, persistent=persistent)
         if q.delay:  # published to a tier queue by name: its queue-level TTL applies
             self.hold(q, msg, q.ttl or 0.0)
             return True
         self._enqueue(q, msg)
         return True
 
-    def publish_delay(self, route: tuple[int, int], body: dict[str, Any], msg_id: str) -> bool:
-        """A retry to delay queue (tier, bucket), under the tier's TTL."""
-        q = self.queues[self.delay_route[route]]
-        self.hold(q, Message(body, msg_id), self.tier_ttl[route])
+    def publish_delay(
+        self, route: tuple[int, int], body: dict[str, Any], msg_id: str, persistent: bool = True
+    ) -> bool:
+        """A retry to delay queue (tier, bucket), under the tier's TTL; False (unroutable)
+        when no such queue was declared."""
+        name = self.delay_route.get(route)
+        q = self.queues.get(name) if name is not None else None
+        if q is None:
+            return False
+        self.hold(q, Message(body, msg_id, persistent=persistent), self.tier_ttl[route])
         return True
 
     def hold(self, q: Queue, msg: Message, ttl: float) -> None:
@@ -298,7 +354,7 @@ class SimBroker:
             n = len(consumers)
             for i in range(n):
                 c = consumers[(q.rr + i) % n]
-                if c.unacked < c.prefetch:
+                if c.unacked < c.prefetch or not c.prefetch:  # 0: no limit, as in AMQP
                     break
             else:
                 return
@@ -311,7 +367,7 @@ class SimBroker:
         conn = c.conn
         c.unacked += 1
         conn.unacked[tag] = (msg, c)
-        delivery = Delivery(conn, tag, msg)
+        delivery = Delivery(conn, tag, msg, c.queue.name)
         now = self.env.now
         at: float | None = now + self.latency()
         net = conn.net
@@ -361,7 +417,8 @@ class SimBroker:
                 if self.on_lost is not None:
                     self.on_lost(msg.body)
                 continue
-            self._enqueue(work, Message(msg.body, msg.message_id))
+            # dead-lettered with its properties: a transient message stays transient
+            self._enqueue(work, Message(msg.body, msg.message_id, persistent=msg.persistent))
         self._arm(q)
 
 
@@ -369,6 +426,8 @@ class BrokerClient:
     """One process's robust AMQP connection (see the module docstring)."""
 
     ATTEMPTS = 60
+    #: The delivery mode of the engine's publishes (`engine.runtime.wire`): 2, persistent.
+    DELIVERY_MODE = 2
 
     def __init__(
         self,
@@ -383,10 +442,13 @@ class BrokerClient:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 30.0,
         heartbeat_s: float = 60.0,
+        delivery_mode: int | None = None,
     ) -> None:
         self.env = env
         self.broker = broker
         self.name = name
+        # the engine's (`DELIVERY_MODE`) unless given: the runner's clients give theirs
+        self.delivery_mode = self.DELIVERY_MODE if delivery_mode is None else delivery_mode
         self.reconnect_interval_s = reconnect_interval_s
         self.on_reconnected = on_reconnected
         self._spawn = spawn
@@ -537,6 +599,18 @@ class BrokerClient:
                 self.on_reconnected()
             return
 
+    def stop_consuming(self) -> Generator[simpy.Event, Any, None]:
+        """Cancel every consumer (aio-pika's `queue.cancel`, awaited: the cancel reaches the
+        broker, its CancelOk comes back); deliveries sent before the cancel arrived still
+        arrive. A reconnect no longer restores them."""
+        self._consumers = []
+        conn = self.conn
+        if conn is None or not conn.open:
+            return
+        yield self._frame(conn)
+        self.broker.cancel_consumers(conn)
+        yield self.env.timeout(self.broker.latency())
+
     def close_now(self) -> None:
         """The process died: the kernel closes the socket; the broker notices after the
         frames already on their way."""
@@ -600,6 +674,7 @@ class BrokerClient:
     ) -> Generator[simpy.Event, Any, None]:
         """A confirmed publish; `Unroutable` when a mandatory one comes back."""
         env, broker = self.env, self.broker
+        persistent = self.delivery_mode == 2
         backoff = 0.05
         for attempt in range(self.ATTEMPTS):
             conn = self.conn
@@ -617,9 +692,13 @@ class BrokerClient:
                 def arrive(_: simpy.Event, conn: Connection = conn, box: list[bool] = box) -> None:
                     if conn.open and broker.up:
                         if delay_route is not None:
-                            box.append(broker.publish_delay(delay_route, body, message_id))
+                            box.append(
+                                broker.publish_delay(delay_route, body, message_id, persistent)
+                            )
                         else:
-                            box.append(broker.publish_arrive(exchange, key, body, message_id))
+                            box.append(
+                                broker.publish_arrive(exchange, key, body, message_id, persistent)
+                            )
 
                 request = self._frame(conn)
                 request.callbacks.append(arrive)
@@ -650,6 +729,7 @@ class BrokerClient:
         come within `read_timeout_s` fails the attempt (the engine retries it on the same
         channel); so does the connection closing."""
         env, broker = self.env, self.broker
+        persistent = self.delivery_mode == 2
         confirm = env.event()
         frame = self._frame_through(conn, net, size_of(body))
         if frame is not None:
@@ -658,9 +738,9 @@ class BrokerClient:
                 if not conn.open or not broker.up:
                     return
                 if delay_route is not None:
-                    routed = broker.publish_delay(delay_route, body, message_id)
+                    routed = broker.publish_delay(delay_route, body, message_id, persistent)
                 else:
-                    routed = broker.publish_arrive(exchange, key, body, message_id)
+                    routed = broker.publish_arrive(exchange, key, body, message_id, persistent)
                 t = env.now
                 back = net.pass_(DOWN, 24, t + broker.latency())
                 if back is None:
@@ -687,7 +767,7 @@ class BrokerClient:
         self, tier: int, bucket: int, body: dict[str, Any], message_id: str
     ) -> Generator:
         route = (tier, bucket)
-        queue = self.broker.delay_route[route]
+        queue = self.broker.delay_route[route]  # KeyError, as live, for a route not declared
         return self.publish("", queue, body, message_id, mandatory=True, delay_route=route)
 
     def forward(self, queue: str, body: dict[str, Any], message_id: str | None) -> Generator:

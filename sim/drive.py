@@ -7,7 +7,9 @@ draw) and its latency on the simulated clock, a failpoint to `SimFailpoints`. Si
 Redis has no clock of its own to read, so the operations whose live version reads the
 worker's clock get the simulated one. Metrics and log lines go nowhere (no invariant reads
 them), except a task's failure that no live fault explains: the simulator's own bug,
-raised. `SimHost` runs the steps that spawn tasks as processes of the worker.
+recorded as an `engine_error` (with its traceback) that fails the run, as the live
+driver records one (`engine.runtime.drive`): never an exception out of the simulator.
+`SimHost` runs the steps that spawn tasks as processes of the worker.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import simpy
 from engine.agent import agent_error
 from engine.core import ProtocolError
 from engine.failpoints import InjectedFault
+from engine.history import error_fields
 from engine.runtime.replies import LeaseLost
 from engine.shell import effects as fx
 from sim.redis import SCRIPTS
@@ -59,7 +62,19 @@ def _log(e: fx.Log, w: SimWorker) -> None:
     if isinstance(e.error, ProtocolError):
         w.run.shell_errors.append(f"{w.worker_id}: {e.error}")
     if e.error is not None and not isinstance(e.error, TASK_ERRORS):
-        raise e.error  # no live fault explains it: the simulator's own bug
+        # no simulated fault explains it: the engine's bug (or the simulator's), judged
+        # by `no_engine_error`; the step goes on, as the live worker, which logs it
+        engine_error(w, e.error, e.message)
+
+
+def engine_error(w: SimWorker, exc: BaseException, during: str) -> None:
+    """Record what escaped the engine's code (`engine_error`, with its traceback)."""
+    w.history.record_fields("engine_error", error_fields(exc, during))
+
+
+def _settle(e: fx.Settle, w: SimWorker) -> bool:
+    w.window.settled(e.delivery)
+    return w.broker.settle(e.delivery, ack=e.ack)
 
 
 def _store(e: fx.Store, w: SimWorker) -> Generator[Any, Any, Any]:
@@ -96,7 +111,7 @@ _NOW: dict[type, Callable[[Any, SimWorker], Any]] = {
     fx.Log: _log,
     fx.Clock: lambda e, w: w.store.now_ms(),
     fx.Monotonic: lambda e, w: w.env.now,
-    fx.Settle: lambda e, w: w.broker.settle(e.delivery, ack=e.ack),
+    fx.Settle: _settle,
     fx.Failpoint: lambda e, w: fx.WAIT if w.fp else None,
 }
 #: Effects that may: each handler returns the generator that carries it out.
@@ -153,6 +168,9 @@ class SimHost:
         try:
             return (yield from drive(step, self.w))
         except TASK_ERRORS as exc:  # kept for `Join` (asyncio's task keeps it too)
+            return _Failed(exc)
+        except Exception as exc:  # an engine bug: recorded, and kept for `Join` too
+            engine_error(self.w, exc, "task")
             return _Failed(exc)
 
     def cancel(self, task: Any) -> None:

@@ -37,7 +37,7 @@ import simpy
 from engine.core import PERMANENTLY_FAILED, RuleResult, Snapshot, status_rank
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.keys import eval_key, result_key, retry_member, runs_key, split_member, status_key
-from engine.runtime.replies import Begun, LeaseLost, StatusWritten
+from engine.runtime.replies import Begun, LeaseLost, Renewal, StatusWritten
 from sim.network import DOWN, UP, Conn, Link, size_of
 
 TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
@@ -632,16 +632,19 @@ class SimRedis:
         self._expire(key, self.ttl)
         return None
 
-    def renew(self, ids: Iterable[str] | Mapping[str, str], me: str, now_ms: int) -> dict[str, int]:
+    def renew(
+        self, ids: Iterable[str] | Mapping[str, str], me: str, now_ms: int
+    ) -> dict[str, Renewal]:
+        """`_RENEW`: each answer with the lease's PEXPIRETIME once renewed."""
         fences = ids if isinstance(ids, Mapping) else dict.fromkeys(ids, "")
-        out = {}
+        out: dict[str, Renewal] = {}
         for a, token in fences.items():
             owner = eval_key(a, "owner")
             cur = self.get(owner)
             if token:  # the fence decides (`_RENEW`)
                 fence = self.get(eval_key(a, "fence"))
                 if (fence is not None and fence != token) or (cur is not None and cur != me):
-                    out[a] = 0
+                    out[a] = Renewal(0)
                     continue
                 if fence is None:
                     self._set(eval_key(a, "fence"), token, self.ttl)
@@ -651,20 +654,26 @@ class SimRedis:
                     self._set(eval_key(a, "state"), "running", self.ttl)
                 if self._over(a) is None:
                     self._zadd(self.running_index, a, now_ms)
-                out[a] = 2 if forgotten else 1
+                out[a] = Renewal(2 if forgotten else 1, self._pexpiretime(owner))
             elif cur == me:
                 self._expire(owner, self.lease_s)
                 if self._over(a) is None:
                     self._zadd(self.running_index, a, now_ms)
-                out[a] = 1
+                out[a] = Renewal(1, self._pexpiretime(owner))
             elif cur is not None or self.get(eval_key(a, "state")) is not None:
-                out[a] = 0
+                out[a] = Renewal(0)
             else:  # forgotten by a lossy restart: the owner's again
                 self._set(owner, me, self.lease_s)
                 self._set(eval_key(a, "state"), "running", self.ttl)
                 self._zadd(self.running_index, a, now_ms)
-                out[a] = 2
+                out[a] = Renewal(2, self._pexpiretime(owner))
         return out
+
+    def _pexpiretime(self, key: str) -> int:
+        """`PEXPIRETIME` of a key that exists: when it expires, in ms of the simulated clock
+        (-1: no TTL)."""
+        exp = self.expires.get(key)
+        return -1 if exp is None else round(exp * 1000)
 
     def reinstate(self, a: str, plan: Any) -> bool:
         key = eval_key(a, "plan")

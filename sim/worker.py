@@ -6,7 +6,8 @@ Every process it starts goes through `spawn`, so that a death reaches all of the
 `die` (a SIGKILL, a `crash` failpoint) interrupts each at the point it is waiting, drops
 its connection (the broker requeues what it had not acknowledged, deletes its private
 queue) and leaves its leases to expire; requests already on their way to Redis still
-land. `terminate` is SIGTERM: evaluations are abandoned, the connection closed, then
+land. `terminate` is SIGTERM: deliveries in flight and the loops stop, the consumers are
+cancelled, and only then are the evaluations abandoned; the connection closed, then
 `worker_stopped`, as the live `Worker.close` does. `freeze` (a `freeze` failpoint) stops
 the process without killing it: every process of the worker takes its next step only
 after the thaw, whatever it waited for meanwhile (replies, deliveries, its heartbeat's
@@ -27,8 +28,9 @@ from engine.shell.controller import EvaluationController
 from engine.shell.effects import Cancelled
 from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
+from engine.shell.window import DeliveryWindow
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery
-from sim.drive import TASK_ERRORS, SimHost, drive
+from sim.drive import TASK_ERRORS, SimHost, drive, engine_error
 from sim.failpoints import SimFailpoints
 from sim.history import Source
 from sim.redis import RedisClient
@@ -97,12 +99,17 @@ class SimWorker:
         # else no step is watched: a `freeze` failpoint or the runner's `pause_worker`
         self._freezable = (self.fp is not None and self.fp.freezes) or run.pauses
         self.controller = EvaluationController(SimHost(self), config, self.worker_id)
+        self.window = DeliveryWindow(
+            self.history.record_fields, config.prefetch, config.max_evaluations
+        )
         self.alive = True
         self.exit_code: int | None = None
         self.ready = env.event()
         self.exited = env.event()
         self._procs: dict[simpy.Process, None] = {}
         self._loops: list[simpy.Process] = []
+        self._deliveries: set[simpy.Process] = set()  # the steps of deliveries, running
+        self.stopping = False
         self.spawn(self._boot())
 
     @property
@@ -139,6 +146,8 @@ class SimWorker:
             pass
         except TASK_ERRORS:
             pass  # what the live worker only logs (a failed task, a lost delivery)
+        except Exception as exc:  # an engine bug ends this task, not the simulation
+            engine_error(self, exc, "task")
 
     def freeze(self, duration_s: float) -> None:
         """Stop the whole process for `duration_s` (the caller sleeps it out itself)."""
@@ -169,8 +178,16 @@ class SimWorker:
                 error = exc
 
     def on_message(self, d: Delivery) -> None:
-        """A delivery, run as a process of its own (aio-pika runs each as a task)."""
-        self.spawn(drive(self.controller.on_message(d, d.body, d.redelivered), self))
+        """A delivery, run as a process of its own (aio-pika runs each as a task); one that
+        reaches a stopping worker is left unacknowledged, as live."""
+        if self.stopping:
+            return
+        if self.alive:
+            self.window.delivered(d, (d.conn, d.queue), d.queue)
+        proc = self.spawn(drive(self.controller.on_message(d, d.body, d.redelivered), self))
+        if proc is not None:
+            self._deliveries.add(proc)
+            proc.callbacks.append(self._deliveries.discard)  # type: ignore[arg-type]
 
     def _boot(self) -> Generator[Any, Any, None]:
         run, env = self.run, self.env
@@ -184,7 +201,7 @@ class SimWorker:
             self.record("worker_stopped")
             self.die(EXIT_CANNOT_START)
             return
-        prefetch = self.config.max_evaluations * 4
+        prefetch = self.config.prefetch
         yield env.timeout(2 * run.broker.latency())  # declare, bind, consume
         self.broker.consume_private(f"worker.{self.worker_id}", prefetch, self.on_message)
         self.broker.consume(WORK_QUEUE, prefetch, self.on_message)
@@ -236,9 +253,13 @@ class SimWorker:
         self.die(EXIT_KILLED)
 
     def _close(self) -> Generator[Any, Any, None]:
-        for loop in self._loops:
-            if loop.is_alive:
-                loop.interrupt()
+        if not self.stopping:
+            self.record("worker_stopping")
+        self.stopping = True
+        for proc in [*self._loops, *self._deliveries]:
+            if proc.is_alive:
+                proc.interrupt()
+        yield from self.broker.stop_consuming()
         yield from drive(self.controller.shutdown(), self)
         yield from self.broker.close()
         self.record("worker_stopped")

@@ -26,6 +26,8 @@ from chaos.scenario import load_scenario
 from chaos.services import Services
 from chaos.stack import OWNER_ENV, _marked_processes
 
+pytestmark = pytest.mark.slow  # live runs: a redis-server and a RabbitMQ node of their own
+
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ROOT / "scenarios"
 
@@ -58,6 +60,23 @@ CATCHES = {
     "no_restore": "redis_data_loss",  # the restarted Redis lost results the owner announces
     "unmitigated": "sentinel_failover_with_partition",  # no_wait's, and nothing restored
     "sweep_wrong_attempt": "lost_dead_letter",  # the re-published retry is stale: parked
+    "results_only_reannounced": "announcer_dies_after_a_permanent_failure",
+    "old_close_order": "graceful_stop_hands_back",  # the requeued retries come back to it
+    "raise_in_shell": "crash_right_after_ack",  # absorbed: the delivery comes round again
+    "retry_to_undeclared_queue": "transient_llm_errors",  # absorbed: the sweeper re-publishes
+    "started_after_ack": "crash_right_after_ack",  # the crash after the ACK comes first
+    "no_started_event": "crash_right_after_ack",
+    "unbounded_prefetch": "prefetch_backlog",  # ten deliveries for one slot
+    "non_persistent": "broker_restart_holding_retries",  # the retries waiting in the queues
+    "ignore_rule_max_attempts": "rule_max_attempts",  # test_run given up two attempts early
+    "forget_permanent_failure": "resume_after_permanent_failure",  # license_header again
+    "hold_due_retry": "delay_tiers",  # each retry 0.5 s late, within the old 1 s of slack
+    "heartbeat_stops_when_idle": "calls_outlast_lease",  # only the heartbeat keeps leases
+    "slow_heartbeat": "calls_outlast_lease",
+    "renew_never_extends": "calls_outlast_lease",  # the store says what it left
+    "sweeper_claims_early": "calls_outlast_lease",  # long calls: stamps a beat old
+    "status_unfenced": "stale_owner_status",  # the frozen owner's status write lands
+    "final_unfenced": "stale_owner_final_write",  # the frozen owner's final write lands
 }
 
 

@@ -294,8 +294,8 @@ def test_a_write_window_rerun_is_counted_not_a_violation() -> None:
     result = run.check()
     passes(result)
     stats = result.stats
-    assert stats["reruns"] == 1 and stats["write_window_reruns"] == 1
-    assert stats["rerun_tokens"] == 1000 and stats["duplicated_tokens"] == 1000
+    assert stats["reruns"] == 1 and stats["reruns_by_cause"]["write_window"] == 1
+    assert stats["duplicated_tokens"] == 1000 == stats["duplicated_by_cause"]["write_window"]
 
 
 def test_a_crash_mid_call_rerun_is_not_a_write_window_rerun() -> None:
@@ -308,7 +308,7 @@ def test_a_crash_mid_call_rerun_is_not_a_write_window_rerun() -> None:
     run.finish(A, "completed", src="w2", pid=12)
     result = run.check()
     passes(result)
-    assert result.stats["reruns"] == 1 and result.stats["write_window_reruns"] == 0
+    assert result.stats["reruns"] == 1 and result.stats["reruns_by_cause"]["write_window"] == 0
     assert result.stats["duplicated_tokens"] == 0
 
 
@@ -546,7 +546,7 @@ def test_a_late_retry_without_a_fault_is_a_violation() -> None:
     run = retry_run(wait_s=2.0)
     [v] = only(run.check(time_scale=0.01), "retry_delays_respected")
     assert "past its tier 1" in v.message and "with no fault open" in v.message
-    passes(run.check(time_scale=0.01, retry_slack_ms=500_000))  # 5 s at this scale
+    assert "unexplained" in v.message and "tolerance 5.0 ms" in v.message
 
 
 def test_a_late_retry_after_a_fault_or_through_the_sweeper_is_excused() -> None:
@@ -578,9 +578,9 @@ def test_a_late_retry_after_a_fault_or_through_the_sweeper_is_excused() -> None:
 
 
 def test_retry_latencies_are_recorded_for_the_budget() -> None:
-    result = retry_run(wait_s=0.5).check(time_scale=0.01, budgets={"max_retry_latency_s": 0.2})
-    assert result.verdicts["retry_delays_respected"] == "pass"
-    assert 0.5 <= result.stats["retry_latency_max_s"] < 0.6
+    result = retry_run(wait_s=0.32).check(time_scale=0.01, budgets={"max_retry_latency_s": 0.2})
+    assert result.verdicts["retry_delays_respected"] == "pass"  # on its tier (0.331 s at most)
+    assert 0.32 <= result.stats["retry_latency_max_s"] < 0.331
     assert result.stats["retry_latency_s"] == [result.stats["retry_latency_max_s"]]
     assert result.budget_failures and "retry_latency_max_s" in result.budget_failures[0]
     assert not result.ok
@@ -797,8 +797,8 @@ def test_a_real_write_window_history_passes_and_counts_its_reruns() -> None:
     assert result.verdicts["retry_delays_respected"] == "unknown"  # no retry in it
     assert {result.verdicts[k] for k in CORE if k != "retry_delays_respected"} == {"pass"}
     stats = result.stats
-    assert stats["reruns"] == 2 and stats["write_window_reruns"] == 2  # both were answered
-    assert stats["duplicated_tokens"] == 1358 + 1344 == stats["rerun_tokens"]
+    assert stats["reruns"] == 2 and stats["reruns_by_cause"]["write_window"] == 2  # answered
+    assert stats["duplicated_tokens"] == 1358 + 1344 == stats["duplicated_by_cause"]["write_window"]
 
 
 def test_a_real_history_with_a_rule_rerun_after_its_write() -> None:
@@ -953,7 +953,8 @@ def test_histories_of_the_core_under_crashes_never_violate(
         agent=AgentProfile(),
         time_scale=0.001,
         cancelled={a} if shell.cancelled_at is not None else set(),
-        retry_slack_ms=60_000_000,  # the toy shell has no timing model beyond "not before due"
+        # the toy shell has no timing model beyond "not before due": its delays prove nothing
+        invariants=tuple(n for n in INVARIANTS if n != "retry_delays_respected"),
     )
     result = check(shell.history, final, spec)
     assert not result.violations, "\n".join(format_violation(v) for v in result.violations)
@@ -998,15 +999,15 @@ def test_junit_report(tmp_path: Path) -> None:
     assert root.tag == "testsuites" and root.get("failures") == "3"
     suites = {s.get("name"): s for s in root.findall("testsuite")}
     cases = {c.get("name"): c for c in suites["bad"].findall("testcase")}
-    assert set(cases) == {*INVARIANTS, "budgets"}  # budgets were set for "bad"
+    assert set(cases) == {*INVARIANTS, "budgets", "exercised"}  # budgets were set for "bad"
     assert all(c.get("classname") == "bad" for c in cases.values())
     failure = cases["single_final_result"].find("failure")
     assert failure is not None and "final_published" in (failure.text or "")
     assert cases["state_keys_expire"].find("failure") is not None
     assert cases["budgets"].find("failure") is None  # within budget
-    assert len(suites["good"].findall("testcase")) == len(INVARIANTS)
+    assert len(suites["good"].findall("testcase")) == len(INVARIANTS) + 1
     assert suites["empty"].find("testcase/skipped") is not None
-    assert len(junit_cases("bad", bad, 1.5)) == len(INVARIANTS) + 1
+    assert len(junit_cases("bad", bad, 1.5)) == len(INVARIANTS) + 2
     assert [p.name for p in tmp_path.iterdir()] == ["junit.xml"]  # no temporary left
 
 

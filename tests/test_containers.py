@@ -35,6 +35,8 @@ from chaos.stack import StackError
 from tests.rabbit import dump_queue_records, wait_for_queue
 from tests.test_chaos_runs import chaos
 
+pytestmark = pytest.mark.slow  # a Docker engine, images built, scenarios in containers
+
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = engine_problem()
 #: Set by .ci/run, which starts an engine: there a missing one fails these tests.

@@ -318,6 +318,7 @@ def test_live_mode_refuses_these_settings_on_shared_services() -> None:
     assert refusal(scenario("consumer_timeout"), {"redis", "broker"}) is None
 
 
+@pytest.mark.slow  # the run's own redis-server: installed
 def test_chaos_run_live_refuses_in_one_line() -> None:
     """Before anything starts: a shared broker (AMQP_URL) cannot take a consumer_timeout."""
     env = {**os.environ, "AMQP_URL": "amqp://guest:guest@127.0.0.1:5672/"}

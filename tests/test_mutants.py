@@ -78,6 +78,24 @@ def test_unknown_mutant_exits_2_with_one_line() -> None:
     )
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "'nope'" in out.stderr
+
+
+def test_a_mistyped_mutant_gets_a_hint() -> None:
+    """`chaos run --mutant` and `python -m chaos.mutants` name the mutant meant."""
+    for cmd in (
+        ["chaos", "run", "scenarios/crash_after_ack.yaml", "--mode", "sim", "--mutant"],
+        ["chaos.mutants"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", *cmd, "no_sweepr"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert "'no_sweepr' (did you mean 'no_sweeper'?)" in out.stderr
     assert all(name in out.stderr for name in MUTANTS)
 
 
@@ -246,6 +264,80 @@ def test_give_up_early() -> None:
     assert before["one_attempt"] == after["one_attempt"] == ["permanently_failed"]
 
 
+def probe_rule_max_attempts() -> dict[str, Any]:
+    """code_review, test_run (max_attempts 5 in the plan) and license_header (1) failing
+    every call transiently, under the default policy (3 attempts): each one's attempts."""
+    failing = agent(test_run=TRANSIENT, license_header=TRANSIENT)
+    shell = run_plan(CODE_REVIEW, failing)
+    return {
+        r: sorted({c.attempt for c in shell.calls if c.rule_id == r})
+        for r in ("test_run", "license_header")
+    }
+
+
+def test_ignore_rule_max_attempts() -> None:
+    # Caught by matches_reference on rule_max_attempts (tests/test_chaos_runs.py, live and
+    # in sim), whose reference reads the plan with the checker's own code.
+    before, after = _probe("probe_rule_max_attempts", "ignore_rule_max_attempts")
+    assert before == {"test_run": [1, 2, 3, 4, 5], "license_header": [1]}
+    assert after == {"test_run": [1, 2, 3], "license_header": [1, 2, 3]}
+
+
+def probe_resume_after_permanent_failure() -> dict[str, Any]:
+    """code_review resumed from a snapshot where license_header is permanently_failed:
+    what the rebuilt evaluation starts and skips at once."""
+    from engine.shell.reevaluate import ReEvaluateUseCase
+
+    snap = Snapshot(statuses={"license_header": "permanently_failed"})
+    core = ReEvaluateUseCase(EngineConfig(), "w").rebuild(CODE_REVIEW, "a", snap, {})
+    actions = core.start()
+    return {
+        "runs": sorted(a.rule_id for a in actions if isinstance(a, RunRule)),
+        "skipped": sorted(r for a in actions if isinstance(a, SkipRules) for r in a.rule_ids),
+    }
+
+
+def test_forget_permanent_failure() -> None:
+    # Caught by attempts_monotonic on resume_after_permanent_failure (a start after the
+    # permanently_failed write), live and in sim: tests/test_chaos_runs.py, tests/test_sim.py.
+    before, after = _probe("probe_resume_after_permanent_failure", "forget_permanent_failure")
+    assert "license_header" not in before["runs"] and before["skipped"] == ["docs_feedback"]
+    assert "license_header" in after["runs"] and after["skipped"] == []
+
+
+def _marked_to_started(history: list[dict[str, Any]]) -> list[float]:
+    """For each delayed retry's first start: seconds from its start marker's write."""
+    marked = {
+        (e["src"], e["attempt_id"], e["rule_id"], e["attempt"]): e["t"]
+        for e in history
+        if e["ev"] == "start_marked"
+    }
+    return [
+        e["t"] - marked[key]
+        for e in history
+        if e["ev"] == "rule_started"
+        and e["attempt"] > 1
+        and e["try_no"] == 1
+        and (key := (e["src"], e["attempt_id"], e["rule_id"], e["attempt"])) in marked
+    ]
+
+
+def test_hold_due_retry() -> None:
+    # Caught by retry_delays_respected on delay_tiers, live and in sim
+    # (tests/test_chaos_runs.py, tests/test_sim.py): 0.5 s at its time scale, half the
+    # slack the check once allowed, and no slot, resume or fault to explain it.
+    from chaos.insim import run_scenario
+    from chaos.mutants import HOLD_DUE_RETRY_MS
+    from chaos.scenario import load_scenario
+
+    loaded = load_scenario(ROOT / "scenarios" / "delay_tiers.yaml")
+    before = _marked_to_started(run_scenario(loaded).history)
+    after = _marked_to_started(run_scenario(loaded, mutant="hold_due_retry").history)
+    held = HOLD_DUE_RETRY_MS * loaded.spec.time_scale / 1000
+    assert before and max(before) < 0.005
+    assert len(after) == len(before) and min(after) >= held
+
+
 def probe_retry_tiers() -> dict[str, Any]:
     """tiny, unit_tests failing every call, four attempts on tiers 0.1 s, 2 s and 30 s
     without jitter: where each delayed retry goes."""
@@ -357,7 +449,9 @@ def _both(mut: Slice, ref: Slice, *flags: str, **kw: Any) -> tuple[WorkerProcess
     return pair
 
 
-live = pytest.mark.live
+def live(test: Any) -> Any:
+    """The machine's Redis and RabbitMQ: a live test, and a slow one (`-m "not slow"`)."""
+    return pytest.mark.slow(pytest.mark.live(test))
 
 
 @live
@@ -943,3 +1037,275 @@ def test_sweep_wrong_attempt() -> None:
     # the attempt that failed: a stale retry, dropped on arrival, and nothing wakes the
     # evaluation (lost_dead_letter fails all_terminal, live and in sim, from this one patch)
     assert after == {"attempts": [2]}
+
+
+def probe_stored_verdicts() -> dict[str, str]:
+    """code_review read back from a store where static_analysis failed for good."""
+    snapshot = Snapshot(
+        results={"compiles": RuleResult("compiles", "pass", 0.9, 10)},
+        statuses={"static_analysis": "permanently_failed"},
+    )
+    core = Evaluation(CODE_REVIEW, "a", snapshot=snapshot)
+    return {r: v for r, v in core.stored_verdicts().items() if v != "pending"}
+
+
+def test_results_only_reannounced() -> None:
+    # The re-announcement drops what has no result: the failed rule and its skipped chain
+    # (announcer_dies_after_a_permanent_failure, live and in sim: tests/test_chaos_runs.py,
+    # tests/test_sim.py, tests/test_held_out_bugs.py).
+    before, after = _probe("probe_stored_verdicts", "results_only_reannounced")
+    assert before == {
+        "compiles": "pass",
+        "static_analysis": "permanently_failed",
+        **dict.fromkeys(DEPENDENTS, "skipped"),
+    }
+    assert after == {"compiles": "pass"}
+
+
+def _after_stop(s: Slice) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The worker's graceful stop: its first event (`worker_stopping`, else its first
+    abandon "worker stopping") and what it took on after it (deliveries, begins)."""
+    events = s.history()
+    stop = [
+        e
+        for e in events
+        if e["ev"] == "worker_stopping"
+        or (e["ev"] == "evaluation_abandoned" and e.get("reason") == "worker stopping")
+    ]
+    assert stop, "the worker never stopped"
+    t = stop[0]["t"]
+    taken = [e for e in events if e["ev"] in ("delivered", "evaluation_started") and e["t"] > t]
+    return stop, taken
+
+
+@live
+def test_old_close_order(tmp_path: Path) -> None:
+    # One worker per slice holds the retries of four evaluations (attempt 2 of compiles
+    # running, 300 ms calls) when it is told to stop (SIGTERM).
+    with _pair(tmp_path, "old_close_order", **{"max-evaluations": "4"}) as (mut, ref):
+        agent_profile = {"latency_ms": 300_000, "fail_rules": {"compiles": 1}}
+        workers = _both(mut, ref, agent=agent_profile, immediate_retries="0")
+        for s in (mut, ref):
+            s.submit(TINY, s.ids(4))
+        for s in (mut, ref):
+            s.wait_for(
+                lambda s=s: sum(len(s.events("rule_started", a, attempt=2)) for a in s.ids(4)) >= 4,
+                what="four retries held",
+            )
+        for w in workers:
+            w.terminate()
+        stop, taken = _after_stop(mut)
+        assert stop[0]["ev"] == "evaluation_abandoned"  # no worker_stopping in the old close
+        assert taken, "the requeued retries came back to the stopping worker"
+        stop, taken = _after_stop(ref)
+        assert stop[0]["ev"] == "worker_stopping"
+        assert len([e for e in stop if e["ev"] == "evaluation_abandoned"]) == 4
+        assert taken == []
+
+
+# --- engine errors, evaluation.started, flow control and durability (sim; live in
+# --- tests/test_chaos_runs.py on the same scenarios) ------------------------------------------
+
+
+def _sim_pair(name: str, mutant: str) -> tuple[Any, Any]:
+    """The scenario `name` in the simulator, on the engine and with `mutant`."""
+    from chaos.insim import run_scenario
+    from chaos.scenario import load_scenario
+
+    loaded = load_scenario(ROOT / "scenarios" / f"{name}.yaml")
+    return run_scenario(loaded), run_scenario(loaded, mutant=mutant)
+
+
+def _broken(outcome: Any) -> set[str]:
+    return {k for k, v in outcome.result.verdicts.items() if v == "fail"}
+
+
+def test_raise_in_shell() -> None:
+    clean, broken = _sim_pair("crash_right_after_ack", "raise_in_shell")
+    assert clean.result.ok and clean.result.stats["engine_errors"] == 0
+    # Absorbed: every evaluation ends as it should; only the error tells, with its trace.
+    assert _broken(broken) == {"no_engine_error"}
+    errors = [e for e in broken.history if e["ev"] == "engine_error"]
+    assert errors and all(e["error"].startswith("KeyError: ") for e in errors)
+    assert all("engine/shell/controller.py" in e["traceback"] for e in errors)
+
+
+def test_retry_to_undeclared_queue() -> None:
+    clean, broken = _sim_pair("transient_llm_errors", "retry_to_undeclared_queue")
+    assert clean.result.ok
+    assert "no_engine_error" in _broken(broken)
+    assert broken.result.verdicts["all_terminal"] == "pass"  # the sweeper re-published
+    errors = [e for e in broken.history if e["ev"] == "engine_error"]
+    assert errors and all("KeyError: (" in e["error"] for e in errors)
+
+
+def test_started_after_ack() -> None:
+    clean, broken = _sim_pair("crash_right_after_ack", "started_after_ack")
+    assert clean.result.ok and clean.result.verdicts["started_announced"] == "pass"
+    assert _broken(broken) == {"started_announced"}
+    # the two workers that crashed right after their ACK announced nothing
+    flagged = {v.message.split()[0] for v in broken.result.violations}
+    crashed = {e["src"] for e in broken.history if e["ev"] == "crash"}
+    assert flagged == crashed and len(crashed) == 2
+
+
+def test_no_started_event() -> None:
+    clean, broken = _sim_pair("crash_right_after_ack", "no_started_event")
+    assert clean.result.stats["started_received"] >= 3
+    assert broken.result.stats["started_received"] == 0
+    assert _broken(broken) == {"started_announced"}
+
+
+def test_unbounded_prefetch() -> None:
+    clean, broken = _sim_pair("prefetch_backlog", "unbounded_prefetch")
+    assert clean.result.ok and clean.result.stats["deliveries_in_flight_max"] == 4
+    assert _broken(broken) == {"prefetch_respected"}
+    assert broken.result.stats["deliveries_in_flight_max"] > 4
+    assert "prefetch 0" in broken.result.violations[0].message
+
+
+def test_non_persistent() -> None:
+    clean, broken = _sim_pair("broker_restart_holding_retries", "non_persistent")
+    assert clean.result.ok and clean.result.stats["transient_messages"] == 0
+    assert _broken(broken) == {"nothing_lost_on_restart"}
+    lost = [v.message for v in broken.result.violations if "lost" in v.message]
+    assert lost and "found" in lost[0]  # the model's count: the restart found fewer
+    # and message by message, as live: retries waiting at the kill never came back
+    assert any(v.rule_id and "never delivered" in v.message for v in broken.result.violations)
+    # the engine still ends every evaluation: the sweeper re-publishes the lost retries
+    assert broken.result.verdicts["all_terminal"] == "pass"
+
+
+# --- the lease machinery and the fence -----------------------------------------------------
+
+
+class _Held:
+    """An evaluation in memory, as the heartbeat sees it (its fence token)."""
+
+    fence = "1:w"
+
+
+def probe_heartbeat() -> dict[str, Any]:
+    """The heartbeat's first beats: idle, then holding an evaluation; what each asks of the
+    world, and how long the loop sleeps."""
+    from engine.shell import heartbeat
+
+    idle = [type(e).__name__ for e in heartbeat.beat("w", {}, 600)]
+    busy = heartbeat.beat("w", {"a": _Held()}, 600)  # type: ignore[dict-item]
+    asked = [type(next(busy)).__name__, type(busy.send(0)).__name__]
+    loop = heartbeat.heartbeat(EngineConfig(heartbeat_ms=100, stale_ms=600), "w", {})
+    return {"idle": idle, "busy": asked, "sleeps": next(loop).seconds}
+
+
+def _busy_after_idle() -> dict[str, Any]:
+    from engine.shell import heartbeat
+
+    list(heartbeat.beat("w", {}, 600))  # the first beat finds nothing held
+    busy = heartbeat.beat("w", {"a": _Held()}, 600)  # type: ignore[dict-item]
+    asked = []
+    with contextlib.suppress(StopIteration):
+        asked.append(type(next(busy)).__name__)
+        asked.append(type(busy.send(0)).__name__)
+    return {"busy": asked}
+
+
+def probe_heartbeat_after_idle() -> dict[str, Any]:
+    return _busy_after_idle()
+
+
+def test_heartbeat_stops_when_idle() -> None:
+    before, after = _probe("probe_heartbeat_after_idle", "heartbeat_stops_when_idle")
+    assert before == {"busy": ["Clock", "Store"]}  # the clock, then the renewal
+    assert after == {"busy": []}  # stopped at the idle beat: nothing renewed ever again
+
+
+def test_slow_heartbeat() -> None:
+    before, after = _probe("probe_heartbeat", "slow_heartbeat")
+    assert before == {"idle": [], "busy": ["Clock", "Store"], "sleeps": 0.1}
+    assert after == {"idle": [], "busy": ["Clock", "Store"], "sleeps": 1.0}  # ten times
+
+
+def probe_renewal_extends() -> dict[str, Any]:
+    """An owner's lease with 100 ms left is renewed: when the store says it runs out, and
+    what is left of it."""
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
+        a = ids[0]
+        begun = await store.begin(a, "w", TINY.order, TINY.to_json())
+        await store.redis.pexpire(eval_key(a, "owner"), 100)
+        now = await store.redis.time()  # the store's clock, which the answer is told by
+        got = (await store.renew({a: begun.fence}, "w"))[a]
+        left = await store.redis.pttl(eval_key(a, "owner"))
+        reported = got.expires_ms - (now[0] * 1000 + now[1] // 1000)
+        return {"held": int(got), "reported": reported > 100, "left": left > 100}
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_renew_never_extends() -> None:
+    before, after = _probe("probe_renewal_extends", "renew_never_extends")
+    assert before == {"held": 1, "reported": True, "left": True}
+    # Still answered held, and the store reports (truly) that the lease was not extended.
+    assert after == {"held": 1, "reported": False, "left": False}
+
+
+def probe_early_claim() -> dict[str, Any]:
+    """w begins an evaluation (its lease held, its stamp fresh); a sweeper sweeps at once."""
+    from engine.shell import sweeper
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
+        a = ids[0]
+        await store.begin(a, "w", TINY.order, TINY.to_json())
+        claimed = await store.claim_stale(a, 0)  # the stamp is old enough; the lease is not
+        asked = []
+        step = sweeper.sweep(EngineConfig(stale_ms=600), set())
+        effect = next(step)
+        asked.append(list(effect.args))
+        return {"claimed": claimed, "stale_evaluations": asked}
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_sweeper_claims_early() -> None:
+    before, after = _probe("probe_early_claim", "sweeper_claims_early")
+    assert before == {"claimed": False, "stale_evaluations": [[600]]}
+    assert after == {"claimed": True, "stale_evaluations": [[60]]}  # a tenth, lease or not
+
+
+def probe_stale_writes() -> dict[str, Any]:
+    """w1 begins an evaluation; its lease lapses; w2 begins it (a new token); w1, awake,
+    writes a status and the final state with its old token. What lands?"""
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for a, what in zip(ids, ("status", "final"), strict=True):
+            first = await store.begin(a, "w1", TINY.order, TINY.to_json())
+            await store.redis.delete(eval_key(a, "owner"))  # the lease lapses
+            await store.begin(a, "w2", TINY.order, None)
+            try:
+                if what == "status":
+                    await store.write_status(a, "compiles", "failed_attempt_1", None, first.fence)
+                else:
+                    await store.finish(a, "completed", {}, [], first.fence)
+                out[what] = "landed"
+            except LeaseLost:
+                out[what] = "refused"
+        return out
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_status_unfenced() -> None:
+    before, after = _probe("probe_stale_writes", "status_unfenced")
+    assert before == {"status": "refused", "final": "refused"}
+    assert after == {"status": "landed", "final": "refused"}  # the status alone is unfenced
+
+
+@live
+def test_final_unfenced() -> None:
+    before, after = _probe("probe_stale_writes", "final_unfenced")
+    assert before == {"status": "refused", "final": "refused"}
+    assert after == {"status": "refused", "final": "landed"}  # the final state alone

@@ -51,25 +51,24 @@ def _left_dirs(pid: int) -> list[Path]:
     return list(Path(tempfile.gettempdir()).glob(f"chaos-mutate-{pid}_*"))
 
 
-def test_an_endless_mutant_times_out_and_its_worker_is_killed() -> None:
-    # a module whose import never ends: an endless loop for certain, on any machine
+def _planted(name: str, source: str) -> Mutant:
     policy = targets(["engine/policy.py"], ROOT)[0]
-    endless = Mutant(
-        "engine/policy.py:x:endless",
-        policy.path,
-        policy.module,
-        "x",
-        1,
-        "While",
-        "",
-        "while True:\n    pass\n",
-    )
+    return Mutant(f"engine/policy.py:x:{name}", policy.path, policy.module, "x", 1, "", "", source)
+
+
+def test_an_endless_mutant_times_out_and_a_raising_one_crashes() -> None:
+    # a module whose import never ends (an endless loop for certain, on any machine), and
+    # one whose import raises: the harness cannot even load a scenario, no verdict
+    endless = _planted("endless", "while True:\n    pass\n")
+    raising = _planted("raising", "raise RuntimeError('planted')\n")
     with run.pool(ROOT) as p:
         folder = p.dir
-        (verdict,) = run.run_all(p, [endless], [SCENARIO], 0, [], 1, 2.0)
+        verdict, crash = run.run_all(p, [endless, raising], [SCENARIO], 0, [], 2, 2.0)
     assert verdict.status == "timeout"
     assert verdict.detail == "no verdict within 2 s"
     assert 2.0 <= verdict.seconds < 60
+    assert crash.status == "crashed"
+    assert crash.detail == "RuntimeError: planted at engine/policy.py:1"
     assert not folder.exists()
     assert marked_pids(f"mutate-{os.getpid()}") == []  # its process group: SIGKILLed
 
@@ -98,11 +97,11 @@ def test_a_survivor_is_listed_with_its_diff_and_an_equivalent_is_excluded(
     assert misspelt["status"] == "killed"
     assert misspelt["scenario"] == SCENARIO
     assert "pass_results_correct" in misspelt["detail"]
-    # `all(None)`: the simulator raises instead of a verdict, a kill listed apart
+    # `all(None)`: the engine raises, the run ends in an `engine_error` verdict
     (raising,) = (m for m in data["mutants"] if "if all(None) else" in m["diff"])
-    assert raising["status"] == "crashed"
-    assert raising["detail"].startswith("TypeError: ")
-    assert data["counts"]["killed"] >= 3
+    assert raising["status"] == "killed"
+    assert "no_engine_error" in raising["detail"]
+    assert data["counts"]["killed"] >= 4
     assert f"survived: {survivor.id} line 42" in got.stdout
     kills = sum(data["counts"][s] for s in ("killed", "crashed", "timeout"))
     assert f"{kills} of {len(status) - 1} killed" in got.stdout

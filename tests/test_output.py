@@ -106,12 +106,17 @@ def hand_built() -> CheckResult:
 def test_reruns_are_split_by_kind() -> None:
     result = hand_built()
     stats = result.stats
-    assert stats["rerun_kinds"] == {"write_window": 1, "in_flight": 1, "after_completion": 1}
-    assert stats["write_window_reruns"] == 1 and stats["in_flight_reruns"] == 1
-    assert stats["completed_reruns"] == 1
-    assert stats["reruns"] == 2  # the allowed ones, which the max_reruns budget bounds
+    assert stats["reruns_by_cause"] == {
+        "write_window": 1, "redelivery": 0, "sweeper_resume": 0, "in_flight": 1,
+        "lost_state": 0, "mutant": 0, "after_completion": 1,
+    }  # fmt: skip
+    assert stats["completed_reruns"] == 1  # no_completed_rerun's own count of violations
+    assert stats["reruns"] == 3
+    # b's first call was cut short (no tokens): only a's call was paid twice
+    assert stats["duplicated_by_cause"]["write_window"] == 100 == stats["duplicated_tokens"]
+    assert stats["tokens_total"] == 400 and stats["reference_tokens"] == 300
     assert result.verdicts == {"no_completed_rerun": "fail"}  # the verdict is unchanged
-    assert rerun_split(stats) == "reruns 3 (write window 1, in flight 1, after completion 1)"
+    assert rerun_split(stats) == "reruns 3 (write_window 1, in_flight 1, after_completion 1)"
     assert stats["faults_fired"] == {"crash@rule_after_call_before_write": 1}
 
 
@@ -121,7 +126,8 @@ def test_summary_line_says_mode_faults_and_rerun_kinds() -> None:
     assert line.plain == (
         "FAIL s1 (sim): 1 evaluation in 3.0 s simulated (0.01 s real); "
         "faults crash@rule_after_call_before_write; "
-        "reruns 3 (write window 1, in flight 1, after completion 1), duplicated tokens 100; "
+        "reruns 3 (write_window 1, in_flight 1, after_completion 1); duplicated tokens 100 "
+        "(write_window 100) = 33.3% of the fault-free bill 300; "
         "3 cases judged; history ab; broken: no_completed_rerun (3 cases)"
     )
     out = io.StringIO()
@@ -209,7 +215,42 @@ def test_junit_times_are_each_invariants_own(tmp_path: Path) -> None:
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     assert suite is not None and suite.get("time") == "9.000"  # the scenario's own time
     times = {c.get("name"): c.get("time") for c in suite.findall("testcase")}
-    assert times == {"no_completed_rerun": "0.250000", "all_terminal": "0.000125"}
+    assert times == {
+        "no_completed_rerun": "0.250000",
+        "all_terminal": "0.000125",
+        "exercised": "9.000000",  # the scenario's time, so that a CI tab adds up to it
+    }
+
+
+def test_junit_counts_a_scenario_the_harness_could_not_judge_as_an_error(tmp_path: Path) -> None:
+    write_junit(tmp_path / "junit.xml", [("s1 (live, seed 1)", "the injector failed", 3.0)])
+    root = ET.parse(tmp_path / "junit.xml").getroot()
+    assert (root.get("errors"), root.get("failures"), root.get("tests")) == ("1", "0", "1")
+    error = root.find("testsuite/testcase/error")
+    assert error is not None and error.get("message") == "the injector failed"
+
+
+def test_junit_fails_a_scenario_that_exercised_too_little(tmp_path: Path) -> None:
+    """A run short of its `exercised` minimums exits 1: its JUnit must say so too."""
+    short = CheckResult(
+        {"no_completed_rerun": "pass"},
+        [],
+        {},
+        [],
+        {"no_completed_rerun": 0.5},
+        {"no_completed_rerun": 5},
+        ["no_completed_rerun judged 5 case(s) < exercised 6"],
+    )
+    assert not short.ok
+    write_junit(tmp_path / "junit.xml", [("s1 (sim, seed 1)", short, 2.0)])
+    root = ET.parse(tmp_path / "junit.xml").getroot()
+    assert root.get("failures") == "1"
+    [case] = [c for c in root.iter("testcase") if c.find("failure") is not None]
+    assert case.get("name") == "exercised" and case.get("classname") == "s1 (sim, seed 1)"
+    failure = case.find("failure")
+    assert failure is not None and "judged 5 case(s) < exercised 6" in (
+        failure.get("message") or ""
+    )
 
 
 # --- the commands, in a pipe --------------------------------------------------------------
@@ -226,17 +267,20 @@ def test_chaos_run_in_a_pipe(tmp_path: Path) -> None:
     assert summary.startswith("PASS crash_after_ack (sim): 3 evaluations in ")
     assert "faults crash@rule_after_write" in summary
     kinds = json.loads((out / "crash_after_ack" / "journal.json").read_text())
-    split = kinds["stats"]["rerun_kinds"]
+    split = kinds["stats"]["reruns_by_cause"]
     total = sum(split.values())
     assert split["after_completion"] == 0 and total > 0
-    assert (
-        f"reruns {total} (write window {split['write_window']}, in flight "
-        f"{split['in_flight']}, after completion 0)"
-    ) in summary
+    named = ", ".join(f"{cause} {n}" for cause, n in split.items() if n)
+    assert f"reruns {total} ({named})" in summary
     assert kinds["mode"] == "sim" and kinds["extra"]["mode"] == "sim"
 
-    cases = ET.parse(out / "junit.xml").getroot().findall("testsuite/testcase")
-    times = {c.get("name"): float(c.get("time") or "nan") for c in cases}
+    [suite] = ET.parse(out / "junit.xml").getroot().findall("testsuite")
+    assert suite.get("name") == "crash_after_ack (sim, seed 2)"  # the mode and seed it ran
+    cases = suite.findall("testcase")
+    ran = [c for c in cases if c.get("name") == "exercised"]
+    assert len(ran) == 1
+    assert float(ran[0].get("time") or 0) == pytest.approx(float(suite.get("time") or -1), abs=1e-3)
+    times = {c.get("name"): float(c.get("time") or "nan") for c in cases if c not in ran}
     judged = set(INVARIANTS) - {"retry_delays_respected"}  # the scenario has no retry
     assert set(times) == judged == set(kinds["verdicts"])
     checked = kinds["check_durations_s"]
@@ -255,6 +299,24 @@ def test_chaos_sim_in_a_pipe() -> None:
     assert summary.endswith(", 0 failing")
 
 
+def test_chaos_sim_explores_several_scenarios_and_shrinks_into_out(tmp_path: Path) -> None:
+    """Several scenarios, each explored; --shrink writes under --out, never into the
+    repository, unless --regressions says where."""
+    out = tmp_path / "out"
+    done = chaos(
+        "sim", "scenarios/crash_after_ack.yaml", "scenarios/crash_before_ack.yaml",
+        "--seeds", "5", "--jobs", "1", "--mutant", "no_redis_results", "--shrink",
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert line_with(done.stdout, "crash_after_ack (sim): 5 seeds in ")
+    assert line_with(done.stdout, "crash_before_ack (sim): 5 seeds in ")
+    written = sorted((out / "regressions").glob("*.yaml"))
+    assert written, done.stdout
+    replay = line_with(done.stdout, "replay with: ").split("replay with: ", 1)[1]
+    assert shlex.split(replay)[4] in [str(p) for p in written]
+
+
 def test_chaos_sim_failures_and_replay_command_in_a_pipe(tmp_path: Path) -> None:
     folder = long_dir(tmp_path, "regressions")
     done = chaos(
@@ -268,7 +330,7 @@ def test_chaos_sim_failures_and_replay_command_in_a_pipe(tmp_path: Path) -> None
     replay = line_with(done.stdout, "replay with: ")
     command = shlex.split(replay.split("replay with: ", 1)[1])
     assert command[:4] == ["python", "-m", "chaos", "run"]
-    assert command[5:] == ["--mutant", "no_redis_results"]
+    assert command[5:] == ["--mode", "sim", "--mutant", "no_redis_results"]  # as it was found
     path = Path(command[4])
     assert path.parent == folder and path.is_file()  # copy-pasteable as printed
 
@@ -287,4 +349,40 @@ def test_chaos_validate_and_list_in_a_pipe(tmp_path: Path) -> None:
     assert ANSI not in listed.stdout
     assert not set("┏━┃│└─") & set(listed.stdout)  # no box drawing in a log
     row = line_with(listed.stdout, "scenarios/worker_kill_storm.yaml")
-    assert "Finished rules are never rerun" in row  # the description is not wrapped
+    assert "Six SIGKILLs at times and on workers drawn from the seed" in row  # not wrapped
+    assert "Finished rules are never rerun" not in row  # the first sentence only
+    assert max(len(line.rstrip()) for line in listed.stdout.splitlines()) < 200
+    long = chaos("list", "--long")
+    row = line_with(long.stdout, "scenarios/worker_kill_storm.yaml")
+    assert "Finished rules are never rerun" in row  # whole, and not wrapped
+
+
+# --- --help -------------------------------------------------------------------------------
+
+
+def _undocumented(parser: argparse.ArgumentParser, name: str) -> list[str]:
+    """Every argument of `parser` and its subcommands without a help text."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                missing += _undocumented(subparser, f"{name} {sub}")
+        elif not isinstance(action, argparse._HelpAction) and not action.help:
+            missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def test_every_option_has_help_and_descriptions_are_whole() -> None:
+    from chaos.cli import build_parser as chaos_parser
+    from engine.submit import build_parser as submit_parser
+    from engine.worker import build_parser as worker_parser
+
+    parsers = [
+        ("chaos", chaos_parser()),
+        ("engine.submit", submit_parser()),
+        ("engine.worker", worker_parser()),
+    ]
+    for name, parser in parsers:
+        assert _undocumented(parser, name) == []
+        description = parser.description or ""
+        assert description.endswith("."), f"{name}: {description!r} is cut"

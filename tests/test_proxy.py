@@ -386,6 +386,17 @@ async def test_populate_creates_keeps_and_replaces() -> None:
         status, _ = await env.call("GET", "/proxies/c")
         assert status == 404
 
+        # failing partway (a listen address taken): the proxies made before it are kept,
+        # and named in the answer, as Toxiproxy does
+        taken = {"name": "e", "upstream": upstream, "listen": a["listen"]}
+        status, body = await env.call(
+            "POST", "/populate", [{"name": "c", "upstream": upstream}, taken]
+        )
+        assert status == 500 and "address already in use" in body["error"]
+        assert [p["name"] for p in body["proxies"]] == ["c"]
+        status, _ = await env.call("GET", "/proxies/c")
+        assert status == 200
+
 
 @aio
 async def test_toxic_create_show_update_delete() -> None:

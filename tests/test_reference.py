@@ -138,6 +138,29 @@ def test_a_shell_that_gives_up_too_soon_differs_from_the_reference(
     assert "permanently_failed also has" in result.violations[0].message
 
 
+def test_a_core_bug_planted_in_the_checkers_process_does_not_move_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug planted in the engine's code (not a mutant confined to the workers) is in the
+    checker's process too. The reference is the checker's own computation, so a core that
+    ignores the plan's per-rule `max_attempts` cannot move it: the run differs from it.
+    (A reference that ran `engine.core.Evaluation` ended like the bug and passed.)"""
+    from engine.core.evaluation import Evaluation
+
+    monkeypatch.setattr(Evaluation, "max_attempts", lambda self, rule_id: self.policy.max_attempts)
+    reference_module._cache.clear()
+    loaded = load_scenario(SCENARIOS / "rule_max_attempts.yaml")
+    ref = reference_for(loaded, loaded.spec.seed, loaded.evaluations(loaded.spec.seed))
+    for outcome in ref.evaluations.values():  # the plan's numbers, whatever the core says
+        assert "test_run" in outcome.completed
+        assert outcome.permanently_failed == {"license_header"}
+        assert outcome.skipped == {"docs_feedback"}
+    result = run_scenario(loaded).result
+    reference_module._cache.clear()
+    assert result.verdicts["matches_reference"] == "fail"
+    assert result.verdicts["retry_budget"] == "fail"
+
+
 def test_permanent_failure_prunes_has_every_kind_of_rule_in_its_reference() -> None:
     loaded = load_scenario(SCENARIOS / "permanent_failure_prunes.yaml")
     ref = reference_for(loaded, loaded.spec.seed, loaded.evaluations(loaded.spec.seed))

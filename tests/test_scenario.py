@@ -518,7 +518,9 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     (
         "invariant_unknown",
         lambda d: d.update(invariants=["all_terminal", "no_rerun"]),
-        "invariants[1]: expected one of " + ", ".join(INVARIANT_NAMES) + "; got 'no_rerun'",
+        f"invariants[1]: expected one of {len(INVARIANT_NAMES)} names: "
+        + ", ".join(INVARIANT_NAMES[:3])
+        + ", ...; got 'no_rerun' (did you mean 'no_completed_rerun'?)",
     ),
     (
         "invariant_twice",
@@ -535,6 +537,12 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         "failpoint_unknown",
         _fault(0, failpoint="after_everything"),
         "faults[0].failpoint: expected one of on_delivery, before_ack",
+    ),
+    (
+        "failpoint_typo",
+        _fault(0, failpoint="rule_afer_write"),
+        "faults[0].failpoint: expected one of " + ", ".join(FAILPOINTS) + "; got "
+        "'rule_afer_write' (did you mean 'rule_after_write'?)",
     ),
     (
         "failpoint_action",

@@ -45,6 +45,8 @@ from chaos.stack import (
     stop_owned,
 )
 
+pytestmark = pytest.mark.slow  # live runs interrupted: their own redis-server and RabbitMQ
+
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = "scenarios/crash_after_ack.yaml"
 #: How long a test waits for an event that must come: only a broken harness uses it up.

@@ -358,7 +358,7 @@ def test_an_injected_raise_abandons_the_evaluation_and_the_sweeper_resumes_it() 
     (abandoned,) = of(outcome.history, "evaluation_abandoned")
     assert abandoned["reason"] == "InjectedFault: failpoint rule_after_call_before_write fired"
     assert of(outcome.history, "sweeper_resumed")
-    assert outcome.result.stats["write_window_reruns"] == 1
+    assert outcome.result.stats["reruns_by_cause"]["write_window"] == 1
 
 
 def test_every_mutant_has_its_scenario() -> None:

@@ -36,6 +36,8 @@ from chaos.stack import (
 )
 from tests.rabbit import dump_queue_records, wait_for_queue
 
+pytestmark = pytest.mark.slow  # throwaway redis-server and RabbitMQ nodes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 needs_redis = pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")

@@ -48,3 +48,36 @@ def test_dependencies_point_one_way(package: str) -> None:
                 if name.split(".")[0] in FORBIDDEN[package]:
                     wrong.append(f"{path.relative_to(root)}:{node.lineno}: imports {name}")
     assert wrong == []
+
+
+#: The stored result's data type: the one part of `engine.core` the checker may read (the
+#: final state is made of them); everything else there decides, and the checker judges it.
+_CHECKER_MAY_READ = ("engine.core.results",)
+
+
+def test_the_checker_and_its_reference_decide_nothing_with_the_engine() -> None:
+    """`chaos/checker/` and `chaos/reference.py` compute what the engine owes with their own
+    code: an import of the engine's core or policy would let a bug there move the
+    expectation with the engine (a per-rule `max_attempts` ignored by both, and
+    `matches_reference` agreeing)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    paths = [*sorted((root / "chaos" / "checker").rglob("*.py")), root / "chaos" / "reference.py"]
+    wrong = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                base = node.module or ""
+                names = [f"{base}.{a.name}" for a in node.names] if base == "engine" else [base]
+            else:
+                continue
+            for name in names:
+                core = name == "engine.core" or name.startswith("engine.core.")
+                if (core and not name.startswith(_CHECKER_MAY_READ)) or name.startswith(
+                    "engine.policy"
+                ):
+                    wrong.append(f"{path.relative_to(root)}:{node.lineno}: imports {name}")
+    assert wrong == []

@@ -36,6 +36,8 @@ from engine.plan import load_plan
 from engine.runtime.store import redis_unavailable
 from engine.worker import UnscopedAgent
 
+pytestmark = pytest.mark.slow  # a private redis-server and the machine's RabbitMQ
+
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = "scenarios/crash_after_ack.yaml"
 #: Only a guard against a hang: the commands answer within their connect timeout.

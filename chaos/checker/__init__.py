@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 
-from chaos.checker.budgets import cost_stats
+from chaos.checker.budgets import LATENCY_STATS, latency_stats, run_figures
 from chaos.checker.context import (
     FAULT_EVENTS,
     FINISHED_STATES,
@@ -148,8 +148,11 @@ def check(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckResul
     limits = {b: limit for b, limit in spec.budgets.items() if limit is not None}
     if limits:
         cx.stats["budgets"] = limits
-    if any(b in COST_BUDGETS for b in limits):
-        cx.stats.update(cost_stats(cx.events, spec, cx.stats.get("reference_tokens")))
+    # the figures of what faults cost: one definition (chaos.checker.cost), read by the
+    # summary line, the journal, the reports and the budgets alike
+    cx.stats.update(run_figures(cx.events, spec, cx.evaluations).to_stats(spec.price_per_1k_tokens))
+    if any(COST_BUDGETS.get(b) in LATENCY_STATS for b in limits):
+        cx.stats.update(latency_stats(cx.events, spec))
     for budget, limit in sorted(spec.budgets.items()):
         stat = BUDGETS[budget]
         value = cx.stats.get(stat)

@@ -11,11 +11,12 @@ from chaos.checker.context import (
     Context,
     Outcome,
     as_int,
+    event_time,
     of,
     timeline,
 )
+from chaos.checker.oracle import PERMANENTLY_FAILED, parse_status, status_rank
 from chaos.checker.records import Violation
-from engine.core.states import PERMANENTLY_FAILED, parse_status, status_rank
 
 
 def _rank(status: str | None) -> int | None:
@@ -33,7 +34,9 @@ def check_attempts_monotonic(cx: Context) -> Outcome:
       status ranks >= all of them (failed_attempt_N ranks N, permanently_failed above all);
     - with M the highest attempt started, the final status `failed_attempt_N` needs
       N <= M <= N + 1; no status at all needs M = 1 unless a result says otherwise;
-    - a final result of attempt k needs status `failed_attempt_{k-1}` (none for k = 1)."""
+    - a final result of attempt k needs status `failed_attempt_{k-1}` (none for k = 1);
+    - no `rule_started` follows the write of `permanently_failed` (a given-up rule is as
+      final as a finished one: a resume reads it back and never runs it again)."""
     out: list[Violation] = []
     refused = 0
     judged = 0
@@ -84,6 +87,18 @@ def check_attempts_monotonic(cx: Context) -> Outcome:
                 flag(f"{r}: status went back from {held.get('status')} to {effective}", [held, e])
             if rank >= held_rank:
                 held, held_rank = e, rank
+        given_up = next(
+            (e for e in writes if (e.get("kept") or e.get("status")) == PERMANENTLY_FAILED), None
+        )
+        if given_up is not None:
+            t_given_up = event_time(given_up)
+            later = next((e for e in starts if event_time(e) > t_given_up), None)
+            if later is not None:
+                flag(
+                    f"{r} started attempt {later.get('attempt')} after it was written "
+                    "permanently_failed",
+                    [given_up, later],
+                )
         if fin is None:
             continue  # the runner read no final state for this evaluation: nothing to compare
         final_rank = _rank(final_status)

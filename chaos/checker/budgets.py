@@ -1,58 +1,122 @@
-"""What the budgets on the cost of faults bound (`records.COST_BUDGETS`), measured from
-the history only when a scenario sets one of them: the duplicated tokens against the
-fault-free bill (`cost`), their price, the p99 retry latency of each level in production
-seconds and the p99 recovery time after a fault that stops work (`latency`)."""
+"""The figures of a run's faults, computed once here from the history and the fault-free
+reference, and read by everything that shows or bounds them: the checker's stats (so
+the journal, the summary line and the budgets, `records.BUDGETS`), the reports,
+`compare` and sweeps (`measure`). Cost: `chaos.checker.cost` (the one definition of
+duplicated tokens and its causes); latency: `chaos.checker.latency` (scenario time as it
+happened, and a production estimate that scales back only what scales)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from chaos.checker.cost import duplicated_cost
+from chaos.checker.cost import CallKey, Cost, Figures, figures
 from chaos.checker.latency import percentiles, recoveries, retry_latencies
 from chaos.checker.records import CheckSpec
+
+#: The latency budgets (`records.COST_BUDGETS`), measured only when one is set.
+LATENCY_STATS = ("retry_p99_l1_s", "retry_p99_l2_s", "retry_p99_l3_s", "recovery_p99_s")
+
+
+def reference_calls(spec: CheckSpec, evaluations: Iterable[str]) -> Mapping[CallKey, int] | None:
+    """The fault-free reference's calls of `evaluations`, call by call (None: no
+    reference, or one without its calls: built by hand, it gives its bill alone,
+    `reference_bill`, if it has one)."""
+    ref = spec.reference
+    if ref is None:
+        return None
+    out: dict[CallKey, int] = {}
+    for a in evaluations:
+        o = ref.evaluations.get(a)
+        if o is None:
+            continue
+        if not o.calls or sum(o.calls.values()) != o.tokens:
+            return None
+        out.update({(a, r, n, t): tokens for (r, n, t), tokens in o.calls.items()})
+    return out
+
+
+def reference_bill(spec: CheckSpec, evaluations: Iterable[str]) -> int | None:
+    """What the fault-free reference pays for `evaluations` (None: no reference, or one
+    built by hand that knows no bill: neither calls nor tokens; a real evaluation makes
+    at least one call)."""
+    ref = spec.reference
+    if ref is None:
+        return None
+    mine = [o for a in evaluations if (o := ref.evaluations.get(a)) is not None]
+    if any(not o.calls and not o.tokens for o in mine):
+        return None
+    return sum(o.tokens for o in mine)
+
+
+def run_figures(
+    events: list[dict[str, Any]], spec: CheckSpec, evaluations: list[str], cost: Cost | None = None
+) -> Figures:
+    """The figures of a run being checked: against the reference, call by call."""
+    evaluations = list(evaluations)
+    return figures(
+        events,
+        reference_calls=reference_calls(spec, evaluations),
+        reference_tokens=reference_bill(spec, evaluations),
+        cost=cost,
+    )
+
+
+def figures_of(
+    stats: Mapping[str, Any] | None, history: list[dict[str, Any]], mutant: str | None = None
+) -> Figures:
+    """A finished run's figures: the ones its checker recorded (`stats`, its journal's),
+    else (a journal from before them) worked out from its history against the bill it
+    recorded, if any."""
+    stats = stats or {}
+    recorded = Figures.from_stats(stats)
+    if recorded is not None:
+        return recorded
+    bill = stats.get("reference_tokens")
+    return figures(history, mutant, reference_tokens=bill if isinstance(bill, int) else None)
 
 
 def measure(
     history: list[dict[str, Any]],
-    time_scale: float,
+    time_scale: float | None,
+    stats: Mapping[str, Any] | None = None,
     mutant: str | None = None,
-    reference_tokens: int | None = None,
 ) -> dict[str, Any]:
     """What one run's faults cost, as plain data (small enough to send back from an
-    explorer's worker process): the tokens, duplicated and by cause, against the fault-free
-    bill (`reference_tokens`, the reference's; None: the first executions'), each retry's
-    level and latency in production seconds, each recovery's time to the next rule start,
-    and how many evaluations never ended. The budgets, reports, comparisons and sweeps all
-    read it."""
-    cost = duplicated_cost(history, mutant)
+    explorer's worker process): its figures (`figures_of`: the checker's, from `stats`),
+    each retry's level, scenario seconds, production estimate and seconds inside fault
+    windows, each recovery's time to the next rule start (scenario seconds), and how many
+    evaluations never ended. The reports, comparisons and sweeps read it."""
+    f = figures_of(stats, history, mutant)
     submitted = {e.get("attempt_id") for e in history if e.get("ev") == "submitted"}
     ended = {e.get("attempt_id") for e in history if e.get("ev") == "evaluation_terminal"}
-    scale = time_scale or 1.0
     return {
-        "tokens_total": cost.tokens_total,
-        "duplicated_tokens": cost.duplicated_tokens,
-        "reference_tokens": cost.reference_tokens if reference_tokens is None else reference_tokens,
-        "by_cause": cost.by_cause(),
-        "retries": [[x.level, x.seconds / scale] for x in retry_latencies(history)],
+        "tokens_total": f.tokens_total,
+        "reference_tokens": f.reference_tokens,
+        "not_run_tokens": f.not_run_tokens,
+        "duplicated_tokens": f.duplicated_tokens,
+        "duplicated_ratio": f.duplicated_ratio,
+        "duplicated_by_cause": dict(f.duplicated_by_cause),
+        "reruns_by_cause": dict(f.reruns_by_cause),
+        "retries": [
+            [x.level, x.seconds, x.production_s(time_scale), x.fault_s]
+            for x in retry_latencies(history)
+        ],
         "recoveries": [r.next_start_s for r in recoveries(history) if r.next_start_s is not None],
         "unfinished": len(submitted - ended),
     }
 
 
-def cost_stats(
-    events: list[dict[str, Any]], spec: CheckSpec, reference_tokens: int | None
-) -> dict[str, Any]:
-    """The stats `COST_BUDGETS` bound, from `measure`."""
-    m = measure(events, spec.time_scale, reference_tokens=reference_tokens)
-    reference, duplicated = m["reference_tokens"], m["duplicated_tokens"]
-    stats: dict[str, Any] = {
-        "duplicated_ratio": round(duplicated / reference, 6) if reference else 0.0,
-        "duplicated_usd": round(duplicated / 1000 * spec.price_per_1k_tokens, 6),
-    }
+def latency_stats(events: list[dict[str, Any]], spec: CheckSpec) -> dict[str, Any]:
+    """The latency stats the budgets bound: p99 retry latency per level as a production
+    estimate (`RetryLatency.production_s`), p99 recovery in scenario seconds."""
+    stats: dict[str, Any] = {}
+    latencies = retry_latencies(events)
     for level in (1, 2, 3):
-        p = percentiles([s for n, s in m["retries"] if n == level])
+        p = percentiles([x.production_s(spec.time_scale) for x in latencies if x.level == level])
         if p["n"]:
             stats[f"retry_p99_l{level}_s"] = round(p["p99"], 6)
-    if m["recoveries"]:
-        stats["recovery_p99_s"] = round(percentiles(m["recoveries"])["p99"], 6)
+    recs = [r.next_start_s for r in recoveries(events) if r.next_start_s is not None]
+    if recs:
+        stats["recovery_p99_s"] = round(percentiles(recs)["p99"], 6)
     return stats

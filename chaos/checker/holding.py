@@ -74,6 +74,26 @@ def deaths(events: Iterable[dict]) -> dict[Proc | int, list[dict]]:
     return out
 
 
+#: Why a process abandons what it holds when it is stopped gracefully.
+STOPPING = "worker stopping"
+
+
+def stop_starts(events: Iterable[dict]) -> dict[Proc, dict]:
+    """Each process stopped gracefully, keyed to the first event of its stop: its
+    `worker_stopping`, or its first `evaluation_abandoned` because the worker is stopping
+    (an engine that records no `worker_stopping`). From then on it hands work back."""
+    out: dict[Proc, dict] = {}
+    for e in events:
+        ev = e.get("ev")
+        if ev == "worker_stopping" or (
+            ev == "evaluation_abandoned" and e.get("reason") == STOPPING
+        ):
+            proc = proc_of(e)
+            if proc not in out or event_time(e) < event_time(out[proc]):
+                out[proc] = e
+    return out
+
+
 def death_of(dead: Mapping[Proc | int, list[dict]], proc: Proc, after: float) -> dict | None:
     """The first death of `proc` at or after `after`."""
     found = [e for e in dead.get(proc, []) if event_time(e) >= after]

@@ -17,16 +17,22 @@ from chaos.checker.context import Context, Outcome
 from chaos.checker.dag_order import check_dag_order
 from chaos.checker.history_complete import check_history_complete
 from chaos.checker.idempotent_results import check_idempotent_results
+from chaos.checker.leases import check_leases_renewed, check_leases_respected
 from chaos.checker.matches_reference import check_matches_reference
 from chaos.checker.no_completed_rerun import check_no_completed_rerun
+from chaos.checker.no_engine_error import check_no_engine_error
+from chaos.checker.nothing_lost_on_restart import check_nothing_lost_on_restart
 from chaos.checker.pass_results_correct import check_pass_results_correct
+from chaos.checker.prefetch_respected import check_prefetch_respected
 from chaos.checker.prune_only_dependents import check_prune_only_dependents
 from chaos.checker.quiet_state import check_quiet_state
 from chaos.checker.reruns_explained import check_reruns_explained
 from chaos.checker.retry_budget import check_retry_budget
 from chaos.checker.retry_delays_respected import check_retry_delays_respected
 from chaos.checker.single_final_result import check_single_final_result
+from chaos.checker.started_announced import check_started_announced
 from chaos.checker.state_keys_expire import check_state_keys_expire
+from chaos.checker.writes_fenced import check_writes_fenced
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,47 @@ REGISTRY: tuple[Invariant, ...] = (
         "every repeated start of a rule attempt follows a crash, kill, stall or service "
         "fault that explains it",
         check_reruns_explained,
+    ),
+    Invariant(
+        "no_engine_error",
+        "no exception escapes the engine's code unexplained by a fault (live: the kinds no "
+        "fault raises; in sim: any), and the simulator never ends a run without a verdict",
+        check_no_engine_error,
+    ),
+    Invariant(
+        "started_announced",
+        "every begin of an evaluation publishes evaluation.started before its ACK and its "
+        "first rule start, and a consumer bound before the first submit receives it",
+        check_started_announced,
+    ),
+    Invariant(
+        "prefetch_respected",
+        "every worker consumes with a bounded prefetch (4 x max_evaluations at most), and "
+        "no consumer of it ever holds more unsettled deliveries than that",
+        check_prefetch_respected,
+    ),
+    Invariant(
+        "nothing_lost_on_restart",
+        "every message the engine publishes is persistent, and a broker restart loses none "
+        "the killed node held: every retry waiting then comes back after it",
+        check_nothing_lost_on_restart,
+    ),
+    Invariant(
+        "leases_renewed",
+        "a running worker renews every lease it holds before it runs out, unless a fault "
+        "of that process or its Redis stopped it",
+        check_leases_renewed,
+    ),
+    Invariant(
+        "leases_respected",
+        "no sweeper claims and no worker begins an evaluation before the lease its holder "
+        "last renewed ran out",
+        check_leases_respected,
+    ),
+    Invariant(
+        "writes_fenced",
+        "every write that landed carried the evaluation's current fence token",
+        check_writes_fenced,
     ),
 )
 

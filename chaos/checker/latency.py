@@ -4,8 +4,15 @@ Retry latency: for each rule that failed at least once, the time from its first 
 (`rule_failed`) to its end: its result written (`result_persisted`) or its permanent
 failure (`status_written` of `permanently_failed`). Its level is the furthest the engine
 went: 1 (immediate retries were enough), 2 (a delayed retry, on the tier of its last
-`failed_attempt_N`), 3 (it failed for good). Scenario time is scaled back to production
-time by the scenario's `time_scale` (the engine and the agent scale their delays by it).
+`failed_attempt_N`), 3 (it failed for good).
+
+Units. A retry latency is measured in scenario time (seconds of the run, as it happened).
+Only part of it scales with the scenario's `time_scale`: the engine's tier waits (each
+`retry_published`'s `delay_ms`, already scaled) and the agent's calls (their latency is
+scaled too). Outages, toxics, pauses, leases, heartbeats and the sweeper's period do not.
+So the production estimate scales back only that part, and keeps the rest, fault windows
+included, as it happened: `RetryLatency.production_s`. `fault_s` is how much of the
+latency fell inside a fault window (`chaos.checker.context.fault_windows`), as it happened.
 
 Recovery time: for each fault that stops work (a worker killed, crashed, stopped or
 paused; Redis or the broker killed; a worker's link to one of them cut), the evaluations it
@@ -20,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from chaos.checker.context import event_time
+from chaos.checker.context import as_int, event_time, fault_windows
 
 PERMANENT = "permanently_failed"
 #: Faults after which the report measures recovery, and how each names what it stopped.
@@ -40,8 +47,20 @@ class RetryLatency:
     rule_id: str
     level: int  # 1 immediate, 2 delayed, 3 permanent failure
     tier: int | None  # the delay tier of a level-2 retry (1: 30 s, 2: 2 min, 3: 10 min)
-    seconds: float  # scenario time
+    seconds: float  # scenario time, as it happened
     outcome: str  # "succeeded" or "permanently_failed"
+    scaled_s: float = 0.0  # of `seconds`: tier waits and agent calls outside fault windows
+    fault_s: float = 0.0  # of `seconds`: inside a fault window
+    estimate: float | None = None  # the production estimate, when measured elsewhere
+
+    def production_s(self, time_scale: float | None) -> float:
+        """The production estimate: the scaled part scaled back by `time_scale`, the rest
+        (fault windows, leases, hops) as it happened. No scale: the scenario time."""
+        if self.estimate is not None:
+            return self.estimate
+        if not time_scale:
+            return self.seconds
+        return self.seconds - self.scaled_s + self.scaled_s / time_scale
 
 
 @dataclass(frozen=True)
@@ -57,9 +76,34 @@ def retry_latencies(history: list[dict[str, Any]]) -> list[RetryLatency]:
     first_failure: dict[tuple[str, str], float] = {}
     tier: dict[tuple[str, str], int] = {}
     ended: dict[tuple[str, str], tuple[float, str]] = {}
+    scaled: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    open_calls: dict[tuple[str, str, str, int, int], float] = {}
+    waited: set[tuple[str, str, int]] = set()  # one tier wait per attempt (a duplicate publish)
     for e in history:
         ev = e.get("ev")
         key = (str(e.get("attempt_id")), str(e.get("rule_id")))
+        if ev == "rule_started":
+            call = (
+                *key,
+                str(e.get("src")),
+                as_int(e.get("attempt"), 1),
+                as_int(e.get("try_no"), 1),
+            )
+            open_calls[call] = event_time(e)
+        elif ev in ("rule_finished", "rule_failed"):
+            call = (
+                *key,
+                str(e.get("src")),
+                as_int(e.get("attempt"), 1),
+                as_int(e.get("try_no"), 1),
+            )
+            began = open_calls.pop(call, None)
+            if began is not None:
+                scaled[key].append((began, event_time(e)))
+        elif ev == "retry_published" and (*key, as_int(e.get("attempt"))) not in waited:
+            waited.add((*key, as_int(e.get("attempt"))))
+            t = event_time(e)
+            scaled[key].append((t, t + max(0.0, float(e.get("delay_ms") or 0)) / 1000))
         if ev == "rule_failed":
             first_failure.setdefault(key, event_time(e))
         elif ev == "status_written" and key in first_failure and key not in ended:
@@ -72,14 +116,49 @@ def retry_latencies(history: list[dict[str, Any]]) -> list[RetryLatency]:
                     tier[key] = max(tier.get(key, 0), int(n))
         elif ev == "result_persisted" and key in first_failure and key not in ended:
             ended[key] = (event_time(e), "succeeded")
+    faults = _merged([(w.start, w.end) for w in fault_windows(list(history))]) if ended else []
     out = []
     for key, t0 in sorted(first_failure.items()):
         if key not in ended:
             continue  # never ended: the run's other checks say why
         t1, outcome = ended[key]
         level = 3 if outcome == PERMANENT else (2 if key in tier else 1)
-        out.append(RetryLatency(key[0], key[1], level, tier.get(key), max(0.0, t1 - t0), outcome))
+        window = [(t0, max(t0, t1))]
+        fault_s = _overlap(window, faults)
+        mine = _merged([(max(a, t0), min(b, t1)) for a, b in scaled[key] if b > t0 and a < t1])
+        scaled_s = max(0.0, _overlap(window, mine) - _overlap(mine, faults))
+        out.append(
+            RetryLatency(
+                key[0], key[1], level, tier.get(key), max(0.0, t1 - t0), outcome, scaled_s, fault_s
+            )
+        )
     return out
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of `spans`, as disjoint spans in time order."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """How long two unions of disjoint, sorted spans overlap."""
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def recoveries(history: list[dict[str, Any]]) -> list[Recovery]:

@@ -9,6 +9,7 @@ would agree on the wrong answer.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,34 @@ from chaos.checker.records import RetrySettings
 #: `AgentService` contract: an invalid output). Every other kind (timeout, quota, a missing
 #: tool) is worth retrying. The checker's own table, not the engine's `retryable` flag.
 PERMANENT_ERRORS: frozenset[str] = frozenset({"invalid_output"})
+
+#: The stored statuses, as the seed spells them: the checker's own reading, not the engine's
+#: (`engine.core.states`), so that a change there cannot change what is judged.
+PERMANENTLY_FAILED = "permanently_failed"
+_FAILED_ATTEMPT = re.compile(r"^failed_attempt_([1-9][0-9]*)$")
+#: `status_rank` of `permanently_failed`: above every attempt count.
+_GIVEN_UP_RANK = 1_000_000
+
+
+def parse_status(status: str) -> int | None:
+    """The N of `failed_attempt_N`, None for `permanently_failed`; ValueError otherwise
+    (a status the engine never writes)."""
+    if status == PERMANENTLY_FAILED:
+        return None
+    m = _FAILED_ATTEMPT.match(status)
+    if not m:
+        raise ValueError(f"unknown rule status {status!r}")
+    return int(m.group(1))
+
+
+def status_rank(status: str | None) -> int:
+    """Order of stored statuses (none, failed_attempt_1, 2, ..., permanently_failed): a
+    rule's never goes backwards."""
+    if status is None:
+        return 0
+    n = parse_status(status)
+    return _GIVEN_UP_RANK if n is None else n
+
 
 #: The engine rounds a scaled delay to whole milliseconds (and to at least 1 ms): the
 #: bounds below allow that much either way.

@@ -18,9 +18,8 @@ from chaos.checker.context import (
     of,
     timeline,
 )
-from chaos.checker.oracle import dependents_of
+from chaos.checker.oracle import PERMANENTLY_FAILED, dependents_of
 from chaos.checker.records import Violation
-from engine.core.states import PERMANENTLY_FAILED
 from engine.plan import Plan
 
 

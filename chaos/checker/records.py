@@ -17,26 +17,18 @@ if TYPE_CHECKING:
 
 Verdict = Literal["pass", "fail", "unknown"]
 
-#: How late a retry may start beyond its tier with no fault open, in engine ms: about one
-#: live hop of dead-letter, delivery, recovery and start at the shipped time scales
-#: (0.1 s of run time at 0.001, 1 s at 0.01).
-DEFAULT_RETRY_SLACK_MS = 100_000.0
 #: How long after a fault heals a client may take to notice: aio-pika's (and the
 #: simulator's) reconnect interval is 0.5 s; twice that.
 DEFAULT_FAULT_RECOVERY_S = 1.0
-#: How late a live machine may run a due timer (run seconds): a busy CI box delays event
-#: loops by tens of milliseconds, which engine-time slack at a small time scale does not
-#: cover. The simulator has no such lag: its runs use 0.
-LIVE_SCHEDULING_SLACK_S = 0.5
-
 #: Budget name -> the stat it bounds.
 BUDGETS: dict[str, str] = {
     "max_duplicated_tokens": "duplicated_tokens",
     "max_reruns": "reruns",
     "max_retry_latency_s": "retry_latency_max_s",
 }
-#: Budgets on what faults cost (`chaos.checker.cost`, `chaos.checker.latency`), measured
-#: only when one is set: budget name -> the stat it bounds.
+#: Budgets on what faults cost: budget name -> the stat it bounds. The cost figures
+#: (`chaos.checker.cost`) are in every run's stats; the latency ones
+#: (`chaos.checker.latency`) are measured only when one of their budgets is set.
 COST_BUDGETS: dict[str, str] = {
     "max_duplicated_ratio": "duplicated_ratio",
     "max_duplicated_usd": "duplicated_usd",
@@ -119,12 +111,13 @@ class CheckSpec:
     plain data. `cancelled`: evaluations the scenario cancelled (runner `cancel_requested`
     events are added). `budgets`: `BUDGETS` keys, None = unlimited. `exercised`: invariant
     -> the fewest cases it must judge (fewer, or "unknown", fails the run).
-    `retry_slack_ms`: how late (engine ms, scaled by `time_scale`) a retry may start beyond
-    its tier when no fault was open; `scheduling_slack_s` (run seconds) is added to it for
-    live runs, whose machine delays timers. `fault_recovery_s`: how long after a fault heals its
+    `max_parallel`, `max_evaluations`: the workers' slots (None: as each `slot_wait`
+    records them), against which `retry_delays_respected` verifies a recorded wait for a
+    slot. `fault_recovery_s`: how long after a fault heals its
     effects may still delay a retry (run seconds: the clients' reconnect interval, not
     engine time). `delay_tolerance_s`: timer granularity; a retry may
-    look this much early. `reference`: the same evaluations run without faults
+    look this much early, or late beyond what the history proves (no other slack).
+    `reference`: the same evaluations run without faults
     (`chaos.reference`), for `matches_reference` and `idempotent_results`; None: no
     reference (those comparisons are then "unknown" or skipped).
     """
@@ -138,8 +131,8 @@ class CheckSpec:
     budgets: dict[str, float | int | None] = field(default_factory=dict)
     price_per_1k_tokens: float = 0.01
     exercised: dict[str, int] = field(default_factory=dict)
-    retry_slack_ms: float = DEFAULT_RETRY_SLACK_MS
-    scheduling_slack_s: float = 0.0
+    max_parallel: int | None = None
+    max_evaluations: int | None = None
     fault_recovery_s: float = DEFAULT_FAULT_RECOVERY_S
     delay_tolerance_s: float = 0.005
     reference: Reference | None = None
@@ -159,18 +152,8 @@ class CheckSpec:
             raise ValueError(f"exercised {low}: expected a case count >= 1")
         if not (math.isfinite(self.time_scale) and self.time_scale >= 0):
             raise ValueError("time_scale must be a finite number >= 0")
-        slacks = (self.retry_slack_ms, self.scheduling_slack_s, self.fault_recovery_s)
-        if min(*slacks, self.delay_tolerance_s) < 0:
-            raise ValueError(
-                "retry_slack_ms, scheduling_slack_s, fault_recovery_s and delay_tolerance_s "
-                "must be >= 0"
-            )
-
-    @property
-    def retry_slack_s(self) -> float:
-        """The slack in run seconds: engine time scaled like the tiers it pads, plus the
-        machine's scheduling lag."""
-        return self.retry_slack_ms * self.time_scale / 1000.0 + self.scheduling_slack_s
+        if min(self.fault_recovery_s, self.delay_tolerance_s) < 0:
+            raise ValueError("fault_recovery_s and delay_tolerance_s must be >= 0")
 
 
 @dataclass

@@ -7,23 +7,32 @@ start and the rerun's, something broke what the earlier round's process held:
 
 - that process died: its `crash`, the runner's `worker_killed` of its pid, its
   `worker_stopped` (a restart the runner asked for);
+- that process was stopping (a graceful stop hands back its calls in flight from its
+  start: its `worker_stopping`, or its first `evaluation_abandoned` "worker stopping");
 - that process let the evaluation go (`evaluation_abandoned`: a lost lease, a failed
   delivery) because of an injected fault: an `InjectedFault` (`raise` failpoint), or any
   fault open meanwhile;
 - a failpoint stalled or raised in either process (`failpoint_fired`, a stall lasting its
   `stall_ms`);
-- a fault of the run's services or links was open meanwhile: a Redis or broker kill until
-  its restart, any runner fault other than a worker kill or a cancel (network faults,
-  consumer timeouts, data loss), each until healed, plus `fault_recovery_s`.
+- a fault that touched that execution was open meanwhile (`chaos.checker.touching`): of a
+  service it used (a Redis or broker kill until its restart, a pause, a Sentinel failover),
+  or of one of its two processes (a pause of it, a network fault on its own link, a
+  consumer timeout of its channel), each until healed, plus `fault_recovery_s`. A fault
+  elsewhere in the run (another worker paused, another process's link cut) explains
+  nothing about it.
 
 Anything else is an engine that gave up work it held, and a violation with its evidence:
 the two starts and what each process did in between (an engine that needlessly gives up its
 leases and reruns work must fail).
+
+A stop explains only a clean hand-over: a stopping process stops consuming before it hands
+anything back, so from its stop's start it takes no delivery on and begins no evaluation.
+One that does (it still consumed, and what it requeued came straight back to it: a new
+lease, rules started only to be dropped again) is a violation; each stop is a case.
 """
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from typing import Any
@@ -37,12 +46,11 @@ from chaos.checker.context import (
     proc_of,
     timeline,
 )
-from chaos.checker.holding import Proc, death_of, deaths
+from chaos.checker.holding import Proc, death_of, deaths, stop_starts
 from chaos.checker.records import Violation
 from chaos.checker.rounds import Round
+from chaos.checker.touching import Touch, touches, touching
 
-#: Runner fault actions scoped to one worker (their echo names the process) or harmless.
-_SCOPED = frozenset({"kill_worker", "restart_worker", "cancel"})
 #: What a process records while it resumes or takes over an evaluation: shown as evidence.
 _AROUND = (
     "delivered",
@@ -55,33 +63,6 @@ _AROUND = (
 )
 
 
-def _windows(cx: Context) -> list[tuple[float, float, dict]]:
-    """The run-wide fault windows: service kills until their restart, every other runner
-    fault (not a worker kill or a cancel) until its `fault_healed`."""
-    end_of_run = max((event_time(e) for e in cx.events), default=0.0)
-    healed: dict[Any, float] = {}
-    for e in of(cx.events, "fault_healed"):
-        if e.get("fault_id") is not None:
-            healed.setdefault(e["fault_id"], event_time(e))
-    out: list[tuple[float, float, dict]] = []
-    down: dict[str, dict] = {}
-    for e in cx.events:
-        ev, t = e.get("ev"), event_time(e)
-        if ev == "service_killed":
-            down.setdefault(str(e.get("service")), e)
-        elif ev == "service_restarted":
-            start = down.pop(str(e.get("service")), None)
-            out.append((event_time(start) if start else t, t, start or e))
-        elif ev == "fault_fired" and str(e.get("action")) not in _SCOPED:
-            fid = e.get("fault_id")
-            end = healed.get(fid, end_of_run) if fid is not None else t
-            out.append((t, max(t, end), e))
-        elif ev in ("consumer_timeout", "channel_closed"):
-            out.append((t, t, e))
-    out += [(event_time(e), math.inf, e) for e in down.values()]
-    return out
-
-
 def _stalls(cx: Context) -> dict[Proc, list[tuple[float, float, dict]]]:
     out: dict[Proc, list[tuple[float, float, dict]]] = defaultdict(list)
     for e in of(cx.events, "failpoint_fired"):
@@ -90,14 +71,50 @@ def _stalls(cx: Context) -> dict[Proc, list[tuple[float, float, dict]]]:
     return out
 
 
-def check_reruns_explained(cx: Context) -> Outcome:
-    """One case per round (an execution is judged a first run or a rerun); a violation per
-    rerun (a round after the first of its attempt) no fault explains, with both starts and
-    what their processes did in between."""
+#: What a process records when it takes a delivery on, and when it begins an evaluation.
+_TAKEN_ON = ("delivered", "evaluation_started")
+
+
+def _after_stopping(cx: Context, stops: dict[Proc, dict]) -> list[Violation]:
+    """A violation per delivery taken on or evaluation begun by a process after its stop
+    started, with the stop's first event and what it abandoned."""
     out: list[Violation] = []
+    for e in of(cx.events, *_TAKEN_ON):
+        stop = stops.get(proc_of(e))
+        if stop is None or event_time(e) <= event_time(stop):
+            continue
+        a = str(e.get("attempt_id"))
+        src = proc_of(e)[0]
+        ms = 1000 * (event_time(e) - event_time(stop))
+        what = "began evaluation" if e.get("ev") == "evaluation_started" else "took a delivery of"
+        handed = [
+            x
+            for x in of(cx.events, "evaluation_abandoned")
+            if proc_of(x) == proc_of(e) and x.get("attempt_id") == a
+        ]
+        out.append(
+            Violation(
+                "reruns_explained",
+                a,
+                e.get("rule_id"),
+                f"{src} {what} {a} {ms:.1f} ms after it started "
+                "stopping: a stopping worker must stop consuming before it hands work back",
+                timeline([stop, e], handed),
+            )
+        )
+    return out
+
+
+def check_reruns_explained(cx: Context) -> Outcome:
+    """One case per round (an execution is judged a first run or a rerun) and per graceful
+    stop; a violation per rerun (a round after the first of its attempt) no fault
+    explains, with both starts and what their processes did in between, and per delivery
+    taken on or evaluation begun by a process that had started stopping."""
+    stops = stop_starts(cx.events)
+    out: list[Violation] = _after_stopping(cx, stops)
     faults: tuple[Any, ...] = ()  # deaths, windows, stalls: worked out at the first rerun
     slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)
-    cases = reruns = 0
+    cases, reruns = len(stops), 0
     why: dict[str, int] = defaultdict(int)
     # per evaluation, its `_AROUND` events and their times: the evidence of a rerun is
     # looked up by bisection (a scan per rerun is quadratic on a long history)
@@ -116,9 +133,9 @@ def check_reruns_explained(cx: Context) -> Outcome:
                 prev, rnd = attempt_rounds[i - 1], attempt_rounds[i]
                 reruns += 1
                 if not faults:
-                    faults = (deaths(cx.events), _windows(cx), _stalls(cx))
+                    faults = (deaths(cx.events), touches(cx.events), _stalls(cx))
                 dead, windows, stalls = faults
-                reason = _explained(cx, a, prev, rnd, dead, windows, stalls, slack)
+                reason = _explained(cx, a, prev, rnd, dead, windows, stalls, slack, stops)
                 if reason is not None:
                     why[reason] += 1
                     continue
@@ -160,21 +177,27 @@ def _explained(
     prev: Round,
     rnd: Round,
     dead: Any,
-    windows: list[tuple[float, float, dict]],
+    windows: list[Touch],
     stalls: dict[Proc, list[tuple[float, float, dict]]],
     slack: float,
+    stops: dict[Proc, dict],
 ) -> str | None:
     """The kind of fault that explains the rerun, or None."""
     t0, t1 = event_time(prev.start), event_time(rnd.start)
     died = death_of(dead, prev.proc, t0)
     if died is not None and event_time(died) <= t1:
         return str(died.get("ev"))
+    stop = stops.get(prev.proc)
+    if stop is not None and event_time(stop) <= t1:  # handed back from the stop's start
+        return "worker_stopping"
     for proc in (prev.proc, rnd.proc):
         for s, e, _ in stalls.get(proc, []):
             if s <= t1 and e + slack >= t0:
                 return "failpoint"
-    if any(s <= t1 and e + slack >= t0 for s, e, _ in windows):
-        return "service_fault"
+    for proc in (prev.proc, rnd.proc):
+        touched = touching(windows, proc[1], t0, t1, slack)
+        if touched is not None:
+            return "service_fault" if touched.pids is None else "process_fault"
     for e in of(cx.by_eval[a], "evaluation_abandoned", "delivery_failed"):
         if proc_of(e) == prev.proc and t0 <= event_time(e) <= t1:
             text = str(e.get("reason") or e.get("error") or "")

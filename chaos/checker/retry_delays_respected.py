@@ -1,9 +1,27 @@
 """`retry_delays_respected`: attempt k >= 2 of a rule starts no earlier than its tier after
 the write of `failed_attempt_{k-1}` (the retry message is published after that write and
 the queue TTL starts at the broker, so the measured wait over-estimates the broker's), and
-no later than its tier with jitter plus the slack, unless a fault window (from the runner's
-own `fault_fired` / `fault_healed` records) was open during the wait or the retry came
-back through the sweeper's lost-retry path.
+no later than its tier with jitter, unless the history proves why it started later.
+
+There is no slack. A retry may start later than its tier only by what the history shows:
+- waiting for a free slot while every slot was busy: the shell records `slot_wait` when
+  a due rule finds every rule slot of its evaluation taken (with the rules running), or
+  a delivery finds every evaluation slot of its worker taken (with the evaluations held),
+  and `slot_granted` when it gets one. The checker verifies the claim: each rule named
+  running had started in that process and not finished when the wait began, one of them
+  ended before the grant, and there were as many as the evaluation's slots; each
+  evaluation named held had begun in that process. The waits are reported as latency
+  (`retry_slot_wait_s`);
+- the resumed evaluation's begin and recovery, when its delivery found it out of memory
+  (parked, or its owner gone): from the delivery (or its evaluation slot) to the
+  `evaluation_started` and `recovered` of that copy (behind Sentinel with `wait_replicas`
+  each write waits for the replica);
+- a fault window (from the runner's own `fault_fired` / `fault_healed` records) open
+  during the wait, or the sweeper's lost-retry path.
+What is left, the broker's hold past the TTL, a forward, the delivery's own hops and the
+worker's processing, must fit within `delay_tolerance_s` (the timer granularity, the same
+tolerance an early start gets); live, each event's own recorded event-loop lag
+(`loop_lag_ms`, measured by the worker) is added to it. Anything else is a violation.
 
 The tier is the checker's own (`oracle.delay_bounds`, from the scenario's `tiers_ms`,
 `jitter` and `time_scale`), never the engine's: a retry published to the wrong tier, or
@@ -13,6 +31,8 @@ for the delay it was given. Zero retries judged is "unknown".
 
 from __future__ import annotations
 
+from typing import Any
+
 from chaos.checker.context import (
     Context,
     Outcome,
@@ -20,6 +40,7 @@ from chaos.checker.context import (
     event_time,
     num,
     of,
+    sort_key,
     timeline,
 )
 from chaos.checker.oracle import DelayBounds, delay_bounds
@@ -50,20 +71,221 @@ def _published_problem(pub: dict, bounds: DelayBounds, time_scale: float) -> str
     return None
 
 
+def _held_until(
+    evs: list[dict], src: Any, rule_id: str, attempt: int, t0: float, t1: float
+) -> bool:
+    """Whether (rule_id, attempt) held a slot in process `src` over [t0, t1]: started there
+    by t1 (the core counts a rule running from its decision, its start marker's write
+    comes before `rule_started`), and not finished there before t0 (a level-1 retry
+    keeps the slot)."""
+    started = finished = False
+    for e in evs:
+        if e.get("src") != src or e.get("rule_id") != rule_id or e.get("attempt") != attempt:
+            continue
+        ev, t = e.get("ev"), event_time(e)
+        if ev == "rule_started" and t <= t1:
+            started = True
+        elif ev == "rule_finished" and t < t0:
+            finished = True
+    return started and not finished
+
+
+def _rule_wait(cx: Context, evs: list[dict], wait: dict, granted: dict) -> str | None:
+    """Why a rule's `slot_wait` is not proven (None: it is)."""
+    src, tw, tg = wait.get("src"), event_time(wait), event_time(granted)
+    running = wait.get("running")
+    if not isinstance(running, dict):
+        return "its slot_wait names no running rules"
+    slots = cx.spec.max_parallel or as_int(wait.get("slots"), 0)
+    if len(running) < max(slots, 1):
+        return f"{len(running)} rule(s) running, {slots} slot(s)"
+    for rule, attempt in running.items():
+        if not _held_until(evs, src, str(rule), as_int(attempt, 1), tw, tg):
+            return f"{rule} attempt {attempt}, named running, was not running then"
+    ended = any(
+        e.get("src") == src
+        and e.get("rule_id") in running
+        and e.get("ev") in ("rule_finished", "rule_failed")
+        and tw <= event_time(e) <= tg
+        for e in evs
+    )
+    return None if ended else "no running rule ended before its slot was granted"
+
+
+#: What an evaluation does while it holds its lock: carrying out an input's actions.
+_AT_WORK = frozenset(
+    {
+        "result_persisted",
+        "status_written",
+        "retry_published",
+        "rule_started",
+        "pass_published",
+        "rules_skipped",
+        "recovered",
+        "retry_acked",
+    }
+)
+
+
+def _lock_wait(evs: list[dict], wait: dict, granted: dict) -> str | None:
+    """Why a due retry's wait for its evaluation's lock (another input's actions being
+    carried out, one input at a time) is not proven (None: it is): that process recorded
+    none of the evaluation's work meanwhile."""
+    src, tw, tg = wait.get("src"), event_time(wait), event_time(granted)
+    busy = any(
+        e.get("src") == src and e.get("ev") in _AT_WORK and tw <= event_time(e) <= tg for e in evs
+    )
+    return None if busy else "the evaluation did nothing meanwhile"
+
+
+def _evaluation_wait(cx: Context, wait: dict) -> str | None:
+    """Why an evaluation's `slot_wait` is not proven (None: it is)."""
+    src, tw = wait.get("src"), event_time(wait)
+    held = wait.get("held")
+    if not isinstance(held, list) or not held:
+        return "its slot_wait names no evaluation held"
+    for h in held:
+        begun = any(
+            e.get("src") == src and event_time(e) <= tw
+            for e in of(cx.by_eval.get(str(h), []), "evaluation_started")
+        )
+        if not begun:
+            return f"{h}, named held, was not begun in that process"
+    return None
+
+
+def _waits(
+    cx: Context, a: str, r: str, k: int, start: dict, t_from: float
+) -> tuple[float, float, float, list[dict], list[str]]:
+    """Proven waits of attempt k's start in its process since `t_from` (its delivery
+    there): (slot and lock waits, begin and recovery, its start marker's write as the
+    worker measured it, their events, why a claimed wait is not proven)."""
+    src, ts = start.get("src"), event_time(start)
+    evs = cx.by_eval.get(a, [])
+    mine = [e for e in evs if e.get("src") == src and t_from <= event_time(e) <= ts]
+    slot_s = begin_s = marker_s = 0.0
+    key: list[dict] = []
+    unproven: list[str] = []
+    begin_from = t_from
+    open_waits: dict[str, dict] = {}
+    for e in mine:
+        ev = e.get("ev")
+        if ev == "slot_wait":
+            if e.get("slot") == "evaluation" or (e.get("rule_id") == r and e.get("attempt") == k):
+                open_waits[str(e.get("slot"))] = e
+        elif ev == "start_marked" and e.get("rule_id") == r and e.get("attempt") == k:
+            wrote = e.get("write_ms")
+            if isinstance(wrote, int | float) and not isinstance(wrote, bool) and wrote > 0:
+                marker_s += min(float(wrote) / 1000.0, event_time(e) - t_from)
+                key.append(e)
+        elif ev == "slot_granted":
+            slot = str(e.get("slot"))
+            if slot not in open_waits or (
+                slot != "evaluation" and (e.get("rule_id"), e.get("attempt")) != (r, k)
+            ):
+                continue
+            wait = open_waits.pop(slot)
+            if slot == "rule":
+                why = _rule_wait(cx, evs, wait, e)
+            elif slot == "lock":
+                why = _lock_wait(evs, wait, e)
+            else:
+                why = _evaluation_wait(cx, wait)
+            if why is None:
+                slot_s += event_time(e) - event_time(wait)
+                key += [wait, e]
+                if slot == "evaluation":
+                    begin_from = event_time(e)
+            else:
+                unproven.append(f"a {slot} slot wait not proven ({why})")
+        elif ev in ("evaluation_started", "recovered") and event_time(e) > begin_from:
+            begin_s += event_time(e) - begin_from
+            begin_from = event_time(e)
+            key.append(e)
+    return slot_s, begin_s, marker_s, key, unproven
+
+
+def _lag_s(*events: dict | None) -> float:
+    """The event-loop lag the live worker recorded with the events of a retry's path, from
+    its first delivery to its start (`engine.runtime.drive.LoopLag`; none in the
+    simulator, whose processes have none): how much later than due its loop ran things."""
+    lag = 0.0
+    for e in events:
+        if e is not None:
+            value = e.get("loop_lag_ms")
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                lag += float(value) / 1000.0
+    return lag
+
+
+def _due_s(delivery: dict) -> float | None:
+    """When the broker owed a retry message: its publisher's stamp plus its delay (the
+    queue's TTL counts from the broker's receipt, never earlier), in run seconds."""
+    published, delay = delivery.get("published_ms"), delivery.get("delay_ms")
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in (published, delay)):
+        return None
+    return (float(published) + float(delay)) / 1000.0
+
+
+def _held_behind(cx: Context, tol: float) -> list[Violation]:
+    """Retries the broker held behind a later one: a retry message delivered only after
+    one due later than it (by more than the tolerance and the recorded loop lags) was
+    delivered. With one queue per delay and a queue-level TTL, messages come out in the
+    order they fall due; a per-message TTL expires only at the queue's head, so a short
+    delay waits behind a long one. The delivery's own latency is allowed; an inversion
+    of the order the messages were due in is not."""
+    firsts: dict[tuple[Any, Any, Any], dict] = {}
+    for e in of(cx.events, "delivered"):
+        if e.get("kind") == "retry" and _due_s(e) is not None:
+            firsts.setdefault((e.get("attempt_id"), e.get("rule_id"), e.get("attempt")), e)
+    out: list[Violation] = []
+    latest: dict | None = None  # the delivered message due last so far
+    for e in sorted(firsts.values(), key=sort_key):
+        due = _due_s(e)
+        assert due is not None
+        if latest is not None:
+            ahead = _due_s(latest)
+            assert ahead is not None
+            gap = ahead - due
+            if gap > tol + _lag_s(e, latest) and not cx.fault_between(due, event_time(e)):
+                out.append(
+                    Violation(
+                        NAME,
+                        str(e.get("attempt_id")),
+                        str(e.get("rule_id")),
+                        f"retry of {e.get('rule_id')} attempt {e.get('attempt')} was "
+                        f"delivered {event_time(e) - due:.3f} s after it was due, behind a "
+                        f"retry due {gap:.3f} s later than it ({latest.get('attempt_id')} "
+                        f"{latest.get('rule_id')} attempt {latest.get('attempt')}): the "
+                        "broker held it behind a later one",
+                        timeline([latest, e]),
+                    )
+                )
+        if latest is None or due > (_due_s(latest) or 0.0):
+            latest = e
+    return out
+
+
 def check_retry_delays_respected(cx: Context) -> Outcome:
     """For the first `rule_started` of each attempt k >= 2 of a rule: base = the latest
     `status_written` of `failed_attempt_{k-1}` before it (else the `retry_published` of
     attempt k; neither: not judged, counted in `retries_unchecked`). With [low, high] the
-    tier's bounds: a start earlier than low - `delay_tolerance_s` is a violation; later
-    than high + slack (`retry_slack_ms` x `time_scale`) is one unless a fault window
-    overlaps the wait (`late_retries_excused`) or the sweeper re-published it
-    (`late_retries_swept`); a `retry_published` with another tier or delay is one."""
+    tier's bounds and tol = `delay_tolerance_s`: a start earlier than low - tol is a
+    violation; later than high + tol is one unless a fault window overlaps the wait
+    (`late_retries_excused`), the sweeper re-published it (`late_retries_swept`), or the
+    proven waits in its process since its delivery there (slots, a resume's begin and
+    recovery) cover all but tol of the lateness (`late_retries_explained`); a
+    `retry_published` with another tier or delay is one."""
     spec = cx.spec
-    slack_s = spec.retry_slack_s
+    tol = spec.delay_tolerance_s
     out: list[Violation] = []
     latencies: list[float] = []
     lateness: list[float] = []
-    excused = swept_late = unchecked = 0
+    slot_waits: list[float] = []
+    resumes: list[float] = []
+    unexplained: list[float] = []  # lateness past the tier that no proven wait covers
+    delivery_latencies: list[float] = []
+    excused = swept_late = unchecked = explained = 0
     for (a, r), evs in sorted(cx.by_pair.items()):
         firsts: dict[int, dict] = {}
         for e in of(evs, "rule_started"):
@@ -112,34 +334,87 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
                 f"tier {bounds.tier} ({num(bounds.tier_ms)} ms x {num(spec.time_scale)} = "
                 f"{num(round(bounds.tier_ms * spec.time_scale / 1000.0, 6))} s"
             )
-            if latency < bounds.low_s - spec.delay_tolerance_s:
+            # its delivery in the process that started it: the waits there are proven
+            here = [e for e in deliveries if e.get("src") == start.get("src")]
+            arrived = here[-1] if here else None
+            # the delivery's own latency: the broker's hold past the message's own due
+            # time (the publisher's stamp plus its delay), then any forward to the owner
+            first = next((e for e in deliveries if e.get("ev") == "delivered"), None)
+            carried = 0.0
+            if first is not None and arrived is not None:
+                due = _due_s(first)
+                hold = event_time(first) - due if due is not None else 0.0
+                carried = max(hold, 0.0) + max(event_time(arrived) - event_time(first), 0.0)
+                delivery_latencies.append(round(max(hold, 0.0), 6))
+            waited = resumed = marked = 0.0
+            waits_key: list[dict] = []
+            unproven: list[str] = []
+            if arrived is not None:
+                waited, resumed, marked, waits_key, unproven = _waits(
+                    cx, a, r, k, start, event_time(arrived)
+                )
+                slot_waits.append(round(waited, 6))
+                if resumed:
+                    resumes.append(round(resumed, 6))
+            if latency < bounds.low_s - tol:
                 flag(
                     f"{r} attempt {k} started {latency * 1000:.1f} ms after "
                     f"failed_attempt_{k - 1}, before its {tier_text})"
                 )
-            elif latency > bounds.high_s + slack_s:
-                swept = any(
-                    e.get("reason") == "lost_retry" or e.get("ev") == "sweeper_retried"
-                    for e in deliveries
+                continue
+            allowed = tol + _lag_s(*deliveries, *waits_key, start)
+            late = latency - bounds.high_s
+            swept = any(
+                e.get("reason") == "lost_retry" or e.get("ev") == "sweeper_retried"
+                for e in deliveries
+            )
+            faulted = cx.fault_between(event_time(base), ts)
+            if not (faulted or swept):
+                unexplained.append(late - carried - waited - resumed - marked)
+            if late <= allowed:
+                continue
+            if faulted:
+                excused += 1
+            elif swept:
+                swept_late += 1
+            elif late - carried - waited - resumed - marked <= allowed:
+                explained += 1
+            else:
+                left = late - carried - waited - resumed - marked
+                shown = [f"{1000 * left:.1f} ms unexplained"]
+                if carried:
+                    shown.append(f"{1000 * carried:.1f} ms delivering it")
+                if waited:
+                    shown.append(f"{1000 * waited:.1f} ms waiting for a slot")
+                if resumed:
+                    shown.append(f"{1000 * resumed:.1f} ms resuming the evaluation")
+                if marked:
+                    shown.append(f"{1000 * marked:.1f} ms writing its start marker")
+                if arrived is None:
+                    shown.append("no delivery of it recorded in the process that started it")
+                shown += unproven
+                context.extend(waits_key)
+                flag(
+                    f"{r} attempt {k} started {latency:.3f} s after failed_attempt_"
+                    f"{k - 1}: {late:.3f} s past its {tier_text}, "
+                    f"{num(round(bounds.high_s, 6))} s with jitter), with no fault open: "
+                    + "; ".join(shown)
+                    + f" (tolerance {1000 * allowed:.1f} ms)"
                 )
-                if cx.fault_between(event_time(base), ts):
-                    excused += 1
-                elif swept:
-                    swept_late += 1
-                else:
-                    flag(
-                        f"{r} attempt {k} started {latency:.3f} s after failed_attempt_"
-                        f"{k - 1}: {latency - bounds.high_s:.3f} s past its {tier_text}, "
-                        f"{num(round(bounds.high_s, 6))} s with jitter; slack "
-                        f"{num(round(slack_s, 6))} s), with no fault open"
-                    )
+    out.extend(_held_behind(cx, tol))
     cx.stats.update(
         retries_checked=len(latencies),
         retries_unchecked=unchecked,
         retry_latency_s=[round(x, 6) for x in latencies],
         retry_latency_max_s=round(max(latencies), 6) if latencies else 0.0,
         retry_lateness_max_s=round(max(lateness), 6) if lateness else 0.0,
+        retry_slot_wait_s=slot_waits,
+        retry_slot_wait_max_s=max(slot_waits) if slot_waits else 0.0,
+        retry_resume_s=resumes,
+        retry_delivery_latency_max_s=max(delivery_latencies) if delivery_latencies else 0.0,
+        retry_unexplained_max_s=round(max(unexplained), 6) if unexplained else 0.0,
         late_retries_excused=excused,
         late_retries_swept=swept_late,
+        late_retries_explained=explained,
     )
     return len(latencies), out

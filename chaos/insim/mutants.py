@@ -16,7 +16,7 @@ No mutant is a switch inside the engine, the simulator or the simulated runner. 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from engine.agent import FakeAgent
@@ -25,11 +25,15 @@ from engine.core import dag, evaluation
 from engine.core.evaluation import Evaluation
 from engine.keys import eval_key
 from engine.policy import RetryPolicy
-from engine.shell import controller, orchestrator, reevaluate
+from engine.runtime.replies import Renewal
+from engine.shell import controller, heartbeat, orchestrator, reevaluate
+from engine.shell import module as shell_module
 from engine.shell import sweeper as shell_sweeper
-from sim.broker import SHARED_DELAY_QUEUE, Message, Queue, SimBroker
+from sim.broker import SHARED_DELAY_QUEUE, BrokerClient, Message, Queue, SimBroker
+from sim.drive import drive as sim_drive
 from sim.history import Source
 from sim.redis import SimRedis
+from sim.worker import EXIT_STOPPED, SimWorker
 
 #: Patches of the pure core, the shared shell (`engine.shell`), the worker's config and its
 #: agent, applied with `patched`: chaos.mutants' own patch, exactly as live.
@@ -53,6 +57,17 @@ CORE: tuple[str, ...] = (
     "give_up_early",
     "slow_tier",
     "all_passes_complete",
+    "results_only_reannounced",
+    "raise_in_shell",
+    "retry_to_undeclared_queue",
+    "started_after_ack",
+    "no_started_event",
+    "unbounded_prefetch",
+    "ignore_rule_max_attempts",
+    "forget_permanent_failure",
+    "hold_due_retry",
+    "heartbeat_stops_when_idle",
+    "slow_heartbeat",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
@@ -67,6 +82,8 @@ _OWNERS: tuple[Any, ...] = (
     orchestrator.PassExecutionOrchestrator,
     controller.EvaluationController,
     reevaluate.ReEvaluateUseCase,
+    shell_module,
+    heartbeat,
 )
 
 _active: list[str] = []
@@ -211,11 +228,13 @@ def _per_message_ttl() -> None:
     """The live patch's topology: every retry in one shared delay queue, its tier's TTL
     carried by the message (and, as in RabbitMQ, expiring only at the queue's head)."""
 
-    def publish_shared(self: SimBroker, route: tuple[int, int], body: Any, msg_id: str) -> bool:
+    def publish_shared(
+        self: SimBroker, route: tuple[int, int], body: Any, msg_id: str, persistent: bool = True
+    ) -> bool:
         shared = self.queues.get(SHARED_DELAY_QUEUE)
         if shared is None:
             shared = self.queues[SHARED_DELAY_QUEUE] = Queue(SHARED_DELAY_QUEUE, delay=True)
-        self.hold(shared, Message(body, msg_id), self.tier_ttl[route])
+        self.hold(shared, Message(body, msg_id, persistent=persistent), self.tier_ttl[route])
         return True
 
     SimBroker.publish_delay = publish_shared  # type: ignore[method-assign]
@@ -238,8 +257,95 @@ def _drop_history_events() -> None:
     Source.record_fields = lossy_record_fields  # type: ignore[method-assign]
 
 
+def _non_persistent() -> None:
+    """The live patch's delivery mode, on the simulated client of every worker (the
+    runner's own clients say theirs: live they are another process)."""
+    BrokerClient.DELIVERY_MODE = 1
+
+
+def _renew_never_extends() -> None:
+    """The live patch's renew script without its `PEXPIRE`: a lease still held keeps the
+    expiry it had (a lapsed one is still written again, as the script's `SET` does)."""
+    renew = SimRedis.renew
+
+    def renew_in_place(self: SimRedis, ids: Any, me: str, now_ms: int) -> dict[str, Any]:
+        keys = [eval_key(a, "owner") for a in ids]
+        before = {k: self.expires.get(k) for k in keys if self.get(k) is not None}
+        out = renew(self, ids, me, now_ms)
+        for key, expires in before.items():
+            if expires is not None and self.get(key) is not None:
+                self.expires[key] = expires
+        # the PEXPIRETIME the script returns is read after the (missing) PEXPIRE
+        owner = self._pexpiretime
+        return {a: Renewal(int(v), owner(eval_key(a, "owner"))) if v else v for a, v in out.items()}
+
+    SimRedis.renew = renew_in_place  # type: ignore[method-assign]
+
+
+def _sweeper_claims_early() -> None:
+    """The live patch: the shell's sweep at a tenth of `stale_ms` (chaos.mutants' own) and
+    the claim script blind to the lease."""
+    from chaos.mutants import early_sweep
+
+    early_sweep()
+    claim_stale = SimRedis.claim_stale
+
+    def lease_blind_claim(self: SimRedis, a: str, *args: Any) -> bool:
+        key = eval_key(a, "owner")
+        holder, expires = self.get(key), self.expires.get(key)
+        if holder is None:
+            return claim_stale(self, a, *args)
+        self._del(key)  # the script no longer looks at it
+        try:
+            return claim_stale(self, a, *args)
+        finally:
+            self._restore(key, holder, expires)
+
+    SimRedis.claim_stale = lease_blind_claim  # type: ignore[method-assign]
+
+
+def _status_unfenced() -> None:
+    """The live patch's status script that no longer refuses a stale token."""
+    write_status = SimRedis.write_status
+
+    def unfenced(self: SimRedis, a: str, *args: Any) -> Any:
+        *rest, fence = args if len(args) == 4 else (*args, None)
+        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
+        return write_status(self, a, *rest, None)
+
+    SimRedis.write_status = unfenced  # type: ignore[method-assign]
+
+
+def _final_unfenced() -> None:
+    """The live patch's finish script that no longer refuses a stale token."""
+    finish = SimRedis.finish
+
+    def unfenced(self: SimRedis, a: str, *args: Any) -> Any:
+        *rest, fence = args if len(args) == 4 else (*args, None)
+        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
+        return finish(self, a, *rest, None)
+
+    SimRedis.finish = unfenced  # type: ignore[method-assign]
+
+
 #: Mutants of a Lua script, of the broker's topology or of the history writer, patched on
 #: their model in `SimRedis`, `SimBroker` or `Source` with `patched`, like the core's.
+def _old_close_order() -> None:
+    """The live patch's close on the simulated worker: the evaluations handed back while
+    its consumers stand, its deliveries in flight left running, no `worker_stopping`."""
+
+    def close(self: SimWorker) -> Generator[Any, Any, None]:
+        for loop in self._loops:
+            if loop.is_alive:
+                loop.interrupt()
+        yield from sim_drive(self.controller.shutdown(), self)
+        yield from self.broker.close()
+        self.record("worker_stopped")
+        self.die(EXIT_STOPPED)
+
+    SimWorker._close = close  # type: ignore[method-assign]
+
+
 PATCHED: dict[str, Callable[[], None]] = {
     "drop_history_events": _drop_history_events,
     "per_message_ttl": _per_message_ttl,
@@ -249,6 +355,12 @@ PATCHED: dict[str, Callable[[], None]] = {
     "needless_rerun": _needless_rerun,
     "ignore_lease": _ignore_lease,
     "no_fencing": _no_fencing,
+    "old_close_order": _old_close_order,
+    "non_persistent": _non_persistent,
+    "renew_never_extends": _renew_never_extends,
+    "sweeper_claims_early": _sweeper_claims_early,
+    "status_unfenced": _status_unfenced,
+    "final_unfenced": _final_unfenced,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
-_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source)
+_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source, SimWorker, BrokerClient)

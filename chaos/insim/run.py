@@ -34,7 +34,7 @@ import simpy
 from chaos import acts
 from chaos.acts import Step
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.conductor import COMPLETED_QUEUE, Conductor, delivered
+from chaos.conductor import COMPLETED_QUEUE, EVENT_KEYS, STARTED_KEY, Conductor, delivered
 from chaos.insim import mutants
 from chaos.proxy import model as proxy_model
 from chaos.reference import Draws
@@ -43,10 +43,11 @@ from engine.agent import AgentProfile, Draw, FakeAgent
 from engine.config import EngineConfig
 from engine.core.routing import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
+from engine.history import error_fields
 from engine.keys import eval_key
 from engine.plan import Plan
 from engine.shell.effects import Stepper
-from sim.broker import BrokerClient, Delivery, SimBroker
+from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker
 from sim.history import Source, history_hash
 from sim.network import Network
 from sim.redis import RedisClient, SimRedis
@@ -56,6 +57,9 @@ from sim.world import SimOptions
 
 TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
 RUNNER_PID = 1
+#: The runner's own publishes (submits, a cancel's announcement): `engine.submit`'s, in a
+#: process of its own live, which a mutant of the worker never reaches.
+RUNNER_DELIVERY_MODE = 2
 
 
 def scenario_options(spec: Scenario, options: SimOptions) -> SimOptions:
@@ -296,13 +300,18 @@ class SimRun:
     def on_resume_worker(self, a: acts.ResumeWorker) -> None:
         pass  # its freeze has ended
 
-    def on_kill_service(self, a: acts.KillService) -> None:
+    def on_kill_service(self, a: acts.KillService) -> int | None:
+        """The broker says how many messages it held (the model counts them)."""
         # a clean stop (`a.graceful`) is a kill here: the engine sees its connections go
         # either way, and neither an fsync-always Redis nor durable queues lose anything
+        # (persistent messages: a transient one is lost either way)
         if a.name == "redis" and self.sentinel is not None:
             self.sentinel.kill_primary()
-            return
-        (self.redis if a.name == "redis" else self.broker).kill()
+            return None
+        if a.name == "redis":
+            self.redis.kill()
+            return None
+        return self.broker.kill()
 
     def on_restart_service(self, a: acts.RestartService) -> Generator[Any, Any, int | None]:
         o = self.options
@@ -312,8 +321,7 @@ class SimRun:
         yield self.env.timeout(o.redis_boot_s if a.name == "redis" else o.broker_boot_s)
         if a.name == "redis":
             return self.redis.restart()
-        self.broker.restart()
-        return None
+        return self.broker.restart()  # the messages it found
 
     def on_pause_service(self, a: acts.PauseService) -> None:
         assert a.name == "redis", "only Redis is paused"
@@ -372,7 +380,7 @@ class SimRun:
             self.sentinel.partition(False)
 
     def on_connect(self, a: acts.Connect) -> Generator[Any, Any, None]:
-        client = BrokerClient(self.env, self.broker, "runner")
+        client = BrokerClient(self.env, self.broker, "runner", delivery_mode=RUNNER_DELIVERY_MODE)
         while not (yield from client.connect()):  # connect_robust waits for the node
             yield self.env.timeout(self.options.reconnect_interval_s)
         self._client = client
@@ -395,7 +403,9 @@ class SimRun:
     def on_cancel(self, a: acts.Cancel) -> Generator[Any, Any, str]:
         """`EngineClient.cancel`, on a connection of its own."""
         attempt_id = a.attempt_id
-        client = BrokerClient(self.env, self.broker, "runner-cancel")
+        client = BrokerClient(
+            self.env, self.broker, "runner-cancel", delivery_mode=RUNNER_DELIVERY_MODE
+        )
         while not (yield from client.connect()):  # connect_robust waits for the node
             yield self.env.timeout(self.options.reconnect_interval_s)
         kept = yield from self.store.call(
@@ -478,20 +488,39 @@ class SimRun:
         while not (yield from events.connect()):
             yield env.timeout(self.options.reconnect_interval_s)
         queue = self.config.name(COMPLETED_QUEUE)
-        self.broker.bind_events(queue, "evaluation.completed")
+        for key in EVENT_KEYS:
+            self.broker.bind_events(queue, key)
 
         def received(d: Delivery) -> None:
             body = orjson.loads(orjson.dumps(d.body))  # a copy, as JSON carries it
-            self.runner.record("completed_received", **delivered(body, d.message_id, d.redelivered))
-            if isinstance(body, dict):
-                self._received.add(str(body.get("attempt_id")))
+            fields = delivered(body, d.message_id, d.redelivered, d.delivery_mode)
+            if d.routing_key == STARTED_KEY:
+                self.runner.record("started_received", **fields)
+            else:
+                self.runner.record("completed_received", **fields)
+                if isinstance(body, dict):
+                    self._received.add(str(body.get("attempt_id")))
             events.settle(d)
 
         events.consume(queue, 64, received)
         self._events = events
-        self.runner.record("events_consumer_bound", queue=queue, routing_key="evaluation.completed")
+        for key in EVENT_KEYS:
+            self.runner.record("events_consumer_bound", queue=queue, routing_key=key)
 
     def on_close_consumer(self, a: acts.CloseConsumer) -> Generator[Any, Any, None]:
+        """The live runner's: first what is left in the work and delay queues
+        (`queues_drained`), then the consumer closed."""
+        if self.broker.up:
+            left = [
+                str(m.message_id)
+                for q in self.broker.queues.values()
+                if q.owner is None and (q.delay or q.name == WORK_QUEUE)
+                for m in q.messages
+            ]
+            for q in self.broker.queues.values():
+                if q.owner is None and (q.delay or q.name == WORK_QUEUE):
+                    q.messages.clear()
+            self.runner.record("queues_drained", message_ids=sorted(left))
         if self._events is not None:
             yield from self._events.close()
 
@@ -504,8 +533,12 @@ class SimRun:
     def run(self) -> SimOutcome:
         with mutants.patched(self.mutant):
             main = self.env.process(self._drive(self.conductor.run()))
-            self.env.run(until=main)
-        final: FinalState = main.value
+            try:
+                self.env.run(until=main)
+                final: FinalState = main.value
+            except Exception as exc:  # a verdict, never an exception out of the simulator
+                self.runner.record_fields("engine_error", error_fields(exc, "simulation"))
+                final = self.on_read_final(acts.ReadFinal())
         result = check(self.events, final, self.check_spec())
         digest = history_hash(self.events)
         return SimOutcome(

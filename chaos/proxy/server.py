@@ -48,12 +48,14 @@ RECORDS_KEPT = 20_000
 
 
 class ApiError(Exception):
-    """An API answer other than success: Toxiproxy's `ApiError`."""
+    """An API answer other than success: Toxiproxy's `ApiError`. `made` is what a
+    `/populate` that failed partway had made before (Toxiproxy answers with them)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
+        self.made: list[Proxy] | None = None
 
 
 def _not_found(what: str) -> ApiError:
@@ -294,7 +296,7 @@ class ProxyServer:
             if any(s.name == spec.name for s in specs):
                 raise _bad_body(f"duplicate proxy name {spec.name!r}")
             specs.append(spec)
-        out = []
+        out: list[Proxy] = []
         async with self._lock:
             for spec in specs:
                 existing = self.proxies.get(spec.name)
@@ -306,7 +308,11 @@ class ProxyServer:
                     await existing.stop()
                 proxy = Proxy(spec, self.seed)
                 if spec.enabled:
-                    await _start(proxy)
+                    try:
+                        await _start(proxy)
+                    except ApiError as exc:  # the ones made so far stay, and are named
+                        exc.made = out
+                        raise
                 self.proxies[spec.name] = proxy
                 out.append(proxy)
                 log.info("proxy %s populated: %s -> %s", proxy.name, proxy.listen, proxy.upstream)
@@ -512,7 +518,8 @@ def build_app(server: ProxyServer) -> web.Application:
         try:
             proxies = await server.populate(await _body(request))
         except ApiError as exc:
-            return _json({"error": exc.message, "status": exc.status, "proxies": None}, exc.status)
+            made = None if exc.made is None else [p.wire() for p in exc.made]
+            return _json({"error": exc.message, "status": exc.status, "proxies": made}, exc.status)
         return _json({"proxies": [p.wire() for p in proxies]}, 201)
 
     async def proxy_show(request: web.Request) -> web.Response:

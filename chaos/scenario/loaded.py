@@ -90,6 +90,8 @@ class LoadedScenario:
             # the scenario's settings as plain data: the checker computes the tiers itself
             policy=RetrySettings.of(self.spec.retry),
             time_scale=self.spec.time_scale,
+            max_parallel=self.spec.engine.max_parallel,
+            max_evaluations=self.spec.engine.max_evaluations,
             invariants=tuple(self.spec.invariants),
             exercised=dict(self.spec.exercised),
             cancelled=set(cancelled),

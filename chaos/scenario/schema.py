@@ -297,43 +297,72 @@ class EngineSpec(_Model):
         return self
 
 
-class BudgetsSpec(_Model):
-    """Limits a run must stay within, on top of the invariants; None: not checked."""
+#: What the retry latency budgets bound (`chaos.checker.latency.RetryLatency.production_s`).
+_ESTIMATE = (
+    "production estimate in seconds: the tier waits and the agent's calls scaled back by "
+    "time_scale, fault windows and the rest as they happened"
+)
 
-    max_duplicated_tokens: int | None = Field(default=None, ge=0, le=MAX_BUDGET)
-    max_reruns: int | None = Field(default=None, ge=0, le=MAX_BUDGET)
+
+class BudgetsSpec(_Model):
+    """Limits a run must stay within, on top of the invariants; None: not checked. The cost
+    budgets bound the figures `chaos.checker.cost` defines (the summary line, the journal
+    and the report show the same numbers); the latency budgets those of
+    `chaos.checker.latency`."""
+
+    max_duplicated_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_BUDGET,
+        description="tokens paid beyond the fault-free reference's bill (duplicated_tokens)",
+    )
+    max_reruns: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_BUDGET,
+        description="executions of a rule's attempt started again, every cause (reruns)",
+    )
     max_retry_latency_s: float | None = Field(
         default=None,
         gt=0,
         le=STATE_TTL_MS / 1000,
-        description="engine time, before time_scale",
+        description="the longest wait from a failed attempt's status write to its next "
+        "attempt's start (retry_delays_respected's retry_latency_max_s), engine time, before "
+        "time_scale",
     )
     max_duplicated_ratio: float | None = Field(
-        default=None, ge=0, le=MAX_BUDGET, description="duplicated tokens / the fault-free bill"
+        default=None,
+        ge=0,
+        le=MAX_BUDGET,
+        description="the duplicated tokens / the fault-free reference's bill",
     )
     max_duplicated_usd: float | None = Field(
-        default=None, ge=0, le=MAX_BUDGET, description="at price_per_1k_tokens"
+        default=None,
+        ge=0,
+        le=MAX_BUDGET,
+        description="the duplicated tokens at price_per_1k_tokens",
     )
     price_per_1k_tokens: float = Field(
         default=0.01, ge=0, le=MAX_BUDGET, description="USD per 1,000 tokens (reports too)"
     )
     max_p99_retry_l1_s: float | None = Field(
-        default=None, gt=0, le=MAX_BUDGET, description="level 1 (immediate), production seconds"
+        default=None, gt=0, le=MAX_BUDGET, description=f"level 1 (immediate), {_ESTIMATE}"
     )
     max_p99_retry_l2_s: float | None = Field(
-        default=None, gt=0, le=MAX_BUDGET, description="level 2 (delayed), production seconds"
+        default=None, gt=0, le=MAX_BUDGET, description=f"level 2 (delayed), {_ESTIMATE}"
     )
     max_p99_retry_l3_s: float | None = Field(
         default=None,
         gt=0,
         le=MAX_BUDGET,
-        description="level 3 (permanent failure), production seconds",
+        description=f"level 3 (permanent failure), {_ESTIMATE}",
     )
     max_p99_recovery_s: float | None = Field(
         default=None,
         gt=0,
         le=MAX_BUDGET,
-        description="run seconds from a fault that stops work to the next rule start",
+        description="scenario seconds, as they happened (leases do not scale), from a fault "
+        "that stops work to the next rule start",
     )
 
 

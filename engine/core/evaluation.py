@@ -206,6 +206,17 @@ class Evaluation:
         results = self.results
         return {r: results[r].verdict if r in results else v for r, v in verdicts.items()}
 
+    def stored_verdicts(self) -> dict[str, str]:
+        """The verdicts of a terminal evaluation as its `Finish` announced them, read back
+        from the snapshot this core was rebuilt from: each rule's result's verdict, else
+        `permanently_failed`, else `skipped` (a dependent of one), by `_verdicts` as the
+        `Finish` had them. An announcement made again (its announcer died between the
+        final write and the publish) carries the first one's body, not the results alone.
+        A cancel's rules that were running read back `pending`."""
+        if self._count[_FAILED]:
+            self._skip_dependents(self.rules_in(_FAILED))
+        return self._verdicts()
+
     def rule_failed(self, rule_id: str, error: str, *, retryable: bool = True) -> list[Action]:
         """An agent call failed. Retry now, later, or give up: the three levels."""
         self._expect(rule_id, RuleState.RUNNING)

@@ -50,6 +50,7 @@ from aio_pika.exceptions import (
 )
 
 from engine.config import EngineConfig, ServiceUnavailable, network_reason, scrubbed
+from engine.runtime import wire as frames
 from engine.runtime.wire import Transports, Wire, link, wire
 from engine.shell.effects import Unroutable
 
@@ -65,6 +66,22 @@ _TRANSIENT = (
     aio_pika.exceptions.ChannelClosed,
     aio_pika.exceptions.ChannelInvalidStateError,
 )
+
+
+#: How long a stopping worker waits for each consumer's cancel: it hands its evaluations
+#: back only after, and a stop is given a few seconds before SIGKILL.
+CANCEL_TIMEOUT_S = 1.0
+
+
+def delay_queue_names(config: EngineConfig) -> dict[tuple[int, int], tuple[str, int]]:
+    """(tier, bucket) -> its delay queue's name and TTL (ms). The TTL is in the name: a
+    different time scale declares new queues instead of failing on old ones."""
+    names: dict[tuple[int, int], tuple[str, int]] = {}
+    for tier, bucket, ms in config.policy.delay_queues():
+        ttl = max(1, round(ms * config.time_scale))
+        name = config.name(f"evaluation.retry.t{tier + 1}.b{bucket}.{ttl}ms")
+        names[(tier, bucket)] = (name, ttl)
+    return names
 
 
 class QueueInUse(RuntimeError):
@@ -150,6 +167,7 @@ class Broker:
         self.declared: list[str] = []  # `queue:NAME` / `exchange:NAME`, for the topology key
         self.timeout = config.read_timeout_s
         self._wire: Wire | None = None  # the current channel's
+        self._consuming: list[tuple[AbstractQueue, str]] = []  # (queue, consumer tag)
 
     async def connect(self, prefetch: int = 32, declare: bool = True) -> None:
         """Connect, open the channel and declare the topology. Any failure on the way is a
@@ -180,9 +198,7 @@ class Broker:
         ch, t = self._ch(), self.timeout
         await ch.declare_queue(self.work_queue_name, durable=True, timeout=t)
         self.declared = [f"queue:{self.work_queue_name}"]
-        for tier, bucket, ms in self.config.policy.delay_queues():
-            ttl = max(1, round(ms * self.config.time_scale))
-            name = self.config.name(f"evaluation.retry.t{tier + 1}.b{bucket}.{ttl}ms")
+        for (tier, bucket), (name, ttl) in delay_queue_names(self.config).items():
             await ch.declare_queue(
                 name,
                 durable=True,
@@ -257,7 +273,8 @@ class Broker:
     async def consume_work(self, handler: Handler) -> AbstractQueue:
         t = self.timeout
         queue = await self._ch().declare_queue(self.work_queue_name, durable=True, timeout=t)
-        await queue.consume(handler, no_ack=False, timeout=t)
+        tag = await queue.consume(handler, no_ack=False, timeout=t)
+        self._consuming.append((queue, tag))
         return queue
 
     async def consume_private(self, worker_id: str, handler: Handler) -> str:
@@ -273,8 +290,19 @@ class Broker:
         queue = await self._ch().declare_queue(name, exclusive=True, timeout=t)
         assert self.control is not None
         await queue.bind(self.control, timeout=t)
-        await queue.consume(handler, no_ack=False, timeout=t)
+        tag = await queue.consume(handler, no_ack=False, timeout=t)
+        self._consuming.append((queue, tag))
         return name
+
+    async def stop_consuming(self) -> None:
+        """Cancel this worker's consumers (basic.cancel), before it hands anything back: a
+        message it requeues goes to the other workers, not back to it while it stops. The
+        robust channel forgets them too (no restore after a reconnect). A broker away or
+        slow to answer (`CANCEL_TIMEOUT_S`) leaves them to the connection's close."""
+        consuming, self._consuming = self._consuming, []
+        for queue, tag in consuming:
+            with contextlib.suppress(AMQPError, OSError, RuntimeError):  # TimeoutError too
+                await queue.cancel(tag, timeout=min(self.timeout, CANCEL_TIMEOUT_S))
 
     # --- publishing ---------------------------------------------------------------------
 
@@ -349,7 +377,7 @@ class Broker:
                     routing_key=key,
                     properties=aiormq.spec.Basic.Properties(
                         content_type="application/json",
-                        delivery_mode=2,  # persistent
+                        delivery_mode=frames.DELIVERY_MODE,  # 2: persistent
                         expiration=expiration,
                         headers={},
                         message_id=msg_id,

@@ -17,6 +17,7 @@ from engine.metrics import Metrics
 from engine.runtime.broker import Broker
 from engine.runtime.store import RedisStore
 from engine.runtime.wire import wire
+from engine.shell.window import DeliveryWindow
 
 log = logging.getLogger("engine")
 
@@ -31,6 +32,7 @@ class Runtime:
     failpoints: Failpoints
     history: History
     metrics: Metrics
+    window: DeliveryWindow | None = None  # the deliveries held unsettled (None: not watched)
 
 
 async def settle(message: AbstractIncomingMessage, *, ack: bool = True, timeout_s: float) -> bool:

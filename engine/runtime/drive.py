@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine.history import History
+from engine.history import CHECKOUT, History, error_fields
 from engine.runtime.context import Runtime, cancelled, log, settle
 from engine.runtime.store import LeaseLost, now_ms
 from engine.shell import effects as fx
@@ -41,10 +41,54 @@ async def drive(step: fx.Step, rt: Runtime) -> Any:
     return stepper.value
 
 
+class LoopLag:
+    """How late this process's event loop has been running what was due, measured by a
+    task that asks to wake every `INTERVAL_S` and notes how much later it woke. The live
+    worker records the worst lag of the last `WINDOW_S` with the events a late retry is
+    judged by (`LAGGED`): the checker (`retry_delays_respected`) may then allow a start
+    that much later, on the process's own evidence rather than on a slack. The simulator
+    has no lag and records none."""
+
+    INTERVAL_S = 0.005
+    WINDOW_S = 0.25
+    #: The events that carry `loop_lag_ms`: a retry's path from its delivery to its start.
+    LAGGED = frozenset({"delivered", "forwarded", "slot_granted", "rule_started"})
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+
+    def lag_ms(self) -> float:
+        """The worst lag of the last `WINDOW_S` (ms); starts the measuring task at first."""
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._samples.clear()  # another loop's (a test's earlier worker): not this one's
+            self._task = loop.create_task(self._measure())
+        samples = self._samples
+        horizon = time.monotonic() - self.WINDOW_S
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+        return round(max((lag for _, lag in samples), default=0.0) * 1000, 3)
+
+    async def _measure(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(self.INTERVAL_S)
+            late = loop.time() - asked - self.INTERVAL_S
+            self._samples.append((time.monotonic(), max(late, 0.0)))
+
+
+_lag = LoopLag()
+
+
 def _record(e: fx.Record, rt: Runtime) -> None:
     history = rt.history
     if type(history) is not History:  # the default one discards: not even called
-        history.record(e.event, **e.fields)
+        if e.event in LoopLag.LAGGED:
+            history.record(e.event, **e.fields, loop_lag_ms=_lag.lag_ms())
+        else:
+            history.record(e.event, **e.fields)
 
 
 def _count(e: fx.Count, rt: Runtime) -> None:
@@ -55,10 +99,34 @@ def _gauge(e: fx.Gauge, rt: Runtime) -> None:
     getattr(rt.metrics, e.metric).set(e.value)
 
 
+#: Exceptions no fault raises: one raised by the checkout's own code (not a library's, which
+#: a lost connection can trip) that reaches the shell's log is the engine's own bug,
+#: recorded (`engine_error`, with its traceback) for the checker's `no_engine_error`.
+ENGINE_BUGS = (LookupError, TypeError, AttributeError, NameError, AssertionError, ArithmeticError)
+
+
+def engine_bug(exc: BaseException | None) -> bool:
+    """Whether `exc` is an `ENGINE_BUGS` kind raised in the checkout's own code."""
+    if not isinstance(exc, ENGINE_BUGS):
+        return False
+    tb, where = exc.__traceback__, ""
+    while tb is not None:
+        where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return where.startswith(CHECKOUT) and "-packages" not in where
+
+
 def _log(e: fx.Log, rt: Runtime) -> None:
     level = "warning" if isinstance(e.error, LeaseLost) else e.level  # fenced off: expected
     trace = e.error if level == "error" else None
     log.log(logging.getLevelName(level.upper()), "%s", e.message, exc_info=trace)
+    if type(rt.history) is not History and engine_bug(e.error):
+        rt.history.record("engine_error", **error_fields(e.error, e.message))
+
+
+def _settle(e: fx.Settle, rt: Runtime) -> Awaitable[bool]:
+    if rt.window is not None:
+        rt.window.settled(e.delivery)
+    return settle(e.delivery, ack=e.ack, timeout_s=rt.config.read_timeout_s)
 
 
 def _forward(e: fx.Forward, rt: Runtime) -> Awaitable[None]:
@@ -81,7 +149,7 @@ _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
 _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
     fx.Store: lambda e, rt: getattr(rt.store, e.op)(*e.args),
     fx.Acquire: lambda e, rt: e.lock.wait(),
-    fx.Settle: lambda e, rt: settle(e.delivery, ack=e.ack, timeout_s=rt.config.read_timeout_s),
+    fx.Settle: _settle,
     fx.CallAgent: lambda e, rt: rt.agent.evaluate(
         e.attempt_id, e.rule, e.attempt, e.try_no, execution=e.execution
     ),

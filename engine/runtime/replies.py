@@ -13,6 +13,23 @@ class LeaseLost(Exception):
     """An owner's write was refused: another worker acquired the lease since (the fence)."""
 
 
+class Renewal(int):
+    """`renew`'s answer for one evaluation: 0 lost, 1 still ours, 2 forgotten by Redis and
+    ours again (an int, as it always was), and `expires_ms`: when the lease runs out once
+    renewed, as the store computed it (its `PEXPIRETIME`, Unix ms by its clock; None: lost,
+    or not told)."""
+
+    expires_ms: int | None
+
+    def __new__(cls, code: int, expires_ms: int | None = None) -> Renewal:
+        out = super().__new__(cls, code)
+        out.expires_ms = expires_ms
+        return out
+
+    def __repr__(self) -> str:
+        return f"Renewal({int(self)}, expires_ms={self.expires_ms})"
+
+
 class StatusWritten(NamedTuple):
     """What `RedisStore.write_status` did."""
 

@@ -24,6 +24,7 @@ import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -51,12 +52,19 @@ from engine.keys import (
 )
 from engine.plan import Plan
 from engine.runtime.autopipeline import AutoPipeline
-from engine.runtime.replies import Begun, LeaseLost, StatusWritten
+from engine.runtime.replies import Begun, LeaseLost, Renewal, StatusWritten
 from engine.runtime.sentinel import is_sentinel_url, sentinel_client
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _renewal(reply: Any) -> Renewal:
+    """`_RENEW`'s reply: 0, or {1 or 2, the lease's PEXPIRETIME}."""
+    if isinstance(reply, list):
+        return Renewal(int(reply[0]), int(reply[1]))
+    return Renewal(int(reply))
 
 
 def glob_escape(text: str) -> str:
@@ -444,15 +452,16 @@ return {1}
 """)
 
 # KEYS: owner, running index, state, fence. ARGV: me, lease_ms, now_ms, attempt_id,
-# terminal list, ttl, token. 1 while still ours; 0 when lost. A terminal evaluation is not
-# stamped again: once announced it leaves the index (`_DONE`), and a stale stamp lets the
-# sweeper announce or drop it. With a token, the fence decides: a lease that lapsed while
-# nobody acquired it (the token is still the current one: a late heartbeat) is the
-# owner's again, and any other token means lost. 2 when the state is gone too: a Redis
-# that lost acknowledged writes forgot an evaluation its owner is running (nobody else
-# can have begun it: `begin` writes the state), so it is the owner's again, and the owner
-# writes back its plan. The state is read once: what this script writes to it is known. A
-# lease still held is renewed with PEXPIRE, as in `fenced`.
+# terminal list, ttl, token. {1, PEXPIRETIME} while still ours (when the lease runs out
+# once renewed, by the store's clock: the heartbeat records it); 0 when lost. A terminal
+# evaluation is not stamped again: once announced it leaves the index (`_DONE`), and a
+# stale stamp lets the sweeper announce or drop it. With a token, the fence decides: a
+# lease that lapsed while nobody acquired it (the token is still the current one: a late
+# heartbeat) is the owner's again, and any other token means lost. 2 when the state is
+# gone too: a Redis that lost acknowledged writes forgot an evaluation its owner is
+# running (nobody else can have begun it: `begin` writes the state), so it is the owner's
+# again, and the owner writes back its plan. The state is read once: what this script
+# writes to it is known. A lease still held is renewed with PEXPIRE, as in `fenced`.
 _RENEW = _script("""
 local cur = redis.call('GET', KEYS[1])
 if ARGV[7] ~= '' then
@@ -474,8 +483,8 @@ if ARGV[7] ~= '' then
     redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
     redis.call('EXPIRE', KEYS[2], ARGV[6])
   end
-  if forgotten then return 2 end
-  return 1
+  if forgotten then return {2, redis.call('PEXPIRETIME', KEYS[1])} end
+  return {1, redis.call('PEXPIRETIME', KEYS[1])}
 end
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -483,14 +492,14 @@ if cur == ARGV[1] then
     redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
     redis.call('EXPIRE', KEYS[2], ARGV[6])
   end
-  return 1
+  return {1, redis.call('PEXPIRETIME', KEYS[1])}
 end
 if cur or redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('SET', KEYS[3], 'running', 'EX', ARGV[6])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
-return 2
+return {2, redis.call('PEXPIRETIME', KEYS[1])}
 """)
 
 # KEYS: owner. ARGV: me.
@@ -907,7 +916,8 @@ class RedisStore:
         self, attempt_ids: Iterable[str] | Mapping[str, str], me: str
     ) -> dict[str, int]:
         """The heartbeat: extend each lease still ours and stamp the running index. Per
-        evaluation: 1 still ours, 0 lost, 2 forgotten by Redis and ours again (`_RENEW`).
+        evaluation: 1 still ours, 0 lost, 2 forgotten by Redis and ours again (`_RENEW`), a
+        `Renewal` that also carries when the lease runs out once renewed (its PEXPIRETIME).
         Given a mapping of evaluation to fence token, the fence decides what is ours."""
         fences = attempt_ids if isinstance(attempt_ids, Mapping) else dict.fromkeys(attempt_ids, "")
         ids = list(fences)
@@ -929,7 +939,7 @@ class RedisStore:
                 for a in ids
             ]
         )
-        return {a: int(v) for a, v in zip(ids, out, strict=True)}
+        return {a: _renewal(v) for a, v in zip(ids, out, strict=True)}
 
     async def reinstate(self, attempt_id: str, plan: Plan | str) -> bool:
         """Write back the plan `begin` stored, unless it is there (a forgotten evaluation's

@@ -62,9 +62,12 @@ from yarl import URL
 FRAME_END = b"\xce"
 #: A content header's frame head, class, weight, body size and property flags.
 _HEADER = struct.Struct(">BHIHHQH")
+#: Every engine message's delivery mode: 2, persistent (a durable queue keeps it across a
+#: broker restart; a transient one is held in memory only).
+DELIVERY_MODE = 2
 #: The properties every engine message carries before its optional ones, encoded: content
 #: type application/json, empty headers, delivery mode 2 (persistent), priority 0.
-_FIXED_PROPS = b"\x10application/json" + b"\x00\x00\x00\x00" + b"\x02" + b"\x00"
+_FIXED_PROPS = b"\x10application/json" + b"\x00\x00\x00\x00" + bytes((DELIVERY_MODE,)) + b"\x00"
 _FLAGS = 0x8000 | 0x2000 | 0x1000 | 0x0800 | 0x0080  # the above and message_id
 _EXPIRATION = 0x0100
 _BODY = struct.Struct(">BHI")

@@ -183,7 +183,24 @@ class EvaluationController:
         # `_done` gives it back. A delivery that puts nothing in memory gives it back here.
         if (yield from self._passed_on(kind, attempt_id, body, delivery, redelivered)):
             return
+        # Every evaluation slot taken: the wait is recorded, with the evaluations this
+        # worker holds, so that a late retry can be told from one held back for nothing.
+        waits = self._recording and self._slots.locked()
+        if waits:
+            held = sorted(self.evaluations)
+            yield Record(
+                "slot_wait",
+                {
+                    "attempt_id": attempt_id,
+                    "slot": "evaluation",
+                    "kind": kind,
+                    "held": held,
+                    "slots": self.config.max_evaluations,
+                },
+            )
         yield Acquire(self._slots)
+        if waits:
+            yield Record("slot_granted", {"attempt_id": attempt_id, "slot": "evaluation"})
         try:
             yield from self._begin(kind, attempt_id, body, delivery, plan, bool(raw))
         finally:
@@ -207,7 +224,7 @@ class EvaluationController:
         if begun.terminal is not None:
             if announce_again(begun.published, plan):
                 snapshot = yield Store("snapshot", (attempt_id, plan.order))
-                verdicts = {r: v.verdict for r, v in snapshot.results.items()}
+                verdicts = self.reevaluate.rebuild(plan, attempt_id, snapshot, {}).stored_verdicts()
                 terminal = begun.terminal
                 yield from shell.publish_completed(self.worker_id, attempt_id, terminal, verdicts)
             yield Record("terminal_dropped", {"attempt_id": attempt_id, "kind": kind})
@@ -244,7 +261,14 @@ class EvaluationController:
         if self._recording:
             yield Record(
                 "evaluation_started",
-                {"attempt_id": attempt_id, "plan": plan.id, "resumed": resumed, "kind": kind},
+                {
+                    "attempt_id": attempt_id,
+                    "plan": plan.id,
+                    "resumed": resumed,
+                    "kind": kind,
+                    "fence": begun.fence,
+                    "lease_ms": self.config.stale_ms,  # what begin's lease runs for
+                },
             )
         orch = PassExecutionOrchestrator(
             self.host, self.config, self.worker_id, core, self._done, begun.fence

@@ -18,10 +18,15 @@ from engine.shell.effects import NOW, Count, Effect, Failpoint, PublishRetry, Re
 
 
 def persist_status(
-    config: EngineConfig, attempt_id: str, action: PersistStatus, fence: str | None = None
+    config: EngineConfig,
+    attempt_id: str,
+    action: PersistStatus,
+    fence: str | None = None,
+    sent_ms: int = 0,
 ) -> Generator[Effect, Any, str | None]:
     """Write the status; return the evaluation's state if the store says it is over (a
-    cancel): the caller then schedules no retry and starts nothing more."""
+    cancel): the caller then schedules no retry and starts nothing more. `sent_ms`: when
+    the caller sent it (recorded with the token it carried)."""
     delay = None
     if action.retry_due_in_ms is not None:
         delay = round(action.retry_due_in_ms * config.time_scale)
@@ -37,6 +42,9 @@ def persist_status(
             "kept": kept,
             "error": action.error,
             "due_ms": due,
+            "fence": fence,
+            "landed": True,
+            "sent_ms": sent_ms,
         },
     )
     if action.status == PERMANENTLY_FAILED:

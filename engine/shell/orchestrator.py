@@ -37,9 +37,11 @@ from engine.core import (
 )
 from engine.core.results import RuleResult
 from engine.core.states import EvaluationStatus, RuleState
+from engine.runtime.replies import LeaseLost
 from engine.shell import module
 from engine.shell.effects import (
     MONO,
+    NOW,
     Acquire,
     CallAgent,
     Count,
@@ -94,6 +96,11 @@ class PassExecutionOrchestrator:
         self._looked = False  # the state was read for the actions being executed
         self._over: str | None = None  # the terminal state the store showed (a cancel)
         self._lease_until = 0.0  # monotonic time the lease runs to, by the last fenced write
+        # Due retries the core could not start at once (every slot taken): (rule, attempt),
+        # recorded as `slot_wait` when found and `slot_granted` when the rule gets its slot,
+        # so that the checker can tell a late start that waited for a slot from one that
+        # was held back for nothing (`retry_delays_respected`).
+        self._slot_waiting: set[tuple[str, int]] = set()
 
     # --- inputs -------------------------------------------------------------------------
 
@@ -166,11 +173,20 @@ class PassExecutionOrchestrator:
             self._spawn(self.abandon(f"{type(exc).__name__}: {exc}"))
 
     def _feed(self, fn: Callable[..., list[Action]], *args: object, **kw: object) -> Step:
+        waits = self._recording and self._lock.locked() and fn == self.core.retry_due
+        if waits:  # a due retry behind another input's writes: recorded, as a slot wait
+            due = {"attempt_id": self.attempt_id, "slot": "lock", "rule_id": args[0]}
+            due["attempt"] = args[1]
+            yield Record("slot_wait", due)
         yield Acquire(self._lock)
+        if waits:
+            yield Record("slot_granted", due)
         try:
             if self._closed:
                 return
             actions = fn(*args, **kw)
+            if self.retry_messages and self._recording:
+                yield from self._note_slot_waits(actions)
             # Rules about to start for the first time in their attempt get a start marker
             # (to count reruns), written with the result that made them ready when there
             # is one, so a rule's durable bookkeeping stays within two round trips.
@@ -192,6 +208,34 @@ class PassExecutionOrchestrator:
                     yield from self._execute(action)
         finally:
             self._lock.release()
+
+    def _note_slot_waits(self, actions: list[Action]) -> Step:
+        """Record each held retry whose rule is due (pending) but not started by `actions`:
+        the core found no free slot. Its `slot_granted` follows when its `RunRule` runs."""
+        state = self.core.state
+        started = {(x.rule_id, x.attempt) for x in actions if isinstance(x, RunRule)}
+        for rule_id, attempt in self.retry_messages:
+            key = (rule_id, attempt)
+            if (
+                key in self._slot_waiting
+                or key in started
+                or state.get(rule_id) is not RuleState.PENDING
+                or self.core.attempt.get(rule_id) != attempt
+            ):
+                continue
+            self._slot_waiting.add(key)
+            running = {r: self.core.attempt[r] for r in self.core.rules_in(RuleState.RUNNING)}
+            yield Record(
+                "slot_wait",
+                {
+                    "attempt_id": self.attempt_id,
+                    "slot": "rule",
+                    "rule_id": rule_id,
+                    "attempt": attempt,
+                    "running": running,
+                    "slots": self.core.max_parallel,
+                },
+            )
 
     def _look(self, over: str | None) -> None:
         """The state check that rode on a write: a terminal state stops every start."""
@@ -228,6 +272,17 @@ class PassExecutionOrchestrator:
         a = self.attempt_id
         match action:
             case RunRule():
+                if self._slot_waiting and (action.rule_id, action.attempt) in self._slot_waiting:
+                    self._slot_waiting.discard((action.rule_id, action.attempt))
+                    yield Record(
+                        "slot_granted",
+                        {
+                            "attempt_id": a,
+                            "slot": "rule",
+                            "rule_id": action.rule_id,
+                            "attempt": action.attempt,
+                        },
+                    )
                 # Before any start, the store's word on a cancel: on the start markers'
                 # round trip, or (a level-1 retry has none) a look at the state alone.
                 sent = yield MONO
@@ -238,6 +293,17 @@ class PassExecutionOrchestrator:
                     self._leased(sent)
                     self._look(over)
                     self._mark_starts(counts)
+                    if action.attempt > 1 and action.try_no == 1 and self._recording:
+                        # a delayed retry's start waits for this write: how long, measured
+                        yield Record(
+                            "start_marked",
+                            {
+                                "attempt_id": a,
+                                "rule_id": action.rule_id,
+                                "attempt": action.attempt,
+                                "write_ms": round(((yield MONO) - sent) * 1000, 3),
+                            },
+                        )
                 if self._over is not None:
                     return  # the evaluation is over: this rule does not start
                 if action.try_no == 1:
@@ -246,9 +312,14 @@ class PassExecutionOrchestrator:
                 self._spawn(self._run_rule(action, execution), caught=True)
             case PersistResult(rule_id=rule_id, result=result):
                 sent = yield MONO
-                existing, counts, over = yield Store(
-                    "write_result", (a, result, self._starts, self.fence)
-                )
+                sent_ms = (yield NOW) if self._recording else 0
+                try:
+                    existing, counts, over = yield Store(
+                        "write_result", (a, result, self._starts, self.fence)
+                    )
+                except LeaseLost:
+                    yield from self._refused("result", rule_id, sent_ms)
+                    raise
                 self._leased(sent)
                 self._look(over)
                 self._mark_starts(counts)
@@ -263,6 +334,9 @@ class PassExecutionOrchestrator:
                             "score": result.score,
                             "won": existing is None,
                             "kept_verdict": None if existing is None else existing.verdict,
+                            "fence": self.fence,
+                            "landed": True,
+                            "sent_ms": sent_ms,
                         },
                     )
                 if existing is not None and not (yield from self._adopt(rule_id, existing)):
@@ -270,7 +344,15 @@ class PassExecutionOrchestrator:
                 if self._failpoints:
                     yield Failpoint("rule_after_write", rule_id, a)
             case PersistStatus():
-                self._look((yield from module.persist_status(self.config, a, action, self.fence)))
+                sent_ms = (yield NOW) if self._recording else 0
+                try:
+                    over = yield from module.persist_status(
+                        self.config, a, action, self.fence, sent_ms
+                    )
+                except LeaseLost:
+                    yield from self._refused("status", action.rule_id, sent_ms)
+                    raise
+                self._look(over)
             case ScheduleRetry():
                 if self._over is not None:  # over: a retry would only be dropped
                     yield Record(
@@ -391,6 +473,8 @@ class PassExecutionOrchestrator:
                         "tokens": tokens,
                     },
                 )
+                if self._failpoints:
+                    yield Failpoint("rule_after_call_failed", rule.id, a)
                 yield from self._feed(
                     self.core.rule_failed, rule.id, err.kind, retryable=err.retryable
                 )
@@ -418,6 +502,22 @@ class PassExecutionOrchestrator:
         except Exception as exc:
             yield from self._failed(exc)
 
+    def _refused(self, write: str, rule_id: str | None, sent_ms: int) -> Step:
+        """A write of this copy the fence refused (its lease is another's): recorded, so
+        that the checker sees every write sent with the token it carried."""
+        if self._recording:
+            yield Record(
+                "write_refused",
+                {
+                    "attempt_id": self.attempt_id,
+                    "rule_id": rule_id,
+                    "write": write,
+                    "fence": self.fence,
+                    "landed": False,
+                    "sent_ms": sent_ms,
+                },
+            )
+
     def _adopt(self, rule_id: str, kept: RuleResult) -> Generator[Effect, Any, bool]:
         """Another write of `rule_id`'s result came first. Without the lease (this worker
         ran the rule after its lease lapsed: a frozen process) its view is stale: it steps
@@ -434,7 +534,14 @@ class PassExecutionOrchestrator:
 
     def _finish(self, action: Finish) -> Step:
         a = self.attempt_id
-        kept = yield from self._confirm_final(action)
+        if self._failpoints:
+            yield Failpoint("before_final_write", None, a)
+        sent_ms = (yield NOW) if self._recording else 0
+        try:
+            kept = yield from self._confirm_final(action)
+        except LeaseLost:
+            yield from self._refused("final", None, sent_ms)
+            raise
         status = kept or action.status.value
         verdicts = self.core.announced(action.verdicts)
         if self._recording:
@@ -446,6 +553,9 @@ class PassExecutionOrchestrator:
                     "won": kept is None,
                     "decided": action.status.value,  # the core's own decision (a cancel heard)
                     "verdicts": verdicts,
+                    "fence": self.fence,
+                    "landed": True,
+                    "sent_ms": sent_ms,
                 },
             )
         if kept is None:

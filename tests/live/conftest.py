@@ -36,7 +36,11 @@ PLANS = ROOT / "plans"
 #: is generous: CI runs on a busy 2-core machine, and a fast one never waits this long.
 PATIENCE_S = 120.0
 
-pytestmark = pytest.mark.live
+#: What to do when the services are not there, after the line that says which one.
+START_THEM = (
+    "install and start redis-server and rabbitmq-server on 127.0.0.1 (.ci/run does both), "
+    'or leave the live tests out: python3 -m pytest -q -m "not slow"'
+)
 
 
 def _services_up() -> str | None:
@@ -56,11 +60,27 @@ def _services_up() -> str | None:
     return None
 
 
+def _missing() -> str | None:
+    """One line naming the service that does not answer and what to do, or None."""
+    problem = _services_up()
+    return None if problem is None else f"{problem.rstrip('.')}; {START_THEM}"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Without the machine's Redis or RabbitMQ the run stops before its first test, in one
+    line saying what to start, rather than failing every live test one by one."""
+    if any(item.get_closest_marker("live") for item in session.items):
+        line = _missing()
+        if line:
+            pytest.exit(line, returncode=pytest.ExitCode.TESTS_FAILED)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _require_services() -> None:
-    problem = _services_up()
-    if problem:
-        pytest.fail(f"{problem}; .ci/run starts it, or start it by hand", pytrace=False)
+    """The same check when the collection's was not made (a live test not marked `live`)."""
+    line = _missing()
+    if line:
+        pytest.fail(line, pytrace=False)
 
 
 class Live:

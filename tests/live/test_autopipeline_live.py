@@ -24,7 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from engine.config import DEFAULT_REDIS_URL
 from engine.runtime.autopipeline import AutoPipeline
 
-pytestmark = pytest.mark.live
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 _ECHO = "return {KEYS[1], ARGV[1]}"
 _FAIL = "return redis.error_reply('no: ' .. ARGV[1])"

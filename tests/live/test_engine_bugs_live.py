@@ -27,6 +27,8 @@ from engine.runtime.store import RedisStore, eval_key, result_key, retry_member,
 from engine.submit import EngineClient
 from tests.live.conftest import ROOT, Live
 
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
 RULE_STATES = {s.value for s in RuleState}  # a verdict that names no result
 
 

@@ -19,11 +19,15 @@ import uuid
 from pathlib import Path
 
 import aio_pika
+import pytest
 import redis
 from aio_pika.exceptions import ChannelNotFoundEntity
 
 from engine.config import DEFAULT_AMQP_URL, DEFAULT_REDIS_URL
+from engine.plan import load_plan
 from tests.live.conftest import PATIENCE_S, ROOT, Live
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 CHAOS_RUN = [sys.executable, "-m", "chaos", "run", "scenarios/crash_after_ack.yaml"]
 
@@ -154,7 +158,11 @@ def test_try_it_leaves_nothing_after_purge(live: Live) -> None:
     )
     assert many.returncode == 0, many.stdout + many.stderr
     status = _cli("-m", "engine.submit", "--status", f"{cand}42", namespace=live.ns)
-    assert json.loads(status.stdout) == {"attempt_id": f"{cand}42", "state": "completed"}
+    shown = json.loads(status.stdout)
+    assert (shown["attempt_id"], shown["state"]) == (f"{cand}42", "completed")
+    order = load_plan(plan).order
+    assert list(shown["rules"]) == list(order)  # every rule, in the plan's order
+    assert all(r["verdict"] in ("pass", "fail", "needs_review") for r in shown["rules"].values())
     cancel = _cli("-m", "engine.submit", "--cancel", f"{cand}42", namespace=live.ns)
     assert json.loads(cancel.stdout)["state"] == "completed"  # the final state stays
     for w in live.workers:

@@ -15,11 +15,14 @@ import urllib.request
 from collections import Counter
 
 import aio_pika
+import pytest
 
 from engine.agent import AgentProfile, FakeAgent
 from engine.config import DEFAULT_AMQP_URL, STATE_TTL_SECONDS
 from engine.plan import Plan
 from tests.live.conftest import PATIENCE_S, ROOT, Live
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 
 def reference_verdicts(plan: Plan, attempt_id: str, profile: AgentProfile | None = None) -> dict:

@@ -17,7 +17,7 @@ from engine.core import RuleResult
 from engine.runtime.autopipeline import NotReplicated
 from engine.runtime.store import RedisStore
 
-pytestmark = pytest.mark.live
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 PATIENCE_S = 60.0  # a failover takes about two seconds; a busy CI machine may take longer
 

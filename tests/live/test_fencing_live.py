@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 import redis as sync_redis
 import simpy
 from hypothesis import HealthCheck, settings
@@ -33,6 +34,8 @@ from engine.plan import Plan, load_plan
 from engine.runtime.store import LeaseLost, RedisStore, eval_key, result_key, status_key
 from sim.redis import Fenced, SimRedis
 from tests.live.conftest import ROOT, Live
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 WORKERS = ("w1", "w2", "w3")
 PLAN: Plan = load_plan(ROOT / "plans" / "tiny.yaml")

@@ -19,6 +19,8 @@ from chaos.links import Network, through, upstream_of
 from chaos.proxy.model import ToxicSpec
 from engine.config import DEFAULT_AMQP_URL, DEFAULT_REDIS_URL
 
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

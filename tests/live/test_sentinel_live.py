@@ -24,6 +24,7 @@ from chaos.stack import find_redis_server, free_port, marked_pids
 
 pytestmark = [
     pytest.mark.live,
+    pytest.mark.slow,
     pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed"),
 ]
 

@@ -49,6 +49,8 @@ from engine.runtime.store import (
 from sim.redis import REFERENCES, Fenced, SimRedis
 from tests.live.conftest import ROOT, Live
 
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
 WORKERS = ("w1", "w2", "w3")
 PLAN: Plan = load_plan(ROOT / "plans" / "tiny.yaml")
 RULES = PLAN.order

@@ -23,7 +23,7 @@ from engine.runtime.context import settle
 from engine.runtime.wire import Wire, wire
 from engine.shell.effects import Unroutable
 
-pytestmark = pytest.mark.live
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 
 def run(test: Callable[[Broker], Coroutine[Any, Any, None]], **config: Any) -> None:
