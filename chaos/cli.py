@@ -10,6 +10,7 @@
     python -m chaos images build   # Redis and RabbitMQ images from this machine's own
     python -m chaos docs [--check]  # docs/reference/, written from the code
     python -m chaos coverage [SCENARIO...] [--seeds 50] [--json FILE]  # branches reached
+    python -m chaos mutate [--paths P ...] [--jobs J]   # mutants of the engine vs the suite
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
 3 the stack could not be started (containers mode: no Docker engine answers), 4 the harness
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     cov.add_argument(
         "--strict", action="store_true", help="exit 1 on a branch unreached and not documented"
     )
+    from chaos.mutate.command import add_parser as add_mutate
+
+    add_mutate(sub, _within)
     return p
 
 
@@ -247,6 +251,10 @@ def _main(argv: list[str] | None) -> int:
         from chaos.coverage import coverage_command
 
         return coverage_command(args)
+    if args.command == "mutate":
+        from chaos.mutate.command import mutate_command
+
+        return mutate_command(args, console)
     loaded, errors = _load_all(args.scenarios)
     for line in errors:  # every bad file, before anything runs
         print(line, file=sys.stderr)
@@ -379,16 +387,8 @@ def _report(paths: list[Path], out: Path | None, price: float | None, console: C
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _COMMANDS = (
-    "run",
-    "sim",
-    "report",
-    "compare",
-    "validate",
-    "list",
-    "clean",
-    "proxy",
-    "images",
-    "coverage",
+    *("run", "sim", "report", "compare", "validate", "list", "clean", "proxy", "images"),
+    *("docs", "coverage", "mutate"),
 )
 
 
