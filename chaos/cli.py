@@ -186,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     cov.add_argument(
         "--seeds", type=_within(0, MAX_SEEDS), default=50, help="explored a scenario (50)"
     )
-    cov.add_argument("--first-seed", type=_within(0, MAX_SEED), default=0)
+    cov.add_argument(
+        "--first-seed", type=_within(0, MAX_SEED), default=0, help="explore from this seed (0)"
+    )
     cov.add_argument("--jobs", type=_within(0, 256), default=0, help="processes (every core)")
     cov.add_argument(
         "--json", type=Path, default=Path("out/coverage.json"), help="(out/coverage.json)"
