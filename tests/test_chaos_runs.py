@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,17 +81,6 @@ CATCHES = {
 
 def test_every_mutant_has_a_scenario() -> None:
     assert set(CATCHES) == set(MUTANTS)
-
-
-@pytest.fixture(scope="module")
-def services() -> Iterator[Services]:
-    env = {k: os.environ.pop(k) for k in ("REDIS_URL", "AMQP_URL") if k in os.environ}
-    stack = Services.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-        os.environ.update(env)
 
 
 @pytest.fixture(scope="module")

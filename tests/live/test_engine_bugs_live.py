@@ -10,8 +10,6 @@ for real, and the shipped scenarios run live against the run's own Redis and Rab
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,17 +203,6 @@ def test_a_cancel_is_seen_in_the_store_without_its_broadcast(live: Live, code_re
 
 
 # --- the shipped scenarios, live ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def services() -> Iterator[Services]:
-    env = {k: os.environ.pop(k) for k in ("REDIS_URL", "AMQP_URL") if k in os.environ}
-    stack = Services.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-        os.environ.update(env)
 
 
 def run(services: Services, name: str, out: Path) -> Outcome:

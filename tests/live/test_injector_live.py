@@ -9,8 +9,6 @@ its scenario in one `ERROR` line (exit 4), and the next scenarios of the invocat
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +25,6 @@ SCENARIO = ROOT / "scenarios" / "dead_letter_loss_with_broker_kill.yaml"
 
 def of(history: list[dict], *kinds: str) -> list[dict]:
     return [e for e in history if e["ev"] in kinds]
-
-
-@pytest.fixture(scope="module")
-def services() -> Iterator[Services]:
-    env = {k: os.environ.pop(k) for k in ("REDIS_URL", "AMQP_URL") if k in os.environ}
-    stack = Services.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-        os.environ.update(env)
 
 
 def test_the_loss_injector_rides_out_a_broker_kill(services: Services, tmp_path: Path) -> None:
