@@ -1,12 +1,17 @@
 """The report's plots, as PNG bytes (matplotlib, no display): a timeline per run (rules
-as bars, reruns in red, faults as marks, as Jepsen draws its timelines), retry latency
-CDFs per level (scenario time and the production estimate), and duplicated tokens by
-cause."""
+as bars, reruns in red, the runner's faults as shaded windows in lanes of their own, as
+Jepsen draws its nemesis), retry latency CDFs per level (scenario time and the production
+estimate, p50/p95/p99 marked, the delay tiers drawn), and duplicated tokens by cause.
+
+What a plot draws is computed by small pure functions (`fault_marks`, `tier_lines`), so a
+test can check what is drawn without reading pixels."""
 
 from __future__ import annotations
 
 import io
 from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import matplotlib
@@ -14,10 +19,15 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: no display, no GUI toolkit
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, PercentFormatter
 
 from chaos.checker.context import event_time
 from chaos.checker.cost import CAUSES, Cost
-from chaos.checker.latency import STOPPING, RetryLatency
+from chaos.checker.latency import RetryLatency, percentiles
+from chaos.scenario.schema import LINK_ACTIONS, TARGETED_ACTIONS, WORKER_ACTIONS
+from engine.failpoints import TIMED_ACTIONS
 
 if TYPE_CHECKING:
     from reports.runs import Run
@@ -28,7 +38,8 @@ LEVELS = {1: "level 1 (immediate)", 2: "level 2 (delayed)", 3: "level 3 (permane
 COLORS = {
     "first": "#4c78a8",
     "rerun": "#e45756",
-    "fault": "#222222",
+    "fault": "#7f7f7f",
+    "network": "#9467bd",
     "write_window": "#f58518",
     "redelivery": "#e45756",
     "sweeper_resume": "#b279a2",
@@ -47,9 +58,81 @@ def png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
+@dataclass(frozen=True)
+class FaultMark:
+    """A fault as the timeline draws it, in seconds since the run's first event: from the
+    moment it fired (the runner's `fault_fired`, a worker's own `crash` or stalling
+    failpoint) to its heal (`fault_healed`), or an instant when it was never healed (a kill
+    whose worker stayed down, a cancel). A never-healed network fault or pause stays open
+    to the end of the run (`open_end`)."""
+
+    start: float
+    end: float | None  # None: an instant
+    label: str  # also its lane: repetitions of one fault share a lane
+    network: bool  # a fault on a link (Toxiproxy), not on a process
+    open_end: bool = False
+
+
+def fault_marks(history: list[dict[str, Any]]) -> list[FaultMark]:
+    """What the timeline draws for the faults of `history`, sorted by time. Kills are read
+    from the runner's `fault_fired` (when the fault fired), never from the supervisor's
+    later notice (`worker_killed`, `worker_exited`)."""
+    if not history:
+        return []
+    t0 = min(map(event_time, history))
+    end_of_run = max(map(event_time, history)) - t0
+    healed: dict[Any, float] = {}
+    for e in history:
+        if e.get("ev") == "fault_healed" and e.get("fault_id") is not None:
+            healed.setdefault(e["fault_id"], event_time(e) - t0)
+    crashes: dict[Any, tuple[float, str]] = {}
+    out: list[FaultMark] = []
+    for e in history:
+        ev, t = e.get("ev"), event_time(e) - t0
+        if ev == "fault_fired":
+            action = str(e.get("action") or "fault")
+            label, network = _fault_label(e), action in LINK_ACTIONS
+            end = healed.get(e.get("fault_id"))
+            if end is None and (network or "pause" in action or "stop" in action):
+                out.append(FaultMark(t, end_of_run, label, network, open_end=True))
+            elif end is None or end <= t:
+                out.append(FaultMark(t, None, label, network))
+            else:
+                out.append(FaultMark(t, end, label, network))
+        elif ev == "crash":
+            crashes[e.get("pid")] = (t, f"crash@{e.get('failpoint') or 'unknown'}")
+        elif ev == "worker_exited" and e.get("pid") in crashes:
+            start, label = crashes.pop(e.get("pid"))
+            end = healed.get(e.get("fault_id"))
+            label = f"{label} w{e.get('worker')}" if e.get("worker") is not None else label
+            out.append(FaultMark(start, end if end and end > start else None, label, False))
+        elif ev == "failpoint_fired" and e.get("action") in TIMED_ACTIONS:
+            end = t + float(e.get("stall_ms") or 0) / 1000
+            label = f"{e['action']}@{e.get('failpoint')}"
+            out.append(FaultMark(t, end if end > t else None, label, False))
+    for start, label in crashes.values():  # no supervisor noted the exit
+        out.append(FaultMark(start, None, label, False))
+    return sorted(out, key=lambda m: (m.start, m.label))
+
+
+def _fault_label(e: Mapping[str, Any]) -> str:
+    """`kill_worker w1`, `cancel #0`, `blackhole_down (add_toxic)`: the action and what it
+    hit, and the fault's own name when the scenario gave it one (not `faults[0]#3`)."""
+    action, target = str(e.get("action") or "fault"), e.get("target")
+    if action in WORKER_ACTIONS:
+        base = f"{action} w{target}"
+    elif action in TARGETED_ACTIONS and target is not None:
+        base = f"{action} #{target}"
+    else:
+        base = action
+    name = str(e.get("fault") or "").split("#", 1)[0]
+    return base if not name or name.startswith("faults[") else f"{name} ({base})"
+
+
 def timeline(run: Run, cost: Cost) -> bytes:
     """One lane per rule of each evaluation shown; a bar per execution, red when it is a
-    rerun; a vertical mark at each fault that stopped work."""
+    rerun; above them a lane per fault, its window shaded across every lane (an instant,
+    a dotted line), labelled: see `fault_marks`."""
     history = run.history
     t0 = min((event_time(e) for e in history), default=0.0)
     order: list[str] = []
@@ -62,9 +145,13 @@ def timeline(run: Run, cost: Cost) -> bytes:
     for x in cost.executions:
         if x.attempt_id in shown and x.rule_id not in lanes[x.attempt_id]:
             lanes[x.attempt_id].append(x.rule_id)
+    marks = fault_marks(history)
+    fault_lanes = list(dict.fromkeys(m.label for m in marks))
     rows = [(a, r) for a in shown for r in lanes[a]]
-    fig, ax = plt.subplots(figsize=(11, max(2.5, 0.22 * len(rows) + 1.2)))
-    index = {row: i for i, row in enumerate(rows)}
+    height = 0.22 * (len(rows) + len(fault_lanes)) + 1.8
+    fig, ax = plt.subplots(figsize=(11, max(2.8, height)))
+    first = len(fault_lanes)  # fault lanes on top, then the rules
+    index = {row: first + i for i, row in enumerate(rows)}
     end_of_run = max((event_time(e) for e in history), default=t0) - t0
     last: dict[str, float] = {}  # a process's last event: where an unfinished call ended
     for e in history:
@@ -78,61 +165,192 @@ def timeline(run: Run, cost: Cost) -> bytes:
         width = max(end - start, end_of_run / 400)
         color = COLORS["rerun"] if x.cause else COLORS["first"]
         ax.barh(row, width, left=start, height=0.7, color=color, alpha=0.9 if x.end else 0.4)
-    for e in history:
-        if e.get("ev") in STOPPING or e.get("ev") == "failpoint_fired":
-            ax.axvline(event_time(e) - t0, color=COLORS["fault"], lw=0.8, ls="--", alpha=0.7)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"{a.rsplit('-', 1)[-1]}·{r}" for a, r in rows], fontsize=7)
-    ax.invert_yaxis()
+    for m in marks:
+        color = COLORS["network"] if m.network else COLORS["fault"]
+        lane = fault_lanes.index(m.label)
+        if m.end is None:
+            ax.axvline(m.start, color=color, lw=1.0, ls=":", alpha=0.9)
+            ax.plot(m.start, lane, marker="X", color="#111111", mec="white", ms=8, ls="none")
+        else:
+            ax.axvspan(m.start, m.end, color=color, alpha=0.12, lw=0)
+            ax.barh(lane, m.end - m.start, left=m.start, height=0.6, color=color, alpha=0.8)
+            if m.open_end:
+                ax.text(m.start, lane, " never healed: open to the end", fontsize=6, va="center")
+    ticks = [f"fault: {label}" for label in fault_lanes]
+    ticks += [f"{a.rsplit('-', 1)[-1]}·{r}" for a, r in rows]
+    ax.set_yticks(range(len(ticks)))
+    ax.set_yticklabels(ticks, fontsize=7)
+    for tick in ax.get_yticklabels()[:first]:
+        tick.set_fontweight("bold")
+    if first and rows:
+        ax.axhline(first - 0.5, color="#444444", lw=0.6)
+    ax.set_ylim(len(ticks) - 0.5, -0.5)
+    ax.set_xlim(0, max(end_of_run, 1e-3) * 1.02)
+    ax.xaxis.set_major_locator(MaxNLocator(12))
     ax.set_xlabel("seconds since the run started (scenario time)")
-    ax.set_title(f"{run.label}: executions (red: reruns), faults (dashed)", fontsize=10)
+    ax.set_title(f"{run.label}: executions and faults", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
+    legend = [
+        Patch(color=COLORS["first"], label="first execution of a rule"),
+        Patch(color=COLORS["rerun"], label="rerun (paid again)"),
+        Patch(color=COLORS["first"], alpha=0.4, label="faded: never finished (cut off)"),
+        Patch(
+            color=COLORS["fault"], alpha=0.5, label="shaded: process/service fault, fired→healed"
+        ),
+        Patch(
+            color=COLORS["network"], alpha=0.5, label="shaded: network fault (link), fired→healed"
+        ),
+        Line2D(
+            [], [], color=COLORS["fault"], ls=":", marker="X", label="instant: fault never healed"
+        ),
+    ]
+    ax.legend(
+        handles=legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False
+    )
+    if not marks:
+        ax.text(0.99, 0.02, "no fault fired", transform=ax.transAxes, ha="right", fontsize=7)
     return png(fig)
 
 
-def latency_cdf(latencies: list[RetryLatency], scale: float | None) -> bytes:
+def tier_lines(settings: Mapping[str, Any] | None) -> list[tuple[str, float, float]]:
+    """The delay tiers a latency plot draws, from a run's recorded settings: (label, where
+    in scenario seconds, the production seconds it stands for). No tiers or no scale
+    recorded: none (a line at an unknown place would mislead)."""
+    settings = settings or {}
+    scale, tiers = settings.get("time_scale"), settings.get("tiers_ms")
+    if not isinstance(scale, int | float) or scale <= 0 or not isinstance(tiers, list):
+        return []
+    out = []
+    for n, ms in enumerate(tiers, 1):
+        if isinstance(ms, int | float) and ms > 0:
+            production = ms / 1000
+            out.append(
+                (f"tier {n}: {_seconds(production)} production", production * scale, production)
+            )
+    return out
+
+
+def latency_cdf(
+    latencies: list[RetryLatency],
+    scale: float | None,
+    settings: Mapping[str, Any] | None = None,
+) -> bytes:
     """The CDF of retry latency per level: in scenario seconds (as the run timed it), and,
     when the scale is known, as a production estimate (only the tier waits and the agent's
-    calls scaled back; fault windows and the rest as they happened), dashed."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    drawn = False
+    calls scaled back; fault windows and the rest as they happened), dashed. p50/p95/p99
+    are marked on each scenario curve; the delay tiers (`settings`, the run's recorded
+    ones) are drawn where they fall in scenario seconds."""
+    return png(latency_figure(latencies, scale, settings))
+
+
+def latency_figure(
+    latencies: list[RetryLatency],
+    scale: float | None,
+    settings: Mapping[str, Any] | None = None,
+) -> Figure:
+    if scale is None and settings:
+        scale = settings.get("time_scale")
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    drawn: list[float] = []
     for level, name in LEVELS.items():
         mine = [x for x in latencies if x.level == level]
         if not mine:
             continue
+        xs = sorted(x.seconds for x in mine)
         ys = [(i + 1) / len(mine) for i in range(len(mine))]
-        line = ax.step(
-            sorted(x.seconds for x in mine),
-            ys,
-            where="post",
-            label=f"{name}, n={len(mine)}: scenario s",
-        )
+        line = ax.step(xs, ys, where="post", label=f"{name}, n={len(mine)}: scenario s")
+        color = line[0].get_color()
+        marks = percentiles(xs)
+        for p, y in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+            x = float(marks[p])
+            ax.plot(x, y, marker="o", color=color, ms=4, ls="none")
+            ax.annotate(
+                f"{p} {_seconds(x)}",
+                (x, y),
+                xytext=(4, -9 if p == "p50" else -4 - 8 * (p == "p95")),
+                textcoords="offset points",
+                fontsize=6,
+                color=color,
+            )
+        drawn += xs
         if scale:
+            production = sorted(x.production_s(scale) for x in mine)
             ax.step(
-                sorted(x.production_s(scale) for x in mine),
+                production,
                 ys,
                 where="post",
                 ls="--",
-                color=line[0].get_color(),
+                color=color,
                 label=f"{name}: production estimate s",
             )
-        drawn = True
+            drawn += production
+    tiers = tier_lines(settings)
+    for i, (label, at, _) in enumerate(tiers):
+        ax.axvline(at, color="#555555", lw=0.9, ls="-.", alpha=0.8)
+        ax.text(
+            at, 1.02 - 0.06 * (i % 2), f" {label}\n = {_seconds(at)} here", fontsize=6, va="top"
+        )
+        drawn.append(at)
     if not drawn:
         ax.text(0.5, 0.5, "no rule failed: no retry to time", ha="center", va="center")
     else:
-        ax.legend(fontsize=7, loc="lower right")
-        ax.set_xscale("symlog", linthresh=1e-3)
+        if tiers:
+            ax.plot([], [], color="#555555", ls="-.", label="delay tiers (in scenario s)")
+        ax.legend(
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            frameon=False,
+            title="solid: scenario s (x axis)\ndashed: production estimate s",
+            title_fontsize=7,
+        )
+        _seconds_axis(ax, [x for x in drawn if x > 0])
     ax.set_xlabel(
-        "first failure to success or permanent failure (s): solid, scenario time as it "
-        "happened;\ndashed, production estimate (tier waits and agent calls scaled back, "
-        "fault windows as they happened)",
+        "seconds (s), first failure to success or permanent failure: solid, scenario time "
+        "as it happened;\ndashed, production estimate (tier waits and agent calls scaled "
+        "back, fault windows as they happened)",
         fontsize=8,
     )
-    ax.set_ylabel("fraction of rules")
+    ax.set_ylabel("fraction of rules (cumulative)")
     ax.set_ylim(0, 1.05)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.set_yticks([0, 0.25, 0.5, 0.75, 0.95, 1.0])
     ax.grid(alpha=0.3)
+    ax.grid(which="minor", alpha=0.1)
     ax.set_title("Retry latency, per retry level", fontsize=10)
-    return png(fig)
+    return fig
+
+
+def _seconds_axis(ax: Any, values: list[float]) -> None:
+    """A log axis with a labelled tick at 1, 2 and 5 of every decade when the values span
+    more than a decade or so; a linear one otherwise. Labels in plain seconds."""
+    if not values:
+        return
+    low, high = min(values), max(values)
+    if high / low > 20:
+        ax.set_xscale("log")
+        ax.set_xlim(low / 1.5, high * 1.5)
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
+        ax.xaxis.set_minor_locator(LogLocator(base=10, subs=tuple(range(1, 10)), numticks=30))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+    else:
+        ax.set_xlim(0, high * 1.1)
+        ax.xaxis.set_major_locator(MaxNLocator(10))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _seconds(x)))
+    ax.tick_params(axis="x", labelsize=7)
+
+
+def _seconds(s: float) -> str:
+    """1.5 ms, 0.3 s, 45 s, 10 min, 2 h: what a tick or a mark says."""
+    if s == 0:
+        return "0"
+    if s < 0.1:
+        return f"{s * 1000:g} ms"
+    if s < 120:
+        return f"{s:.3g} s"
+    if s < 7200:
+        return f"{s / 60:.3g} min"
+    return f"{s / 3600:.3g} h"
 
 
 def cost_bars(labels: list[str], by_cause: list[dict[str, int]]) -> bytes:
