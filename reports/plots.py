@@ -201,7 +201,13 @@ def timeline(run: Run, cost: Cost) -> bytes:
             color=COLORS["network"], alpha=0.5, label="shaded: network fault (link), fired→healed"
         ),
         Line2D(
-            [], [], color=COLORS["fault"], ls=":", marker="X", label="instant: fault never healed"
+            [],
+            [],
+            color=COLORS["fault"],
+            ls=":",
+            marker="X",
+            mfc="#111111",
+            label="X, dotted: an instant (a kill never healed, a cancel)",
         ),
     ]
     ax.legend(
@@ -260,14 +266,12 @@ def latency_figure(
         ys = [(i + 1) / len(mine) for i in range(len(mine))]
         line = ax.step(xs, ys, where="post", label=f"{name}, n={len(mine)}: scenario s")
         color = line[0].get_color()
-        marks = percentiles(xs)
-        for p, y in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
-            x = float(marks[p])
+        for names, x, y in percentile_marks(xs):
             ax.plot(x, y, marker="o", color=color, ms=4, ls="none")
             ax.annotate(
-                f"{p} {_seconds(x)}",
+                f"{names} {_seconds(x)}",
                 (x, y),
-                xytext=(4, -9 if p == "p50" else -4 - 8 * (p == "p95")),
+                xytext=(5, -9 if y < 0.9 else -3 - 8 * (names == "p95")),
                 textcoords="offset points",
                 fontsize=6,
                 color=color,
@@ -285,17 +289,28 @@ def latency_figure(
             )
             drawn += production
     tiers = tier_lines(settings)
-    for i, (label, at, _) in enumerate(tiers):
+    for label, at, production in tiers:
         ax.axvline(at, color="#555555", lw=0.9, ls="-.", alpha=0.8)
         ax.text(
-            at, 1.02 - 0.06 * (i % 2), f" {label}\n = {_seconds(at)} here", fontsize=6, va="top"
+            at,
+            0.02,
+            f"{label} = {_seconds(at)} in the scenario ",
+            rotation=90,
+            fontsize=6,
+            va="bottom",
+            ha="right",
         )
         drawn.append(at)
-    if not drawn:
+        if scale:
+            ax.axvline(production, color="#555555", lw=0.7, ls=":", alpha=0.6)
+            drawn.append(production)
+    if not latencies:
         ax.text(0.5, 0.5, "no rule failed: no retry to time", ha="center", va="center")
-    else:
+    if drawn:
         if tiers:
-            ax.plot([], [], color="#555555", ls="-.", label="delay tiers (in scenario s)")
+            ax.plot([], [], color="#555555", ls="-.", label="delay tiers, in scenario s")
+            if scale:
+                ax.plot([], [], color="#555555", ls=":", label="delay tiers, in production s")
         ax.legend(
             fontsize=7,
             loc="upper left",
@@ -321,6 +336,23 @@ def latency_figure(
     return fig
 
 
+def percentile_marks(values: list[float]) -> list[tuple[str, float, float]]:
+    """The p50, p95 and p99 marks of one curve: (names, seconds, fraction), nearest rank
+    as the report's tables (`percentiles`); marks that fall on one point share a label
+    (`p95=p99`), drawn at the higher fraction."""
+    if not values:
+        return []
+    ranks = percentiles(values)
+    out: list[tuple[str, float, float]] = []
+    for name, y in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+        x = float(ranks[name])
+        if out and out[-1][1] == x:
+            out[-1] = (f"{out[-1][0]}={name}", x, y)
+        else:
+            out.append((name, x, y))
+    return out
+
+
 def _seconds_axis(ax: Any, values: list[float]) -> None:
     """A log axis with a labelled tick at 1, 2 and 5 of every decade when the values span
     more than a decade or so; a linear one otherwise. Labels in plain seconds."""
@@ -336,7 +368,9 @@ def _seconds_axis(ax: Any, values: list[float]) -> None:
     else:
         ax.set_xlim(0, high * 1.1)
         ax.xaxis.set_major_locator(MaxNLocator(10))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _seconds(x)))
+    ax.xaxis.set_major_formatter(
+        FuncFormatter(lambda x, _: f"{x * 1000:g} ms" if x < 0.1 else f"{x:g} s")
+    )
     ax.tick_params(axis="x", labelsize=7)
 
 
