@@ -290,7 +290,7 @@ def latency_figure(
             drawn += production
     tiers = tier_lines(settings)
     for label, at, production in tiers:
-        ax.axvline(at, color="#555555", lw=0.9, ls="-.", alpha=0.8)
+        ax.axvline(at, color="#555555", lw=0.9, ls="-.", alpha=0.8, gid="tier")
         ax.text(
             at,
             0.02,

@@ -24,7 +24,7 @@ from chaos.checker.latency import percentiles, recoveries, retry_latencies
 from chaos.cli import main
 from chaos.insim import outputs, run_scenario
 from chaos.scenario import load_scenario
-from reports import build_report, find_runs
+from reports import build_report, find_runs, plots
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -409,3 +409,79 @@ def test_a_report_reads_at_a_glance(tmp_path: Path) -> None:
     made = json.loads((report / "metrics.json").read_text())["provenance"]
     assert made["modes"] == ["sim"] and made["seeds"] == [2] and made["mutants"] == ["no_sweeper"]
     assert made["commit"] != "" and "commit " in page
+
+
+def test_the_timeline_draws_each_fault_from_when_it_fired() -> None:
+    """Fault windows from the runner's `fault_fired` / `fault_healed`, network faults too; a
+    kill never healed is an instant at the kill, not at the supervisor's later notice; a
+    worker's own crash opens its window at the crash."""
+    runner = {"src": "runner", "pid": 1}
+    history = [
+        ev(10.0, "submitted", **runner, attempt_id="a"),
+        ev(11.0, "fault_fired", **runner, fault="slow", action="add_toxic", target=0, fault_id=1),
+        ev(
+            12.0,
+            "fault_fired",
+            **runner,
+            fault="faults[1]",
+            action="kill_worker",
+            target=0,
+            fault_id=2,
+        ),
+        ev(12.4, "worker_killed", "runner", 11, worker=0),  # the supervisor's notice
+        ev(13.0, "fault_healed", **runner, fault_id=1),
+        ev(13.5, "crash", "w2", 12, failpoint="after_ack"),
+        ev(13.7, "worker_exited", "runner", 12, worker=1, code=-9, fault_id=3),
+        ev(
+            14.0,
+            "fault_fired",
+            **runner,
+            fault="faults[2]#1",
+            action="cut_link",
+            target=0,
+            fault_id=4,
+        ),
+        ev(14.5, "fault_healed", **runner, fault_id=3),
+        ev(15.0, "rule_started", "w3", 13, attempt_id="a", rule_id="r"),
+    ]
+    assert plots.fault_marks(history) == [
+        plots.FaultMark(1.0, 3.0, "slow (add_toxic)", network=True),
+        plots.FaultMark(2.0, None, "kill_worker w0", network=False),
+        plots.FaultMark(3.5, 4.5, "crash@after_ack w1", network=False),
+        plots.FaultMark(4.0, 5.0, "cut_link", network=True, open_end=True),  # never healed
+    ]
+    assert plots.fault_marks([]) == []
+
+
+def test_the_latency_plot_draws_the_scenario_tiers_and_percentiles(tmp_path: Path) -> None:
+    """The tiers where they fall in scenario seconds (tiers_ms scaled by the run's recorded
+    time_scale), and p50/p95/p99 marks, on a simulated run of `delay_tiers`; the fault
+    windows of `amqp_blackhole` as the runner fired and healed its toxics."""
+    assert plots.tier_lines({}) == [] == plots.tier_lines({"tiers_ms": [30000]})
+    for name in ("delay_tiers", "amqp_blackhole"):
+        outputs(run_scenario(load_scenario(ROOT / "scenarios" / f"{name}.yaml")), tmp_path / name)
+    tiers_run, blackhole = find_runs([tmp_path / "delay_tiers", tmp_path / "amqp_blackhole"])
+    tiers = plots.tier_lines(tiers_run.settings)
+    assert [(label, round(at, 6), s) for label, at, s in tiers] == [
+        ("tier 1: 30 s production", 0.3, 30.0),
+        ("tier 2: 10 min production", 6.0, 600.0),
+    ]
+    latencies = retry_latencies(tiers_run.history)
+    assert latencies, "delay_tiers retries no rule: nothing to plot"
+    fig = plots.latency_figure(latencies, None, tiers_run.settings)
+    [ax] = fig.axes
+    dashdot = [line.get_xdata()[0] for line in ax.lines if line.get_gid() == "tier"]
+    assert dashdot == pytest.approx([0.3, 6.0])
+    marked = [text.get_text() for text in ax.texts]
+    assert any(t.startswith("p50") for t in marked) and any("p99" in t for t in marked)
+    assert plots.percentile_marks([3.0, 1.0, 1.0, 2.0]) == [
+        ("p50", 1.0, 0.5),
+        ("p95=p99", 3.0, 0.99),
+    ]
+    assert ax.get_xaxis().get_majorticklocs().size > 3  # not a single tick label
+    windows = plots.fault_marks(blackhole.history)
+    assert [(m.label, m.network, m.end is not None) for m in windows] == [
+        ("blackhole_down (add_toxic)", True, True),
+        ("blackhole_up (add_toxic)", True, True),
+    ]
+    assert all(m.end - m.start == pytest.approx(5.0) for m in windows if m.end is not None)
