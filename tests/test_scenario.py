@@ -134,6 +134,7 @@ def test_full_example_loads_with_every_value(monkeypatch: pytest.MonkeyPatch) ->
         "max_p99_retry_l2_s": None,
         "max_p99_retry_l3_s": None,
         "max_p99_recovery_s": None,
+        "max_regression_ratio": None,
     }
     fp, fp_all, kill, restart, redis, cancel, toxic, cut = s.faults
     assert isinstance(fp, FailpointFault) and isinstance(fp_all, FailpointFault)
