@@ -157,7 +157,7 @@ def _grew(row: dict[str, Any]) -> float:
 def _pct(row: dict[str, Any]) -> str:
     ratio = _grew(row)
     if ratio == math.inf:
-        return "new"
+        return "from 0" if row["baseline"] == 0 else "new"
     if ratio == -math.inf:
         return "gone"
     return f"{ratio:+.1%}"
@@ -191,6 +191,7 @@ def sentence(rows: list[dict[str, Any]], tolerance: float) -> str:
         head
         + f"{len(worse)} figure(s) got worse: "
         + ", ".join(f"{r['scenario']} {r['figure']} {_pct(r)}" for r in worse)
+        + "."
     )
 
 

@@ -241,7 +241,13 @@ def test_defaults_are_the_documented_ones() -> None:
     limits = s.budgets.model_dump()
     assert limits.pop("price_per_1k_tokens") == 0.01
     assert limits == dict.fromkeys(
-        ["max_duplicated_tokens", "max_reruns", "max_retry_latency_s", *COST_BUDGETS]
+        [
+            "max_duplicated_tokens",
+            "max_reruns",
+            "max_retry_latency_s",
+            *COST_BUDGETS,
+            "max_regression_ratio",
+        ]
     )
     fp = load(minimal(faults=[{"failpoint": "after_ack"}])).spec.faults[0]
     assert isinstance(fp, FailpointFault)
