@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--report", action="store_true", help="also write what the faults cost (OUT/report)"
     )
     run.add_argument("--price-per-1k", type=_price, help="USD per 1,000 tokens in the report")
+    _baseline_options(run)
     sim = sub.add_parser("sim", help="explore many seeds in the simulator, shrink failures")
     sim.add_argument(
         "scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML), each explored"
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's folder, or --out's")
     rep.add_argument("--out", type=Path, help="report folder (default: RUN_DIR/report)")
     rep.add_argument("--price-per-1k", type=_price, help="USD per 1,000 tokens (default 0.01)")
+    _baseline_options(rep)
     cmp = sub.add_parser(
         "compare",
         help="both memories vs RabbitMQ only vs the source documents as written, side by side",
@@ -242,7 +244,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "list":
         return _list(console, args.long)
     if args.command == "report":
-        return _report(args.runs, args.out, args.price_per_1k, console)
+        return _report(args.runs, args.out, args.price_per_1k, console, args)
     if args.command == "docs":
         return _docs(args.check, console)
     if args.command == "proxy":
@@ -280,17 +282,28 @@ def _main(argv: list[str] | None) -> int:
         return _compare(loaded, out, args, console)
     if args.mutant is not None and _bad_mutant(args.mutant):
         return EXIT_INPUT
+    if args.baseline is not None and (bad := _bad_baseline(args.baseline, loaded)):
+        print(f"chaos run: {bad}", file=sys.stderr)
+        return EXIT_INPUT
     out = args.out or Path("out") / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     code = _run(loaded, out, args, console)
+    against = None
+    if args.baseline is not None and code in (EXIT_OK, EXIT_VIOLATION):
+        try:
+            against = _against([out], args)
+        except ValueError as exc:  # ReportError: e.g. no scenario in common, by mode
+            print(f"chaos run: {exc}", file=sys.stderr)
+            return EXIT_INPUT
+        code = max(code, _regressions(against, loaded, console))
     if code in (EXIT_OK, EXIT_VIOLATION, EXIT_HARNESS):
-        _summary_md(out, args.price_per_1k)
+        _summary_md(out, args.price_per_1k, against)
     if args.report and code in (EXIT_OK, EXIT_VIOLATION):
-        reported = _report([out], out / "report", args.price_per_1k, console)
+        reported = _report([out], out / "report", args.price_per_1k, console, args, against)
         code = max(code, reported)
     return code
 
 
-def _summary_md(out: Path, price: float | None) -> None:
+def _summary_md(out: Path, price: float | None, against: dict[str, Any] | None = None) -> None:
     """OUT/summary.md, verdicts first, then cost: a CI job's summary without `--report`."""
     from reports import ReportError, find_runs
     from reports.build import write_summary
@@ -299,7 +312,80 @@ def _summary_md(out: Path, price: float | None) -> None:
         runs = find_runs([out])
     except ReportError:  # no scenario ran to a verdict: nothing to sum up
         return
-    write_summary(runs, out / "summary.md", price)
+    write_summary(runs, out / "summary.md", price, against)
+
+
+def _baseline_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="an earlier run's folder: set each scenario's cost, recovery and retry latency "
+        "beside it (matched by scenario name and mode) and flag what got worse",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=_ratio,
+        default=0.10,
+        help="with --baseline: how much a figure may grow over the baseline's before it is "
+        "flagged, as a ratio of it (default 0.1: 10 %%)",
+    )
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value < 1e6):
+        raise argparse.ArgumentTypeError(f"expected a ratio >= 0 (0.1: 10 %); got {text[:40]}")
+    return value
+
+
+def _bad_baseline(path: Path, loaded: list[Any]) -> str | None:
+    """Why `--baseline` cannot be compared with these scenarios (None: it can), before
+    anything runs: no run in it, or none of these scenarios' names."""
+    from reports import ReportError, find_runs
+
+    try:
+        base = find_runs([path])
+    except ReportError as exc:
+        return f"--baseline {exc}"
+    names = {sc.spec.name for sc in loaded}
+    if not names & {r.scenario for r in base}:
+        found = ", ".join(sorted({r.scenario for r in base}))
+        return f"--baseline {path}: no scenario in common (it holds {found})"
+    return None
+
+
+def _against(paths: list[Path], args: argparse.Namespace) -> dict[str, Any]:
+    """The runs under `paths` against `--baseline` (`reports.baseline.against`)."""
+    from reports import ReportError, find_runs
+    from reports.baseline import against
+
+    try:
+        base = find_runs([args.baseline])
+    except ReportError as exc:
+        raise ReportError(f"--baseline {exc}") from None
+    return against(find_runs(list(paths)), base, args.tolerance, args.price_per_1k)
+
+
+def _said(against: dict[str, Any], console: Console) -> None:
+    from reports.baseline import sentence
+
+    console.print(f"baseline: {sentence(against['rows'], against['tolerance'])}", markup=False)
+
+
+def _regressions(against: dict[str, Any], loaded: list[Any], console: Console) -> int:
+    """Print what got worse; exit 1 when a figure grew beyond `max_regression_ratio`."""
+    from reports.baseline import over_budget
+
+    _said(against, console)
+    limits = {sc.spec.name: sc.spec.budgets.max_regression_ratio for sc in loaded}
+    failures = over_budget(against["rows"], limits)
+    for line in failures:
+        console.print(f"FAIL baseline: {line}", markup=False)
+    return EXIT_VIOLATION if failures else EXIT_OK
 
 
 def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Console) -> int:
@@ -370,17 +456,28 @@ def _price(text: str) -> float:
     return value
 
 
-def _report(paths: list[Path], out: Path | None, price: float | None, console: Console) -> int:
-    """`chaos report`: one line and exit 2 for a path that holds no readable run."""
+def _report(
+    paths: list[Path],
+    out: Path | None,
+    price: float | None,
+    console: Console,
+    args: argparse.Namespace | None = None,
+    against: dict[str, Any] | None = None,
+) -> int:
+    """`chaos report`: one line and exit 2 for a path that holds no readable run (or a
+    `--baseline` that holds none, or no scenario in common)."""
     from reports import ReportError, build_report, find_runs
 
     try:
         runs = find_runs(list(paths))
+        if against is None and args is not None and args.baseline is not None:
+            against = _against(list(paths), args)
+            _said(against, console)
     except ReportError as exc:
         print(f"chaos report: {exc}", file=sys.stderr)
         return EXIT_INPUT
     target = out or Path(paths[0]) / "report"
-    build_report(runs, target, price)
+    build_report(runs, target, price, against)
     console.print(f"report: {target / 'report.html'} ({len(runs)} run(s))", markup=False)
     return EXIT_OK
 

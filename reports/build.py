@@ -26,7 +26,7 @@ from chaos.checker.cost import (
 )
 from chaos.checker.latency import RetryLatency, percentiles, recoveries, retry_latencies
 from chaos.checker.records import BUDGETS
-from reports import plots
+from reports import baseline, plots
 from reports.runs import Run, written_whole
 
 #: Money per 1,000 tokens when neither the command line nor the run says (USD).
@@ -121,8 +121,14 @@ def budgets(run: Run) -> list[dict[str, Any]]:
     return out
 
 
-def build_report(runs: list[Run], out: str | Path, price: float | None = None) -> Path:
-    """Write the report of `runs` into the folder `out` (replaced whole); return it."""
+def build_report(
+    runs: list[Run],
+    out: str | Path,
+    price: float | None = None,
+    against: dict[str, Any] | None = None,
+) -> Path:
+    """Write the report of `runs` into the folder `out` (replaced whole); return it.
+    `against`: their comparison with a baseline (`reports.baseline.against`), shown too."""
     out = Path(out)
     with written_whole(out) as tmp:
         per_run, images = [], []
@@ -146,20 +152,27 @@ def build_report(runs: list[Run], out: str | Path, price: float | None = None) -
         (tmp / "cost.png").write_bytes(data)
         images.append(("all runs", "duplicated tokens by cause", "cost.png", data))
         made = provenance(runs)
-        document = {"provenance": made, "runs": per_run}
+        document: dict[str, Any] = {"provenance": made, "runs": per_run}
+        if against is not None:
+            document["against_baseline"] = against
         (tmp / "metrics.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
-        (tmp / "summary.md").write_text(summary_md(per_run, made))
-        (tmp / "report.html").write_text(report_html(per_run, images, made))
+        (tmp / "summary.md").write_text(summary_md(per_run, made, against))
+        (tmp / "report.html").write_text(report_html(per_run, images, made, against))
     return out
 
 
-def write_summary(runs: list[Run], path: str | Path, price: float | None = None) -> Path:
+def write_summary(
+    runs: list[Run],
+    path: str | Path,
+    price: float | None = None,
+    against: dict[str, Any] | None = None,
+) -> Path:
     """`summary.md` alone (verdicts first, then cost), for a CI job summary: what `chaos run`
     writes into its output folder without `--report` (no plots drawn)."""
     per_run = [metrics(run, price)[0] for run in runs]
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(summary_md(per_run, provenance(runs)))
+    tmp.write_text(summary_md(per_run, provenance(runs), against))
     tmp.replace(path)
     return path
 
@@ -393,7 +406,11 @@ def _legend() -> list[tuple[str, str]]:
     return [*CAUSE_TEXT.items(), ("not_run", NOT_RUN_TEXT)]
 
 
-def summary_md(per_run: list[dict[str, Any]], made: dict[str, Any] | None = None) -> str:
+def summary_md(
+    per_run: list[dict[str, Any]],
+    made: dict[str, Any] | None = None,
+    against: dict[str, Any] | None = None,
+) -> str:
     def table(headers: list[str], rows: list[list[str]]) -> list[str]:
         return [
             "| " + " | ".join(headers) + " |",
@@ -423,6 +440,8 @@ def summary_md(per_run: list[dict[str, Any]], made: dict[str, Any] | None = None
     )
     lines += ["", "Settings that bound recovery and scale time:", ""]
     lines += table(["run", *SETTINGS], _settings_rows(per_run))
+    if against is not None:
+        lines += ["", *baseline.summary_md(against)]
     return "\n".join(lines) + "\n"
 
 
@@ -430,6 +449,7 @@ def report_html(
     per_run: list[dict[str, Any]],
     images: list[tuple[str, str, str, bytes]],
     made: dict[str, Any] | None = None,
+    against: dict[str, Any] | None = None,
 ) -> str:
     def table(headers: list[str], rows: list[list[str]]) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
@@ -503,6 +523,7 @@ section {{ border-top: 2px solid #ddd; margin-top: 2em; }}
 <nav><ul>
 <li><a href="#verdicts">Verdicts</a></li><li><a href="#cost">What the faults cost</a></li>
 <li><a href="#latency">Retry latency</a></li><li><a href="#settings">Settings</a></li>
+{'<li><a href="#baseline">Against the baseline</a></li>' if against is not None else ""}
 <li>Runs<ul>{toc}</ul></li></ul></nav>
 <h2 id="verdicts">Verdicts</h2>
 {table(VERDICT_HEADERS, _verdict_rows(per_run))}
@@ -522,6 +543,7 @@ section {{ border-top: 2px solid #ddd; margin-top: 2em; }}
 {latency}
 <h2 id="settings">Settings that bound recovery and scale time</h2>
 {table(["run", *SETTINGS], _settings_rows(per_run))}
+{baseline.report_html(against) if against is not None else ""}
 {"".join(sections)}
 </body></html>
 """

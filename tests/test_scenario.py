@@ -134,6 +134,7 @@ def test_full_example_loads_with_every_value(monkeypatch: pytest.MonkeyPatch) ->
         "max_p99_retry_l2_s": None,
         "max_p99_retry_l3_s": None,
         "max_p99_recovery_s": None,
+        "max_regression_ratio": None,
     }
     fp, fp_all, kill, restart, redis, cancel, toxic, cut = s.faults
     assert isinstance(fp, FailpointFault) and isinstance(fp_all, FailpointFault)
@@ -240,7 +241,13 @@ def test_defaults_are_the_documented_ones() -> None:
     limits = s.budgets.model_dump()
     assert limits.pop("price_per_1k_tokens") == 0.01
     assert limits == dict.fromkeys(
-        ["max_duplicated_tokens", "max_reruns", "max_retry_latency_s", *COST_BUDGETS]
+        [
+            "max_duplicated_tokens",
+            "max_reruns",
+            "max_retry_latency_s",
+            *COST_BUDGETS,
+            "max_regression_ratio",
+        ]
     )
     fp = load(minimal(faults=[{"failpoint": "after_ack"}])).spec.faults[0]
     assert isinstance(fp, FailpointFault)

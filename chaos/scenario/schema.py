@@ -364,6 +364,14 @@ class BudgetsSpec(_Model):
         description="scenario seconds, as they happened (leases do not scale), from a fault "
         "that stops work to the next rule start",
     )
+    max_regression_ratio: float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_BUDGET,
+        description="with `chaos run --baseline DIR`: how much any of this scenario's cost, "
+        "recovery and retry latency figures may grow over the baseline's, as a ratio of it "
+        "(0.1: 10 %) (reports.baseline)",
+    )
 
 
 #: Writes a Redis restart may lose (`redis.lose_last_writes`).
