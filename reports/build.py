@@ -141,7 +141,7 @@ def build_report(
             scale = run.settings.get("time_scale")
             for kind, data in (
                 ("timeline", plots.timeline(run, cost)),
-                ("latency", plots.latency_cdf(latencies, scale)),
+                ("latency", plots.latency_cdf(latencies, scale, run.settings)),
             ):
                 name = f"{slug}-{kind}.png"
                 (tmp / name).write_bytes(data)
