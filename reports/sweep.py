@@ -25,7 +25,7 @@ _PRODUCTION_KNOWN = 1.0
 #: How many of the most expensive seeds the report lists.
 TOP_SEEDS = 10
 #: How many failing seeds the page and summary.md list (metrics.json has them all).
-SHOWN_FAILING = 50
+SHOWN_FAILING = 20
 
 
 def faults_of(variant: dict[str, Any]) -> dict[str, int]:
@@ -282,8 +282,24 @@ def _legend() -> list[tuple[str, str]]:
     return [*CAUSE_TEXT.items(), ("not_run", NOT_RUN_TEXT)]
 
 
+def _headline(metrics: dict[str, Any]) -> str:
+    """At a glance: how many seeds failed, which invariants, and the recovery p99."""
+    failing = metrics["failing_seeds"]
+    counts: dict[str, int] = {}
+    for r in failing:
+        for name in r["failed"]:
+            counts[name] = counts.get(name, 0) + 1
+    broke = ", ".join(f"{k} in {n}" for k, n in sorted(counts.items()))
+    verdict = f"{len(failing)} of {metrics['seeds']} seeds failing" + (
+        f" ({broke})" if broke else ""
+    )
+    recovery = _fmt(metrics["recovery_scenario_s"], "p99")
+    return f"{verdict}; recovery p99 {recovery} scenario s"
+
+
 def _summary(metrics: dict[str, Any]) -> str:
     lines = [f"# {metrics['scenario']}: what faults cost over {metrics['seeds']} seeds", ""]
+    lines += [f"**{_headline(metrics)}**", ""]
     lines += ["| measure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in _lines(metrics)]
     for title, what, headers, rows in _tables(metrics):
@@ -309,11 +325,14 @@ def _html(metrics: dict[str, Any], images: dict[str, bytes]) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _lines(metrics)
     )
-    figures = "".join(
-        f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,'
-        f'{base64.b64encode(data).decode()}"></figure>'
-        for name, data in images.items()
-    )
+
+    def figure(name: str) -> str:
+        data = base64.b64encode(images[name]).decode()
+        return (
+            f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{data}"></figure>'
+        )
+
+    figures = "".join(figure(name) for name in images if name != "recovery.png")
     title = html.escape(f"{metrics['scenario']}: what faults cost over {metrics['seeds']} seeds")
     sections = ""
     for t, what, headers, body in _tables(metrics):
@@ -340,6 +359,8 @@ def _html(metrics: dict[str, Any], images: dict[str, bytes]) -> str:
         "<style>body{font:14px/1.4 system-ui,sans-serif;margin:2em}td{border:1px solid #ccc;"
         "padding:4px 8px;vertical-align:top}th{background:#eee;text-align:left;padding:4px 8px}"
         "table{border-collapse:collapse}img{max-width:100%}code{font-size:12px}</style></head>"
-        f"<body><h1>{title}</h1><table>{rows}</table>{sections}<h2>Causes</h2><dl>{legend}</dl>"
-        f"<p>{html.escape(UNITS_TEXT)}</p>{figures}</body></html>\n"
+        f"<body><h1>{title}</h1><p><b>{html.escape(_headline(metrics))}</b></p>{sections}"
+        f"<h2>Recovery</h2>{figure('recovery.png')}<h2>Every measure</h2><table>{rows}</table>"
+        f"<h2>Causes</h2><dl>{legend}</dl><p>{html.escape(UNITS_TEXT)}</p>{figures}"
+        "</body></html>\n"
     )
