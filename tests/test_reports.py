@@ -332,6 +332,13 @@ def test_chaos_compare_shows_what_each_memory_buys(tmp_path: Path) -> None:
     assert rabbit_only["finished_rules_paid_again_tokens"] == after
     assert (out / "compare.md").read_text().count("\n| ") == 4  # the header and 3 designs
     assert (out / "compare.png").stat().st_size > 10_000
+    # compare.html: self-contained (the plot embedded), what broke and the table
+    page = (out / "compare.html").read_text()
+    assert page.count("data:image/png;base64,") == 1 and "http" not in page and 'src="' in page
+    assert page.count("<tr>") == 4  # the header and 3 designs
+    for row in rows.values():
+        assert html.escape(row["what_broke"]) in page
+    assert "mutant <code>no_redis_results</code>" in page and "(as shipped)" in page
 
 
 def test_chaos_compare_sentinel_weighs_the_answers_to_lost_writes(
