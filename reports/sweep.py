@@ -220,8 +220,11 @@ def _faults_text(faults: dict[str, int]) -> str:
     return ", ".join(f"{k} x{n}" for k, n in faults.items()) or "none"
 
 
-def _tables(metrics: dict[str, Any]) -> list[tuple[str, str, list[str], list[list[str]]]]:
-    """The seed tables and the fault coverage: (title, what it is, headers, rows)."""
+def _tables(
+    metrics: dict[str, Any],
+) -> list[tuple[str, str, list[str], list[list[str]], str]]:
+    """The seed tables and the fault coverage: (title, what it is, headers, rows, what an
+    empty table means)."""
     failing = [
         [
             str(r["seed"]),
@@ -261,12 +264,14 @@ def _tables(metrics: dict[str, Any]) -> list[tuple[str, str, list[str], list[lis
             "the replay command re-explores exactly that seed",
             ["seed", "failed", "first violation", "faults", "replay"],
             failing,
+            "none: every seed held every invariant",
         ),
         (
             f"Most expensive seeds (top {TOP_SEEDS} by duplicated tokens)",
             "the seeds whose faults added the most to the LLM bill, with the causes",
             ["seed", "duplicated tokens", "ratio to fault-free", "by cause", "faults", "replay"],
             expensive,
+            "none: no seed paid more than the fault-free bill",
         ),
         (
             "Fault coverage",
@@ -274,6 +279,7 @@ def _tables(metrics: dict[str, Any]) -> list[tuple[str, str, list[str], list[lis
             "firings they were set to (a seed keeps each of the scenario's faults on a coin flip)",
             ["fault", "seeds", "firings"],
             coverage,
+            "",
         ),
     ]
 
@@ -302,10 +308,10 @@ def _summary(metrics: dict[str, Any]) -> str:
     lines += [f"**{_headline(metrics)}**", ""]
     lines += ["| measure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in _lines(metrics)]
-    for title, what, headers, rows in _tables(metrics):
+    for title, what, headers, rows, empty in _tables(metrics):
         lines += ["", f"## {title}", "", what + ".", ""]
         if not rows:
-            lines.append("none")
+            lines.append(empty)
             continue
         lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         for row in rows:
@@ -335,7 +341,7 @@ def _html(metrics: dict[str, Any], images: dict[str, bytes]) -> str:
     figures = "".join(figure(name) for name in images if name != "recovery.png")
     title = html.escape(f"{metrics['scenario']}: what faults cost over {metrics['seeds']} seeds")
     sections = ""
-    for t, what, headers, body in _tables(metrics):
+    for t, what, headers, body, empty in _tables(metrics):
         head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
         trs = "".join(
             "<tr>"
@@ -348,7 +354,7 @@ def _html(metrics: dict[str, Any], images: dict[str, bytes]) -> str:
             + "</tr>"
             for row in body
         )
-        table = f"<table><tr>{head}</tr>{trs}</table>" if body else "<p>none</p>"
+        table = f"<table><tr>{head}</tr>{trs}</table>" if body else f"<p>{html.escape(empty)}</p>"
         sections += f"<h2>{html.escape(t)}</h2><p>{html.escape(what)}.</p>{table}"
     legend = "".join(
         f"<dt><code>{html.escape(name)}</code></dt><dd>{html.escape(text)}</dd>"
