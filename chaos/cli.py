@@ -442,7 +442,7 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
     }
     write_comparison(rows, out, [sc.spec.name for sc in loaded], title[args.designs])
     console.print(table_md(rows), markup=False)
-    console.print(f"comparison: {out / 'compare.md'}", markup=False)
+    console.print(f"comparison: {out / 'compare.md'}, {out / 'compare.html'}", markup=False)
     return EXIT_VIOLATION if rows[0].failed else EXIT_OK
 
 

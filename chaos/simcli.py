@@ -146,10 +146,26 @@ def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: C
     for r in sorted(failures, key=lambda r: r.seed):
         console.print(f"  seed {r.seed}: {', '.join(r.failed)}: {r.message}", markup=False)
     if report:
-        from reports.sweep import build_sweep_report
+        from chaos.explore import swarm
+        from reports.sweep import build_sweep_report, faults_of
 
-        measures = [r.measures for r in exploration.results if r.measures is not None]
-        target = build_sweep_report(loaded.spec.name, measures, Path(report))
+        measures = [
+            {
+                **r.measures,
+                "seed": r.seed,
+                "failed": list(r.failed),
+                "message": r.message,
+                "faults": faults_of(swarm(data, r.seed)),
+            }
+            for r in exploration.results
+            if r.measures is not None
+        ]
+        # the seed is a swarm variant: exploring that one seed again replays it exactly
+        replay = (
+            f"python -m chaos sim {shlex.quote(loaded.source)} --seeds 1 --first-seed {{seed}}"
+            + (f" --mutant {shlex.quote(args.mutant)}" if args.mutant else "")
+        )
+        target = build_sweep_report(loaded.spec.name, measures, Path(report), replay)
         console.print(f"report: {target / 'report.html'} ({len(measures)} seeds)", markup=False)
     if failures and args.shrink:
         first = min(failures, key=lambda r: r.seed)

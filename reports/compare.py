@@ -9,10 +9,13 @@ many seeds in the simulator, as distributions."""
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -158,21 +161,70 @@ def _n(values: list[float] | list[int], p: str = "p50") -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
-def table_md(rows: list[Row]) -> str:
-    lines = [
-        "| design | runs | duplicated tokens (median / p95) | ratio to fault-free (median) "
-        "| unfinished evaluations | p99 retry latency (scenario s / production estimate s) "
-        "| p99 recovery (scenario s) | what broke |",
-        "|---|---|---|---|---|---|---|---|",
+#: The comparison table's columns (compare.md and compare.html).
+HEADERS = (
+    "design",
+    "runs",
+    "duplicated tokens (median / p95)",
+    "ratio to fault-free (median)",
+    "unfinished evaluations",
+    "p99 retry latency (scenario s / production estimate s)",
+    "p99 recovery (scenario s)",
+    "what broke",
+)
+
+
+def table_rows(rows: list[Row]) -> list[list[str]]:
+    """The comparison table's cells, one row per design."""
+    return [
+        [
+            r.variant,
+            str(r.runs),
+            f"{_n(r.duplicated_tokens)} / {_n(r.duplicated_tokens, 'p95')}",
+            _n(r.duplicated_ratio),
+            str(sum(r.unfinished)),
+            f"{_n(r.retry_scenario_seconds, 'p99')} / {_n(r.retry_seconds, 'p99')}",
+            _n(r.recovery_seconds, "p99"),
+            r.sentence(),
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.variant} | {r.runs} | {_n(r.duplicated_tokens)} / "
-            f"{_n(r.duplicated_tokens, 'p95')} | {_n(r.duplicated_ratio)} | {sum(r.unfinished)} "
-            f"| {_n(r.retry_scenario_seconds, 'p99')} / {_n(r.retry_seconds, 'p99')} "
-            f"| {_n(r.recovery_seconds, 'p99')} | {r.sentence()} |"
-        )
+
+
+def table_md(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(rows)]
     return "\n".join(lines) + "\n"
+
+
+def compare_html(rows: list[Row], title: str, plot: bytes) -> str:
+    """compare.html: self-contained (the plot embedded), what broke first, then the table."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+        for cells in table_rows(rows)
+    )
+    broke = "".join(
+        f"<li><b>{html.escape(r.variant)}</b>"
+        + (f" (mutant <code>{html.escape(r.mutant)}</code>)" if r.mutant else " (as shipped)")
+        + f": {html.escape(r.sentence())}</li>"
+        for r in rows
+    )
+    image = base64.b64encode(plot).decode()
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>{html.escape(title)}</title>"
+        "<style>body{font:14px/1.4 system-ui,sans-serif;margin:2em}td,th{border:1px solid #ccc;"
+        "padding:4px 8px;vertical-align:top;text-align:left}th{background:#eee}"
+        "table{border-collapse:collapse}img{max-width:100%}</style></head>"
+        f"<body><h1>{html.escape(title)}</h1><h2>What broke</h2><ul>{broke}</ul>"
+        f"<h2>Side by side</h2><table><tr>{head}</tr>{body}</table>"
+        f'<h2>Over the runs</h2><figure><img alt="compare.png" '
+        f'src="data:image/png;base64,{image}"><figcaption>duplicated tokens and unfinished '
+        "evaluations per run, over the runs (seeds)</figcaption></figure>"
+        f"<p>Files: compare.md, compare.json, compare.png, each design's runs in its folder "
+        f"(generated {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}).</p></body></html>\n"
+    )
 
 
 def write_comparison(
@@ -182,8 +234,10 @@ def write_comparison(
     title: str = "The source documents' argument, measured",
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    title = f"# {title}: {', '.join(scenarios)}\n\n"
-    (out / "compare.md").write_text(title + table_md(rows))
+    title = f"{title}: {', '.join(scenarios)}"
+    (out / "compare.md").write_text(f"# {title}\n\n" + table_md(rows))
     doc = {"scenarios": scenarios, "rows": [r.to_dict() for r in rows]}
     (out / "compare.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "compare.png").write_bytes(plots.compare_boxes(rows))
+    plot = plots.compare_boxes(rows)
+    (out / "compare.png").write_bytes(plot)
+    (out / "compare.html").write_text(compare_html(rows, title, plot))

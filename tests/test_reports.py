@@ -6,10 +6,12 @@ simulated runs of the shipped scenarios must agree with the checker's own counts
 from __future__ import annotations
 
 import contextlib
+import html
 import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -330,6 +332,13 @@ def test_chaos_compare_shows_what_each_memory_buys(tmp_path: Path) -> None:
     assert rabbit_only["finished_rules_paid_again_tokens"] == after
     assert (out / "compare.md").read_text().count("\n| ") == 4  # the header and 3 designs
     assert (out / "compare.png").stat().st_size > 10_000
+    # compare.html: self-contained (the plot embedded), what broke and the table
+    page = (out / "compare.html").read_text()
+    assert page.count("data:image/png;base64,") == 1 and "http" not in page and 'src="' in page
+    assert page.count("<tr>") == 4  # the header and 3 designs
+    for row in rows.values():
+        assert html.escape(row["what_broke"]) in page
+    assert "mutant <code>no_redis_results</code>" in page and "(as shipped)" in page
 
 
 def test_chaos_compare_sentinel_weighs_the_answers_to_lost_writes(
@@ -381,7 +390,55 @@ def test_chaos_sim_report_gathers_every_seed(tmp_path: Path) -> None:
     scenario = metrics["retry_latency_scenario_s"]  # as it happened, at time_scale 0.001
     assert scenario["level_2"]["p50"] < 1 and scenario["level_2"]["n"] == levels["level_2"]["n"]
     page = (out / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 2 and "http" not in page
+    assert page.count("data:image/png;base64,") == 3 and "http" not in page
+
+
+def test_a_sweep_report_names_its_failing_and_costly_seeds_with_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The failing seeds (the mutant's) and the most expensive ones, each with its faults
+    and a replay command that reproduces it; recovery as a distribution; fault coverage."""
+    scenario = str(ROOT / "scenarios" / "crash_after_ack.yaml")
+    out = tmp_path / "sweep"
+    argv = ["sim", scenario, "--seeds", "12", "--jobs", "1", "--mutant", "no_redis_results"]
+    assert main([*argv, "--report", str(out)]) == 1
+    printed = capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    failing = metrics["failing_seeds"]
+    assert failing and all(r["failed"] == ["no_completed_rerun"] for r in failing)
+    for r in failing:  # as the console printed them
+        assert f"  seed {r['seed']}: no_completed_rerun: {r['message']}" in printed
+        assert r["faults"] == {"crash at rule_after_write": 1}  # the crash that exposes it
+    # The replay command re-explores that one seed: the same failure, the same message.
+    first = failing[0]
+    command = shlex.split(first["replay"])
+    assert command[:4] == ["python", "-m", "chaos", "sim"] and "--mutant" in command
+    assert main(command[3:]) == 1
+    assert f"seed {first['seed']}: no_completed_rerun: {first['message']}" in (
+        capsys.readouterr().out
+    )
+    costly = metrics["most_expensive_seeds"]
+    tokens = [r["duplicated_tokens"] for r in costly]
+    assert 0 < len(costly) <= 10 and tokens == sorted(tokens, reverse=True) and tokens[-1] > 0
+    assert all(sum(r["duplicated_by_cause"].values()) == r["duplicated_tokens"] for r in costly)
+    assert all(
+        r["replay"].endswith(f"--first-seed {r['seed']} --mutant no_redis_results") for r in costly
+    )
+    # Fault coverage: every seed either had the crash or no fault at all.
+    coverage = metrics["fault_coverage"]
+    crashed = coverage["kinds"]["crash at rule_after_write"]["seeds"]
+    assert coverage["seeds_known"] == 12 and crashed + coverage["seeds_without_faults"] == 12
+    assert crashed >= len(failing)  # no fault, nothing to break
+    recovery = metrics["recovery_scenario_s"]
+    assert recovery["n"] > 0 and recovery["p50"] <= recovery["p95"] <= recovery["p99"]
+    assert (out / "recovery.png").stat().st_size > 10_000
+    page = (out / "report.html").read_text()
+    summary = (out / "summary.md").read_text()
+    for text in (page, summary):
+        assert "Failing seeds" in text and "Most expensive seeds" in text
+        assert "Fault coverage" in text and "recovery p50 / p95 / p99" in text
+    assert f"`{first['replay']}`" in summary
+    assert html.escape(first["replay"]) in page
 
 
 def test_a_report_reads_at_a_glance(tmp_path: Path) -> None:
