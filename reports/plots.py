@@ -9,6 +9,7 @@ test can check what is drawn without reading pixels."""
 from __future__ import annotations
 
 import io
+import textwrap
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -429,7 +430,8 @@ def compare_boxes(rows: list[Any]) -> bytes:
     """The three designs side by side: duplicated tokens and unfinished evaluations per
     run, as distributions over the runs (seeds)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{r.variant}\n({r.runs} runs)" for r in rows]
+    # wrapped: "the source documents as written" beside "RabbitMQ only" would overlap
+    labels = [f"{textwrap.fill(r.variant, 16)}\n({r.runs} runs)" for r in rows]
     left.boxplot([r.duplicated_tokens or [0] for r in rows], tick_labels=labels)
     left.set_ylabel("duplicated tokens per run")
     left.set_title("What faults cost in LLM calls", fontsize=10)
