@@ -145,6 +145,18 @@ def test_cli_exit_codes_without_and_with_a_mutant(tmp_path: Path) -> None:
     assert "prune_only_dependents" in bad.stdout
 
 
+def test_a_lossy_restart_loses_this_runs_writes_only(tmp_path: Path) -> None:
+    """`redis.lose_last_writes` cuts the AOF's tail: after another scenario of the same
+    seed, the cut used to undo the clean-up of its keys too, and a lease of its long-gone
+    worker came back (the gate failed redis_forgets_running that way, live only)."""
+    done = chaos(
+        "run", "scenarios/crash_after_ack.yaml", "scenarios/redis_forgets_running.yaml",
+        "--quiet", "--out", str(tmp_path / "out"), timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS redis_forgets_running (live)" in done.stdout
+
+
 def test_cli_rejects_bad_input_in_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nplan: plans/tiny.yaml\nworkers: 0\n")
