@@ -294,7 +294,7 @@ def _main(argv: list[str] | None) -> int:
         except ValueError as exc:  # ReportError: e.g. no scenario in common, by mode
             print(f"chaos run: {exc}", file=sys.stderr)
             return EXIT_INPUT
-        code = max(code, _regressions(against, loaded, console))
+        code = max(code, _regressions(against, loaded, console, out / "junit.xml"))
     if code in (EXIT_OK, EXIT_VIOLATION, EXIT_HARNESS):
         _summary_md(out, args.price_per_1k, against)
     if args.report and code in (EXIT_OK, EXIT_VIOLATION):
@@ -376,8 +376,12 @@ def _said(against: dict[str, Any], console: Console) -> None:
     console.print(f"baseline: {sentence(against['rows'], against['tolerance'])}", markup=False)
 
 
-def _regressions(against: dict[str, Any], loaded: list[Any], console: Console) -> int:
-    """Print what got worse; exit 1 when a figure grew beyond `max_regression_ratio`."""
+def _regressions(
+    against: dict[str, Any], loaded: list[Any], console: Console, junit: Path | None = None
+) -> int:
+    """Print what got worse; exit 1 when a figure grew beyond `max_regression_ratio`, which
+    the JUnit file says too (a `baseline` suite: a failing case each, or one passing)."""
+    from chaos.journal import append_junit_suite
     from reports.baseline import over_budget
 
     _said(against, console)
@@ -385,6 +389,9 @@ def _regressions(against: dict[str, Any], loaded: list[Any], console: Console) -
     failures = over_budget(against["rows"], limits)
     for line in failures:
         console.print(f"FAIL baseline: {line}", markup=False)
+    if junit is not None and junit.is_file() and any(v is not None for v in limits.values()):
+        cases = [(line.split(":", 1)[0], line) for line in failures]
+        append_junit_suite(junit, "baseline", cases or [("max_regression_ratio", None)])
     return EXIT_VIOLATION if failures else EXIT_OK
 
 

@@ -188,6 +188,27 @@ def write_junit(path: str | Path, suites: Iterable[tuple[str, CheckResult | str,
     _atomic_write(Path(path), text + "\n")
 
 
+def append_junit_suite(path: str | Path, name: str, cases: list[tuple[str, str | None]]) -> None:
+    """Add one `<testsuite>` to a JUnit file `write_junit` wrote: a case per (name, failure
+    message or None), e.g. the figures `chaos run --baseline` bounds by a budget."""
+    path = Path(path)
+    root = ET.parse(path).getroot()
+    suite = ET.SubElement(root, "testsuite", name=name, errors="0", skipped="0", time="0.000")
+    failed = 0
+    for case_name, failure in cases:
+        case = ET.SubElement(suite, "testcase", classname=name, name=case_name, time="0")
+        if failure is not None:
+            failed += 1
+            ET.SubElement(case, "failure", message=failure, type="budgets").text = failure
+    suite.set("tests", str(len(cases)))
+    suite.set("failures", str(failed))
+    root.set("tests", str(int(root.get("tests", "0")) + len(cases)))
+    root.set("failures", str(int(root.get("failures", "0")) + failed))
+    ET.indent(root)
+    text = ET.tostring(root, encoding="unicode", xml_declaration=True)
+    _atomic_write(path, text + "\n")
+
+
 def rerun_split(stats: Mapping[str, Any]) -> str:
     """`reruns 9 (write_window 4, sweeper_resume 5)`: every rerun, then each cause that
     had one, named as in the journal and the report (`chaos.checker.cost.CAUSE_TEXT`)."""

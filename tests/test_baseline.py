@@ -5,6 +5,7 @@ run`): what faults cost beside an earlier run's, what got worse flagged, and the
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +121,17 @@ def test_max_regression_ratio_fails_a_run_that_costs_more_than_its_baseline(
     said = capsys.readouterr().out
     assert "FAIL baseline: crash_after_ack (sim): duplicated_tokens" in said
     assert "> max_regression_ratio 0.5" in said
+    junit = ET.parse(tmp_path / "b" / "junit.xml").getroot()  # CI's tab says it too
+    [suite] = [s for s in junit.findall("testsuite") if s.get("name") == "baseline"]
+    failed = said.count("FAIL baseline: ")  # a failing case per figure over the budget
+    assert failed >= 1 and suite.get("failures") == str(failed)
+    assert int(junit.get("failures") or 0) == failed
     loose = _variant(tmp_path, "loose", faults=[fault], budgets={"max_regression_ratio": 100})
     argv = ["run", str(loose), "--mode", "sim", "--quiet", "--baseline", str(clean)]
     assert main([*argv, "--out", str(tmp_path / "c")]) == 0
+    junit = ET.parse(tmp_path / "c" / "junit.xml").getroot()
+    [suite] = [s for s in junit.findall("testsuite") if s.get("name") == "baseline"]
+    assert suite.get("failures") == "0" and suite.get("tests") == "1"
 
 
 def test_a_baseline_without_runs_or_in_common_is_one_line_exit_2(
