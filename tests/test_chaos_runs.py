@@ -98,6 +98,14 @@ def run(services: Services, name: str, out: Path, mutant: str | None = None) -> 
     return outcome
 
 
+#: Mutants whose bug only bites when the live schedule makes it: tried up to this many
+#: times, caught at least once. `heartbeat_stops_when_idle` stops a worker's heartbeat at
+#: its first beat that finds nothing held: whether a worker is idle at its first beat (the
+#: other readied late enough) and later holds a lease through a long call is the schedule's
+#: (the simulator's seed makes it so every time; live, one run of several missed it).
+LIVE_TRIES = {"heartbeat_stops_when_idle": 3}
+
+
 @pytest.mark.parametrize("mutant", sorted(CATCHES))
 def test_mutant_is_caught(mutant: str, services: Services, baseline: dict, tmp_path: Path) -> None:
     name = CATCHES[mutant]
@@ -106,6 +114,10 @@ def test_mutant_is_caught(mutant: str, services: Services, baseline: dict, tmp_p
     clean = baseline[name]
     assert clean.result.ok, (name, clean.result.verdicts, clean.result.budget_failures)
     broken = run(services, name, tmp_path / "mutant", mutant)
+    for again in range(2, LIVE_TRIES.get(mutant, 1) + 1):
+        if not broken.result.ok:
+            break
+        broken = run(services, name, tmp_path / f"mutant-{again}", mutant)
     breaks = MUTANTS[mutant].breaks
     assert not broken.result.ok
     assert broken.result.verdicts[breaks] == "fail", broken.result.verdicts
