@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,11 +232,15 @@ def run_all(
         )
 
     verdicts: dict[str, Verdict] = {}
+    # Results come through a queue, not `as_completed`: a Ctrl-C raised while that holds
+    # the futures' locks leaves them held, and the workers' threads then never finish.
+    done: queue.SimpleQueue[Future[Verdict]] = queue.SimpleQueue()
     executor = ThreadPoolExecutor(max_workers=jobs)
     try:
-        futures = [executor.submit(one, m) for m in mutants]
-        for future in as_completed(futures):
-            v = future.result()
+        for m in mutants:
+            executor.submit(one, m).add_done_callback(done.put)
+        for _ in mutants:
+            v = done.get().result()
             verdicts[v.mutant.id] = v
             if on_verdict is not None:
                 on_verdict(v)
