@@ -67,9 +67,17 @@ def _log(e: fx.Log, w: SimWorker) -> None:
         engine_error(w, e.error, e.message)
 
 
+#: Engine errors after which the simulation stops: the run has failed at the first, and an
+#: engine that raises at every delivery would otherwise redeliver (and format a traceback)
+#: for the rest of the scenario, minutes of work that only repeat the first error.
+ENGINE_ERROR_LIMIT = 100
+
+
 def engine_error(w: SimWorker, exc: BaseException, during: str) -> None:
-    """Record what escaped the engine's code (`engine_error`, with its traceback)."""
+    """Record what escaped the engine's code (`engine_error`, with its traceback); at the
+    `ENGINE_ERROR_LIMIT`th, stop the simulation."""
     w.history.record_fields("engine_error", error_fields(exc, during))
+    w.run.engine_error_seen()
 
 
 def _settle(e: fx.Settle, w: SimWorker) -> bool:

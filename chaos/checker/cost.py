@@ -295,6 +295,9 @@ def _cause(
         return "mutant" if mutant else "after_completion"
     if before.finished:
         return "write_window"
-    came = comebacks.get((x.attempt_id, x.src), ())
-    ways = [how for t, how in came if before.start <= t <= x.start]
-    return ways[-1] if ways else "in_flight"
+    # the latest way back in, from the end: a broken engine redelivered without end has
+    # thousands, and the one wanted is nearly always the last
+    for t, how in reversed(comebacks.get((x.attempt_id, x.src), ())):
+        if before.start <= t <= x.start:
+            return how
+    return "in_flight"

@@ -25,6 +25,7 @@ lease it asked for) and never count a write as a renewal.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -224,42 +225,49 @@ def check_leases_respected(cx: Context) -> Outcome:
                     timeline([last.event, claim], evs),
                 )
             )
+        # Looked up by bisection, not scanned per begin: a broken engine that begins an
+        # evaluation at every redelivery has thousands of them.
+        by_sent = sorted(enumerate(marks), key=lambda im: (im[1].sent, -im[0]))
+        sent_keys = [m.sent for _, m in by_sent]
+        let_go_at: dict[Any, list[float]] = defaultdict(list)
+        for e in evs:
+            ev = e.get("ev")
+            if ev in _LET_GO or (ev == "evaluation_terminal" and e.get("won") is False):
+                let_go_at[proc_of(e)].append(event_time(e))
+        for times in let_go_at.values():
+            times.sort()
         for s in sessions(evs, dead):
             begin, t, proc = s.started, s.t0, s.proc
-            me = _worker_of(begin.get("fence"))
-            # Another holder's renewal answered held was applied before this begin (it
-            # would have been refused after it); another begin, only if answered before
-            # this one was sent.
-            others = [
-                m
-                for m in marks
-                if m.proc != proc
-                and m.event is not begin
-                and (me is None or _worker_of(m.fence) != me)
-                and (
-                    m.sent <= t if m.event.get("ev") == "lease_renewed" else m.reply < s.begun_after
-                )
-            ]
             if begin.get("fence") is None:
                 continue
             cases += 1  # judged: with no other holder before it, nothing taken early
-            if not others:
+            me = _worker_of(begin.get("fence"))
+            # The latest stamp of another holder: its renewal answered held was applied
+            # before this begin (it would have been refused after it); its begin, only if
+            # answered before this one was sent. Either was sent by `t`. Of equal stamps,
+            # the first recorded.
+            last = None
+            for i in range(bisect_right(sent_keys, t) - 1, -1, -1):
+                m = by_sent[i][1]
+                if (
+                    m.proc != proc
+                    and m.event is not begin
+                    and (me is None or _worker_of(m.fence) != me)
+                    and (
+                        m.sent <= t
+                        if m.event.get("ev") == "lease_renewed"
+                        else m.reply < s.begun_after
+                    )
+                ):
+                    last = m
+                    break
+            if last is None:
                 continue
-            last = max(others, key=lambda m: m.sent)
             due = last.sent + last.lease
             if t + _MS >= due or _redis_fault(windows, last.sent, t, slack) is not None:
                 continue
-            let_go = [
-                e
-                for e in evs
-                if proc_of(e) == last.proc
-                and last.sent <= event_time(e) <= t
-                and (
-                    e.get("ev") in _LET_GO
-                    or (e.get("ev") == "evaluation_terminal" and e.get("won") is False)
-                )
-            ]
-            if let_go:
+            gone = let_go_at.get(last.proc, [])
+            if bisect_right(gone, t) > bisect_left(gone, last.sent):
                 continue
             out.append(
                 Violation(

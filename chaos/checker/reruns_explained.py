@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from chaos.checker.context import (
@@ -133,9 +134,9 @@ def check_reruns_explained(cx: Context) -> Outcome:
                 prev, rnd = attempt_rounds[i - 1], attempt_rounds[i]
                 reruns += 1
                 if not faults:
-                    faults = (deaths(cx.events), touches(cx.events), _stalls(cx))
-                dead, windows, stalls = faults
-                reason = _explained(cx, a, prev, rnd, dead, windows, stalls, slack, stops)
+                    faults = (deaths(cx.events), touches(cx.events), _stalls(cx), _injected(cx))
+                dead, windows, stalls, injected = faults
+                reason = _explained(cx, a, prev, rnd, dead, windows, stalls, slack, stops, injected)
                 if reason is not None:
                     why[reason] += 1
                     continue
@@ -181,6 +182,7 @@ def _explained(
     stalls: dict[Proc, list[tuple[float, float, dict]]],
     slack: float,
     stops: dict[Proc, dict],
+    injected: Mapping[tuple[str, Proc], list[float]],
 ) -> str | None:
     """The kind of fault that explains the rerun, or None."""
     t0, t1 = event_time(prev.start), event_time(rnd.start)
@@ -198,9 +200,21 @@ def _explained(
         touched = touching(windows, proc[1], t0, t1, slack)
         if touched is not None:
             return "service_fault" if touched.pids is None else "process_fault"
-    for e in of(cx.by_eval[a], "evaluation_abandoned", "delivery_failed"):
-        if proc_of(e) == prev.proc and t0 <= event_time(e) <= t1:
-            text = str(e.get("reason") or e.get("error") or "")
-            if "InjectedFault" in text:
-                return "injected_raise"
+    raised = injected.get((a, prev.proc))
+    if raised and bisect_right(raised, t1) > bisect_left(raised, t0):
+        return "injected_raise"
     return None
+
+
+def _injected(cx: Context) -> dict[tuple[str, Proc], list[float]]:
+    """When each process gave up an evaluation's delivery to an injected raise, by
+    evaluation and process, sorted: looked up by bisection (a scan per rerun is quadratic
+    when a broken engine gives up every delivery)."""
+    out: dict[tuple[str, Proc], list[float]] = defaultdict(list)
+    for a, evs in cx.by_eval.items():
+        for e in of(evs, "evaluation_abandoned", "delivery_failed"):
+            if "InjectedFault" in str(e.get("reason") or e.get("error") or ""):
+                out[(a, proc_of(e))].append(event_time(e))
+    for times in out.values():
+        times.sort()
+    return out

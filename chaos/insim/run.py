@@ -48,6 +48,7 @@ from engine.keys import eval_key
 from engine.plan import Plan
 from engine.shell.effects import Stepper
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker
+from sim.drive import ENGINE_ERROR_LIMIT
 from sim.history import Source, history_hash
 from sim.network import Network
 from sim.redis import RedisClient, SimRedis
@@ -137,6 +138,8 @@ class SimRun:
         self.events: list[dict[str, Any]] = []
         self.runner = Source(self.env, self.events, "runner", RUNNER_PID)
         self.shell_errors: list[str] = []
+        self.engine_errors = 0
+        self.stopped = self.env.event()  # too many engine errors: the run ends early
         tag = f"sim:{self.seed}"
         self.net_rng = random.Random(f"{tag}:net")
         self.boot_rng = random.Random(f"{tag}:boot")
@@ -524,6 +527,17 @@ class SimRun:
         if self._events is not None:
             yield from self._events.close()
 
+    def engine_error_seen(self) -> None:
+        """Counted by `sim.drive.engine_error`: at the limit, the simulation stops (the run
+        has failed already; the rest would repeat the same error)."""
+        self.engine_errors += 1
+        if self.engine_errors == ENGINE_ERROR_LIMIT:
+            self.runner.record(
+                "simulation_stopped",
+                reason=f"the engine raised {ENGINE_ERROR_LIMIT} times (no_engine_error fails)",
+            )
+            self.stopped.succeed()
+
     def check_spec(self) -> CheckSpec:
         cancelled = self.conductor.cancelled
         return self.loaded.check_spec(
@@ -534,8 +548,10 @@ class SimRun:
         with mutants.patched(self.mutant):
             main = self.env.process(self._drive(self.conductor.run()))
             try:
-                self.env.run(until=main)
-                final: FinalState = main.value
+                self.env.run(until=main | self.stopped)
+                final: FinalState = (
+                    main.value if main.processed else self.on_read_final(acts.ReadFinal())
+                )
             except Exception as exc:  # a verdict, never an exception out of the simulator
                 self.runner.record_fields("engine_error", error_fields(exc, "simulation"))
                 final = self.on_read_final(acts.ReadFinal())
