@@ -240,6 +240,32 @@ def toxics_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def history_page() -> str:
+    from chaos.checker.vocabulary import COMMON, EVENTS, describe
+
+    lines = _header("History events", "`chaos.checker.vocabulary.EVENTS`")
+    lines += [
+        "Every event a worker or sweeper records in its history, with its fields: what",
+        "`history_well_formed` holds each recorded event to. Every event also carries",
+        ", ".join(f"`{c}`" for c in COMMON) + "; a field marked optional may be absent.",
+        "",
+    ]
+    rows = (
+        (
+            f"`{ev}`",
+            "; ".join(
+                f"`{name.rstrip('?')}`{' (optional)' if name.endswith('?') else ''}: "
+                f"{describe(spec)}"
+                for name, spec in fields.items()
+            )
+            or "none",
+        )
+        for ev, fields in EVENTS.items()
+    )
+    lines += _table(("event", "fields"), rows)
+    return "\n".join(lines) + "\n"
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "scenarios.md": scenarios_page,
     "fields.md": fields_page,
@@ -247,6 +273,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "failpoints.md": failpoints_page,
     "mutants.md": mutants_page,
     "toxics.md": toxics_page,
+    "history.md": history_page,
 }
 
 

@@ -882,6 +882,22 @@ def final_unfenced() -> None:
 # --- the table -----------------------------------------------------------------------------
 
 
+def unlabelled_reruns() -> None:
+    """history_well_formed: `rule_started` is recorded without its `rerun` and `execution`
+    fields (a refactor dropped them). The engine behaves as before; whoever reads the
+    history (a post-mortem, a dashboard) can no longer tell a rerun from a first run."""
+    make = orchestrator.Record
+
+    def record(event: str, fields: Any = None) -> Any:
+        fields = dict(fields or {})
+        if event == "rule_started":
+            fields.pop("rerun", None)
+            fields.pop("execution", None)
+        return make(event, fields)
+
+    orchestrator.Record = record  # type: ignore[assignment,misc]
+
+
 def _mutant(patch: Callable[[], None], breaks: str, description: str) -> Mutant:
     assert breaks in INVARIANT_NAMES, breaks
     return Mutant(patch.__name__, description, breaks, patch)
@@ -1109,6 +1125,11 @@ MUTANTS: dict[str, Mutant] = {
             final_unfenced,
             "writes_fenced",
             "final-state writes are not fenced: an owner that lost its lease writes its end",
+        ),
+        _mutant(
+            unlabelled_reruns,
+            "history_well_formed",
+            "rule_started is recorded without rerun and execution: reruns are unlabelled",
         ),
     )
 }

@@ -76,6 +76,7 @@ CATCHES = {
     "sweeper_claims_early": "calls_outlast_lease",  # long calls: stamps a beat old
     "status_unfenced": "stale_owner_status",  # the frozen owner's status write lands
     "final_unfenced": "stale_owner_final_write",  # the frozen owner's final write lands
+    "unlabelled_reruns": "crash_after_ack",
 }
 
 

@@ -1156,6 +1156,17 @@ def test_no_started_event() -> None:
     assert _broken(broken) == {"started_announced"}
 
 
+def test_unlabelled_reruns() -> None:
+    clean, broken = _sim_pair("crash_after_ack", "unlabelled_reruns")
+    assert clean.result.ok and clean.result.verdicts["history_well_formed"] == "pass"
+    assert _broken(broken) == {"history_well_formed"}
+    started = sum(e["ev"] == "rule_started" for e in broken.history)
+    assert broken.result.cases["history_well_formed"] >= started > 0
+    texts = [v.message for v in broken.result.violations]
+    assert any("without its field `rerun`" in t for t in texts)
+    assert any("without its field `execution`" in t for t in texts)
+
+
 def test_unbounded_prefetch() -> None:
     clean, broken = _sim_pair("prefetch_backlog", "unbounded_prefetch")
     assert clean.result.ok and clean.result.stats["deliveries_in_flight_max"] == 4

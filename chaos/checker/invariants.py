@@ -32,6 +32,7 @@ from chaos.checker.retry_delays_respected import check_retry_delays_respected
 from chaos.checker.single_final_result import check_single_final_result
 from chaos.checker.started_announced import check_started_announced
 from chaos.checker.state_keys_expire import check_state_keys_expire
+from chaos.checker.well_formed import check_history_well_formed
 from chaos.checker.writes_fenced import check_writes_fenced
 
 
@@ -182,6 +183,12 @@ REGISTRY: tuple[Invariant, ...] = (
         "no sweeper claims and no worker begins an evaluation before the lease its holder "
         "last renewed ran out",
         check_leases_respected,
+    ),
+    Invariant(
+        "history_well_formed",
+        "every event an engine process records is one of its documented kinds, with its "
+        "fields, their types and the values the protocol allows",
+        check_history_well_formed,
     ),
     Invariant(
         "writes_fenced",

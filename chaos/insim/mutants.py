@@ -68,6 +68,7 @@ CORE: tuple[str, ...] = (
     "hold_due_retry",
     "heartbeat_stops_when_idle",
     "slow_heartbeat",
+    "unlabelled_reruns",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (

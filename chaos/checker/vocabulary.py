@@ -1,0 +1,219 @@
+"""The engine's history vocabulary: every event a worker records, its fields, their types
+and, where the protocol fixes them, their values.
+
+Written out here by hand, not read from `engine.core`: the history is a contract between
+the engine and whoever reads it (this checker, a dashboard, a post-mortem), and a check
+that read the names from the engine would follow a misspelt one. `history_well_formed`
+judges every event of a worker or sweeper against this table; the reference page
+`docs/reference/history.md` is generated from it.
+
+A field spec is a tuple of accepted types (`None` for a null), a frozenset of accepted
+values, or a compiled pattern a string must match whole. A field whose name ends in `?`
+may be absent. Every event also carries `t`, `src`, `pid`, `seq` and `ev`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from engine.agent import ERROR_KINDS
+from engine.failpoints import FAILPOINTS
+
+Spec = tuple[Any, ...] | frozenset[Any] | re.Pattern[str]
+
+STR: Spec = (str,)
+INT: Spec = (int,)
+NUM: Spec = (int, float)
+BOOL: Spec = (bool,)
+DICT: Spec = (dict,)
+LIST: Spec = (list,)
+OPT_STR: Spec = (str, None)
+OPT_INT: Spec = (int, None)
+
+#: What a delivery carries (`execute`: a submit or a resume; `retry`: a delayed retry).
+WORK_KINDS: Spec = frozenset({"execute", "retry"})
+MESSAGE_KINDS: Spec = frozenset({"execute", "retry", "cancel"})
+EVALUATION_STATUSES: Spec = frozenset({"completed", "partial", "failed", "cancelled"})
+#: A rule's persisted status: `failed_attempt_N` after a failed attempt N, then for good.
+RULE_STATUS: Spec = re.compile(r"failed_attempt_[1-9][0-9]*|permanently_failed")
+VERDICTS: Spec = frozenset({"pass", "fail", "needs_review"})
+OPT_VERDICT: Spec = frozenset({"pass", "fail", "needs_review", None})
+ERRORS: Spec = frozenset(ERROR_KINDS)
+PASS_OUTCOMES: Spec = frozenset({"complete", "partial"})
+#: A renewal's answer: lost (another holder, or none), held, forgotten by Redis.
+RENEWAL: Spec = frozenset({0, 1, 2})
+SLOTS: Spec = frozenset({"evaluation", "rule", "lock"})
+WRITES: Spec = frozenset({"result", "status", "final", "start"})
+FENCE: Spec = re.compile(r"[0-9]+:.+")
+#: Where a submit or a resume came from (`delivered.reason`); None on a retry.
+REASONS: Spec = frozenset({"submit", "lost_retry", "stale_heartbeat", None})
+
+_ID = {"attempt_id": STR}
+_RULE = {**_ID, "rule_id": STR, "attempt": INT}
+_WRITE = {"fence": FENCE, "landed": BOOL, "sent_ms": INT}
+#: What the live driver adds to the events whose lateness the checker weighs.
+_LAG = {"loop_lag_ms?": NUM}
+
+EVENTS: dict[str, dict[str, Spec]] = {
+    # --- a delivery, from its arrival to its settlement
+    "delivered": {
+        **_ID,
+        "kind": WORK_KINDS,
+        "rule_id": OPT_STR,
+        "attempt": OPT_INT,
+        "redelivered": BOOL,
+        "reason": REASONS,
+        "published_ms": OPT_INT,
+        "delay_ms": OPT_INT,
+        **_LAG,
+    },
+    "message_rejected": {"attempt_id?": STR, "reason": STR},
+    "delivery_failed": {**_ID, "error": STR},
+    "duplicate_dropped": {**_ID, "kind": WORK_KINDS},
+    "terminal_dropped": {**_ID, "kind": WORK_KINDS},
+    "stale_retry_dropped": _RULE,
+    "forwarded": {**_ID, "to": STR, **_LAG},
+    "forward_failed": {**_ID, "to": STR},
+    "acked": _ID,
+    "prefetch_window": {"in_flight": INT, "queue": STR, "prefetch": INT, "max_evaluations": INT},
+    "slot_wait": {
+        **_ID,
+        "slot": SLOTS,
+        "kind?": WORK_KINDS,
+        "held?": LIST,
+        "slots?": INT,
+        "rule_id?": STR,
+        "attempt?": INT,
+        "running?": DICT,
+    },
+    "slot_granted": {**_ID, "slot": SLOTS, "rule_id?": STR, "attempt?": INT, **_LAG},
+    # --- an evaluation held
+    "evaluation_started": {
+        **_ID,
+        "plan": STR,
+        "resumed": BOOL,
+        "kind": WORK_KINDS,
+        "fence": FENCE,
+        "lease_ms": INT,
+    },
+    "recovered": {**_ID, "loaded": LIST, "retrying": DICT, "failed": LIST, "fresh": LIST},
+    "evaluation_reinstated": {**_ID, "plan_restored": BOOL},
+    "lease_renewed": {
+        **_ID,
+        "fence": FENCE,
+        "held": RENEWAL,
+        "sent_ms": INT,
+        "lease_ms": INT,
+        "expires_ms": OPT_INT,
+    },
+    "parked": {**_ID, "waiting": DICT},
+    "cancel_received": {**_ID, "held": BOOL},
+    "cancel_seen": {**_ID, "state": EVALUATION_STATUSES},
+    "evaluation_abandoned": {**_ID, "reason": STR},
+    # --- a rule's attempts
+    "rule_started": {**_RULE, "try_no": INT, "rerun": BOOL, "execution": INT, **_LAG},
+    "start_marked": {**_RULE, "write_ms": NUM},
+    "rule_finished": {**_RULE, "try_no": INT, "verdict": VERDICTS, "score": NUM, "tokens": INT},
+    "rule_failed": {
+        **_RULE,
+        "try_no": INT,
+        "kind": ERRORS,
+        "retryable": BOOL,
+        "tokens": INT,
+    },
+    "result_persisted": {
+        **_RULE,
+        "verdict": VERDICTS,
+        "score": NUM,
+        "won": BOOL,
+        "kept_verdict": OPT_VERDICT,
+        **_WRITE,
+    },
+    "status_written": {
+        **_ID,
+        "rule_id": STR,
+        "status": RULE_STATUS,
+        "kept": (None, RULE_STATUS),
+        "error": STR,
+        "due_ms": OPT_INT,
+        **_WRITE,
+    },
+    "write_refused": {**_ID, "rule_id": OPT_STR, "write": WRITES, **_WRITE},
+    "retry_published": {**_RULE, "tier": INT, "bucket": INT, "delay_ms": INT},
+    "retry_not_scheduled": {**_RULE, "state": EVALUATION_STATUSES},
+    "retry_acked": _RULE,
+    "retry_requeued": _RULE,
+    "rules_skipped": {**_ID, "rule_ids": LIST, "because_of": STR},
+    # --- an evaluation's end
+    "pass_published": {**_ID, "pass_id": STR, "outcome": PASS_OUTCOMES, "rules": DICT},
+    "evaluation_terminal": {
+        **_ID,
+        "status": EVALUATION_STATUSES,
+        "won": BOOL,
+        "decided": EVALUATION_STATUSES,
+        "verdicts": DICT,
+        **_WRITE,
+    },
+    "results_restored": {**_ID, "rule_ids": LIST, "status": EVALUATION_STATUSES},
+    "final_state_restored": {**_ID, "rule_ids": LIST, "status": EVALUATION_STATUSES},
+    "final_published": {**_ID, "status": EVALUATION_STATUSES},
+    # --- the sweeper
+    "sweeper_resumed": {**_ID, "claimed_from_ms": INT},
+    "sweeper_retried": {**_RULE, "claimed_from_ms": INT},
+    # --- the process
+    "worker_started": {"sweeper": BOOL},
+    "worker_stopping": {},
+    "worker_stopped": {},
+    "failpoint_fired": {
+        "failpoint": frozenset(FAILPOINTS),
+        "action": STR,
+        "stall_ms": INT,
+        "rule": OPT_STR,
+        "attempt_id": OPT_STR,
+    },
+    "crash": {"failpoint": frozenset(FAILPOINTS)},
+    "engine_error": {"error": STR, "during": STR, "traceback": STR, "attempt_id?": STR},
+}
+
+#: Every event's own fields, written by the history itself.
+COMMON = ("t", "src", "pid", "seq", "ev")
+
+
+def fits(value: Any, spec: Spec) -> bool:
+    """Whether `value` is what `spec` accepts (an int is a number, a bool never is)."""
+    if isinstance(spec, re.Pattern):
+        return type(value) is str and spec.fullmatch(value) is not None
+    if isinstance(spec, frozenset):
+        if value is None:
+            return None in spec
+        try:
+            return type(value) is not bool and value in spec
+        except TypeError:  # unhashable: a list or a dict where a name belongs
+            return False
+    for t in spec:
+        if t is None:
+            if value is None:
+                return True
+        elif isinstance(t, re.Pattern | frozenset):
+            if fits(value, t):
+                return True
+        elif t is float:
+            if type(value) is float:
+                return True
+        elif type(value) is t:
+            return True
+    return False
+
+
+def describe(spec: Spec) -> str:
+    """A spec as a reader writes it: `str`, `int or null`, `one of a, b`."""
+    if isinstance(spec, re.Pattern):
+        return f"matching `{spec.pattern}`" if spec.pattern else "a string"
+    if isinstance(spec, frozenset):
+        return "one of " + ", ".join(
+            "null" if v is None else str(v) for v in sorted(spec, key=lambda v: (v is None, str(v)))
+        )
+    return " or ".join(
+        "null" if t is None else t.__name__ if isinstance(t, type) else describe(t) for t in spec
+    )

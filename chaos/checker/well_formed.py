@@ -1,0 +1,78 @@
+"""`history_well_formed`: every event an engine process recorded speaks the vocabulary of
+`chaos.checker.vocabulary`: a known kind, each of its fields present (unless optional),
+none unknown, each of the type and, where the protocol fixes them, the values it must have.
+
+The other invariants read the history by these names: an event recorded under another
+name, or a field under another key, would leave them judging nothing where they should
+judge something. The runner's own events are the harness's, not the engine's, and are
+not judged here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from chaos.checker.context import Context, Outcome, timeline
+from chaos.checker.history_complete import UNREADABLE
+from chaos.checker.records import Violation
+from chaos.checker.vocabulary import COMMON, EVENTS, describe, fits
+
+NAME = "history_well_formed"
+#: The events shown one by one for each kind of problem; the rest are counted in one.
+MAX_SHOWN = 3
+RUNNER = "runner"
+
+
+def problems(e: dict) -> list[tuple[str, str]]:
+    """What is wrong with one event: (a short key to group by, the sentence)."""
+    ev = e.get("ev")
+    spec = EVENTS.get(ev) if isinstance(ev, str) else None
+    if spec is None:
+        return [(f"unknown {ev!r}", f"an event of unknown kind {ev!r}")]
+    out: list[tuple[str, str]] = []
+    for name, field in spec.items():
+        key, optional = name.rstrip("?"), name.endswith("?")
+        if key not in e:
+            if not optional:
+                out.append((f"{ev}.{key} missing", f"`{ev}` without its field `{key}`"))
+        elif not fits(e[key], field):
+            out.append(
+                (
+                    f"{ev}.{key} wrong",
+                    f"`{ev}`'s `{key}` is {e[key]!r}, expected {describe(field)}",
+                )
+            )
+    known = {n.rstrip("?") for n in spec}
+    for key in e:
+        if key not in known and key not in COMMON:
+            out.append((f"{ev}.{key} unknown", f"`{ev}` with a field `{key}` it does not have"))
+    return out
+
+
+def check_history_well_formed(cx: Context) -> Outcome:
+    """One case per event of an engine process; a violation per kind of problem found
+    (the first `MAX_SHOWN` events with it, each with its neighbours, then one that counts
+    the rest)."""
+    cases = 0
+    seen: Counter[str] = Counter()
+    out: list[Violation] = []
+    for e in cx.events:
+        if e.get("src") == RUNNER or e.get("ev") == UNREADABLE:
+            continue
+        cases += 1
+        for key, text in problems(e):
+            seen[key] += 1
+            if seen[key] <= MAX_SHOWN:
+                out.append(
+                    Violation(
+                        NAME,
+                        str(e.get("attempt_id") or ""),
+                        str(e.get("rule_id")) if e.get("rule_id") else None,
+                        f"{e.get('src')} recorded {text}",
+                        timeline([e], []),
+                    )
+                )
+    for key, n in sorted(seen.items()):
+        if n > MAX_SHOWN:
+            out.append(Violation(NAME, "", None, f"and {n - MAX_SHOWN} more: {key}", []))
+    return cases, out

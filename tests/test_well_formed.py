@@ -1,0 +1,111 @@
+"""`history_well_formed`: each engine event held to `chaos.checker.vocabulary`, on a whole
+simulated history (which passes) and on that history with one thing wrong (which fails,
+naming what)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from chaos.checker import CheckSpec, FinalState, check
+from chaos.checker.vocabulary import EVENTS, describe, fits
+from chaos.insim import run_scenario
+from chaos.scenario import load_scenario
+from tests.test_chaos_runs import SCENARIOS
+
+NAME = "history_well_formed"
+
+
+@pytest.fixture(scope="module")
+def history() -> list[dict[str, Any]]:
+    """A whole history of the engine in the simulator: a blackholed broker, retries, leases
+    renewed (29 kinds of event)."""
+    return run_scenario(load_scenario(SCENARIOS / "amqp_blackhole.yaml")).history
+
+
+def judge(events: list[dict[str, Any]]) -> tuple[str, int, list[str]]:
+    result = check(events, FinalState(), CheckSpec(invariants=(NAME,)))
+    return result.verdicts[NAME], result.cases[NAME], [v.message for v in result.violations]
+
+
+def first(events: list[dict], ev: str) -> dict:
+    return next(e for e in events if e["ev"] == ev)
+
+
+def test_a_whole_history_is_well_formed(history: list[dict]) -> None:
+    verdict, cases, _ = judge(history)
+    engine = [e for e in history if e["src"] != "runner"]
+    assert verdict == "pass" and cases == len(engine) > 100
+    assert {e["ev"] for e in engine} <= set(EVENTS)
+
+
+def test_the_runners_own_events_are_not_judged(history: list[dict]) -> None:
+    runner = [e for e in history if e["src"] == "runner"]
+    assert runner and judge(runner)[:2] == ("unknown", 0)
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda e: e.update(ev="rule_begun"), "an event of unknown kind 'rule_begun'"),
+        (lambda e: e.pop("attempt"), "`rule_started` without its field `attempt`"),
+        (lambda e: e.update(attempt=None), "`rule_started`'s `attempt` is None, expected int"),
+        (lambda e: e.update(attempt=True), "`rule_started`'s `attempt` is True, expected int"),
+        (lambda e: e.update(attempts=1), "`rule_started` with a field `attempts` it does not have"),
+        (lambda e: e.update(rerun="no"), "`rule_started`'s `rerun` is 'no', expected bool"),
+    ],
+)
+def test_a_wrong_rule_started(history: list[dict], edit: Any, expected: str) -> None:
+    events = copy.deepcopy(history)
+    edit(first(events, "rule_started"))
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and len(messages) == 1 and expected in messages[0]
+
+
+@pytest.mark.parametrize(
+    ("ev", "field", "value", "expected"),
+    [
+        ("status_written", "status", "failed_attempt_0", "expected matching"),
+        ("status_written", "status", "PERMANENTLY_FAILED", "expected matching"),
+        ("evaluation_terminal", "status", "done", "one of cancelled, completed, failed, partial"),
+        ("evaluation_started", "fence", "sim-w0-1", "expected matching"),
+        ("rule_finished", "verdict", "ok", "one of fail, needs_review, pass"),
+        ("delivered", "kind", "cancel", "one of execute, retry"),
+        ("lease_renewed", "held", True, "one of 0, 1, 2"),
+        ("delivered", "kind", ["retry"], "one of execute, retry"),
+    ],
+)
+def test_a_value_the_protocol_does_not_allow(
+    history: list[dict], ev: str, field: str, value: Any, expected: str
+) -> None:
+    events = copy.deepcopy(history)
+    first(events, ev)[field] = value
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and any(expected in m for m in messages), messages
+
+
+def test_an_optional_field_may_be_absent_but_not_wrong(history: list[dict]) -> None:
+    events = copy.deepcopy(history)
+    e = first(events, "rule_started")
+    e["loop_lag_ms"] = 0.25  # live adds it to the events whose lateness is weighed
+    assert judge(events)[0] == "pass"
+    e["loop_lag_ms"] = "slow"
+    assert judge(events)[0] == "fail"
+
+
+def test_many_of_one_problem_are_shown_once_each_then_counted(history: list[dict]) -> None:
+    events = copy.deepcopy(history)
+    started = [e for e in events if e["ev"] == "rule_started"]
+    for e in started:
+        del e["execution"]
+    _, _, messages = judge(events)
+    assert len(messages) == 4 and messages[-1].startswith(f"and {len(started) - 3} more")
+
+
+def test_specs_read_as_a_reader_writes_them() -> None:
+    assert describe((int, None)) == "int or null"
+    assert describe(frozenset({"b", "a", None})) == "one of a, b, null"
+    assert fits(3, (int, float)) and not fits(True, (int, float)) and fits(0.5, (int, float))
+    assert not fits(1, (float,)) and fits(None, frozenset({None, "x"}))
