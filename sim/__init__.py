@@ -33,8 +33,8 @@ history events:
   `sim/failpoints.py`; `sim/world.py`, what a worker needs of the run (the services,
   the clock, the machines' latencies).
 
-What is not, and why: message bodies are not serialised (the plan travels as the `Plan`,
-results as `RuleResult`s: the live code only round-trips them); Redis calls are not
+What is not, and why: message bodies are not serialised (the plan travels as the `Plan`:
+the live code only round-trips it; a rule's result is stored as its JSON, as live); Redis calls are not
 grouped into pipeline batches (batching changes neither order nor atomicity); metrics
 and logs (no invariant reads them); the events exchange has no consumer (none in a
 run); a message's size on the network is estimated, not serialised (`sim.network`);

@@ -3,8 +3,10 @@
 `SimRedis` keeps the keys `engine.runtime.store` names (its own key functions are used),
 and each method below is one of that module's Lua scripts or commands, with the same
 semantics, run atomically (one simpy callback, no yield inside). Values are kept as the
-objects they stand for (a `RuleResult`, a `Plan`) rather than their JSON: the scripts only
-compare and copy them. Expiry is lazy, as in Redis: a key past its TTL is gone when read.
+objects they stand for (a `Plan`, a status) rather than their JSON: the scripts only
+compare and copy them. A rule's result is kept as its JSON, encoded and decoded by
+`RuleResult` as the live store does: what a resumed evaluation reads back is what the
+engine's own encoding kept. Expiry is lazy, as in Redis: a key past its TTL is gone when read.
 
 `RedisClient` is one process's connection: each call travels (seeded latency, requests and
 replies in FIFO order like one pipelined connection), is applied when it reaches Redis,
@@ -443,8 +445,9 @@ class SimRedis:
         first write wins). A seam of its own: the script mutants edit this one call."""
         existing = self.get(key)
         if existing is None:
-            self._set(key, result, self.ttl)
-        return existing
+            self._set(key, result.to_json(), self.ttl)
+            return None
+        return RuleResult.from_json(existing)
 
     def _over(self, a: str) -> str | None:
         """The evaluation's state if it is terminal (the scripts' `terminal(state)`)."""
@@ -539,7 +542,7 @@ class SimRedis:
         for r in rule_ids:
             value = self.get(result_key(a, r))
             if value is not None:
-                results[r] = value
+                results[r] = RuleResult.from_json(value)
         for r in rule_ids:
             value = self.get(status_key(a, r))
             if value is not None:
@@ -584,7 +587,7 @@ class SimRedis:
         for rule_id, result in results.items():
             key = result_key(a, rule_id)
             if self.get(key) is None:
-                self._set(key, result, self.ttl)
+                self._set(key, result.to_json(), self.ttl)
                 restored.append(rule_id)
         for rule_id in failed:
             key = status_key(a, rule_id)

@@ -196,7 +196,8 @@ def test_the_start_markers_carry_the_state_check() -> None:
     assert redis.write_result("a1", late, [("test_run", 1)]) == (None, [], "cancelled")
     assert redis.mark_started("a1", [("test_run", 1)]) == ([], "cancelled")
     assert redis.mark_started("a1", []) == ([], "cancelled")  # a level-1 retry's look
-    assert redis.get(result_key("a1", "tests_present")) == late  # a finished rule is kept
+    # a finished rule is kept
+    assert redis.get(result_key("a1", "tests_present")) == late.to_json()
 
 
 # --- (b) lost writes never give a false completed -------------------------------------------
@@ -239,7 +240,7 @@ def test_the_final_write_restores_what_a_failover_lost() -> None:
         None,
         ["tests_present", "license_header"],
     )
-    assert redis.get(result_key("a1", "tests_present")) == lost
+    assert redis.get(result_key("a1", "tests_present")) == lost.to_json()
     assert redis.get(status_key("a1", "license_header")) == "permanently_failed"
     assert redis.get(eval_key("a1", "state")) == "partial"
     # once terminal, the state is kept and nothing is written

@@ -163,7 +163,7 @@ def test_keys_expire_on_simulated_time() -> None:
     assert redis.get(owner) is None  # the lease lapsed: any worker may take it
     assert redis.begin("a1", "w2", ["compiles"], "plan", 601).fence == "2:w2"
     env.run(until=7 * DAY - 1)
-    assert redis.get(key) == result and redis.ttl_of(key) == 1
+    assert redis.get(key) == result.to_json() and redis.ttl_of(key) == 1
     env.run(until=7 * DAY + 1)
     assert redis.get(key) is None and redis.ttl_of(key) == -2
     assert redis.get(runs_key("a1", "compiles")) is None

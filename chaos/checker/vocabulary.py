@@ -33,7 +33,8 @@ OPT_INT: Spec = (int, None)
 
 #: What a delivery carries (`execute`: a submit or a resume; `retry`: a delayed retry).
 WORK_KINDS: Spec = frozenset({"execute", "retry"})
-MESSAGE_KINDS: Spec = frozenset({"execute", "retry", "cancel"})
+#: Why an evaluation was begun: a delivery's kind, or `resume` for a stale retry's.
+BEGIN_KINDS: Spec = frozenset({"execute", "retry", "resume"})
 EVALUATION_STATUSES: Spec = frozenset({"completed", "partial", "failed", "cancelled"})
 #: A rule's persisted status: `failed_attempt_N` after a failed attempt N, then for good.
 RULE_STATUS: Spec = re.compile(r"failed_attempt_[1-9][0-9]*|permanently_failed")
@@ -44,7 +45,7 @@ PASS_OUTCOMES: Spec = frozenset({"complete", "partial"})
 #: A renewal's answer: lost (another holder, or none), held, forgotten by Redis.
 RENEWAL: Spec = frozenset({0, 1, 2})
 SLOTS: Spec = frozenset({"evaluation", "rule", "lock"})
-WRITES: Spec = frozenset({"result", "status", "final", "start"})
+WRITES: Spec = frozenset({"result", "status", "final"})
 FENCE: Spec = re.compile(r"[0-9]+:.+")
 #: Where a submit or a resume came from (`delivered.reason`); None on a retry.
 REASONS: Spec = frozenset({"submit", "lost_retry", "stale_heartbeat", None})
@@ -93,7 +94,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         **_ID,
         "plan": STR,
         "resumed": BOOL,
-        "kind": WORK_KINDS,
+        "kind": BEGIN_KINDS,
         "fence": FENCE,
         "lease_ms": INT,
     },

@@ -23,6 +23,7 @@ from engine.agent import FakeAgent
 from engine.config import EngineConfig
 from engine.core import dag, evaluation
 from engine.core.evaluation import Evaluation
+from engine.core.results import RuleResult
 from engine.keys import eval_key
 from engine.policy import RetryPolicy
 from engine.runtime.replies import Renewal
@@ -204,8 +205,9 @@ def _result_without_ttl() -> None:
     def set_nx(self: SimRedis, key: str, result: Any) -> Any:
         existing = self.get(key)
         if existing is None:
-            self._set(key, result, None)
-        return existing
+            self._set(key, result.to_json(), None)
+            return None
+        return RuleResult.from_json(existing)
 
     SimRedis.set_result = set_nx  # type: ignore[method-assign]
 
@@ -219,7 +221,7 @@ def _overwrite_result() -> None:
         return write_result(self, a, result, starts, None)
 
     def set_ex(self: SimRedis, key: str, result: Any) -> None:
-        self._set(key, result, self.ttl)
+        self._set(key, result.to_json(), self.ttl)
 
     SimRedis.write_result = blind_write  # type: ignore[method-assign]
     SimRedis.set_result = set_ex  # type: ignore[method-assign]
