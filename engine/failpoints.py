@@ -161,6 +161,14 @@ def _action(name: str, action: str) -> Failpoint:
     raise FailpointError(f"failpoint {name}: unknown action {action!r}; expected {ACTIONS}")
 
 
+def site(name: str) -> None:
+    """A failpoint site's name, checked against `FAILPOINTS` at each hit (armed or not): a
+    site the registry does not name can never be armed, and a scenario arming the name it
+    should have would wait for nothing. A `KeyError`, the engine's own bug."""
+    if name not in FAILPOINTS:
+        raise KeyError(f"failpoint site {name!r} is not in FAILPOINTS")
+
+
 class Failpoints:
     """The armed failpoints of one process. `on_crash` runs just before the SIGKILL;
     `on_fire(fp, rule, attempt_id)` before any other action takes effect (the history's

@@ -21,7 +21,7 @@ import simpy
 
 from engine.agent import agent_error
 from engine.core import ProtocolError
-from engine.failpoints import InjectedFault
+from engine.failpoints import InjectedFault, site
 from engine.history import error_fields
 from engine.runtime.replies import LeaseLost
 from engine.shell import effects as fx
@@ -59,6 +59,7 @@ def _record(e: fx.Record, w: SimWorker) -> None:
 
 
 def _log(e: fx.Log, w: SimWorker) -> None:
+    fx.log_level(e)  # what live `logging` refuses, refused here
     if isinstance(e.error, ProtocolError):
         w.run.shell_errors.append(f"{w.worker_id}: {e.error}")
     if e.error is not None and not isinstance(e.error, TASK_ERRORS):
@@ -120,7 +121,7 @@ _NOW: dict[type, Callable[[Any, SimWorker], Any]] = {
     fx.Clock: lambda e, w: w.store.now_ms(),
     fx.Monotonic: lambda e, w: w.env.now,
     fx.Settle: _settle,
-    fx.Failpoint: lambda e, w: fx.WAIT if w.fp else None,
+    fx.Failpoint: lambda e, w: site(e.name) or (fx.WAIT if w.fp else None),
 }
 #: Effects that may: each handler returns the generator that carries it out.
 _LATER: dict[type, Callable[[Any, SimWorker], Generator[Any, Any, Any]]] = {

@@ -231,3 +231,23 @@ def test_a_delivery_s_step_outlives_the_cancellation_of_aio_pika_s_task() -> Non
 
     assert asyncio.run(channel_closes()) == set()
     assert seen == ["evaluation_started", "rule_started"]
+
+
+def test_a_failpoint_site_the_registry_does_not_name_is_an_engine_bug() -> None:
+    from engine.failpoints import FAILPOINTS, site
+
+    for name in FAILPOINTS:
+        site(name)
+    with pytest.raises(KeyError, match="on_delivry"):
+        site("on_delivry")  # never armed: a scenario arming on_delivery waits for nothing
+
+
+def test_a_log_level_logging_does_not_know_is_an_engine_bug() -> None:
+    import logging
+
+    from engine.shell.effects import Log, log_level
+
+    assert log_level(Log("error", "x")) == logging.ERROR
+    assert log_level(Log("warning", "x")) == logging.WARNING
+    with pytest.raises(KeyError, match="'fatl'"):
+        log_level(Log("fatl", "x"))

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from engine.failpoints import site
 from engine.history import CHECKOUT, History, error_fields
 from engine.runtime.context import Runtime, cancelled, log, settle
 from engine.runtime.store import LeaseLost, now_ms
@@ -116,9 +117,11 @@ def engine_bug(exc: BaseException | None) -> bool:
 
 
 def _log(e: fx.Log, rt: Runtime) -> None:
-    level = "warning" if isinstance(e.error, LeaseLost) else e.level  # fenced off: expected
-    trace = e.error if level == "error" else None
-    log.log(logging.getLevelName(level.upper()), "%s", e.message, exc_info=trace)
+    level = fx.log_level(e)
+    if isinstance(e.error, LeaseLost):  # fenced off: expected
+        level = logging.WARNING
+    trace = e.error if level == logging.ERROR else None
+    log.log(level, "%s", e.message, exc_info=trace)
     if type(rt.history) is not History and engine_bug(e.error):
         rt.history.record("engine_error", **error_fields(e.error, e.message))
 
@@ -142,7 +145,7 @@ _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
     fx.Log: _log,
     fx.Clock: lambda e, rt: now_ms(),
     fx.Monotonic: lambda e, rt: time.monotonic(),
-    fx.Failpoint: lambda e, rt: fx.WAIT if rt.failpoints.armed else None,
+    fx.Failpoint: lambda e, rt: site(e.name) or (fx.WAIT if rt.failpoints.armed else None),
     fx.Acquire: lambda e, rt: None if e.lock.take() else fx.WAIT,
 }
 #: Effects awaited: each handler returns the awaitable of the service call itself.

@@ -10,6 +10,7 @@ worker builds about a dozen effects a rule.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -140,6 +141,15 @@ class Log:
     level: str
     message: str
     error: BaseException | None = None
+
+
+def log_level(e: Log) -> int:
+    """The `logging` level of a log line (`KeyError` for a level `logging` does not know:
+    the engine's own bug, as live `logging` raises for it)."""
+    level = logging.getLevelName(e.level.upper())
+    if type(level) is not int:
+        raise KeyError(f"unknown log level {e.level!r}")
+    return level
 
 
 @dataclass(slots=True)
