@@ -898,6 +898,19 @@ def unlabelled_reruns() -> None:
     orchestrator.Record = record  # type: ignore[assignment,misc]
 
 
+def failed_calls_uncounted() -> None:
+    """metrics_match_history: `engine_agent_calls_total` moves for the calls that gave a
+    result only: a dashboard shows no failed call, whatever the history says."""
+    make = orchestrator.Count
+
+    def count(metric: str, amount: float = 1, labels: Any = ()) -> Any:
+        if metric == "calls" and labels != (("outcome", "ok"),):
+            amount = 0
+        return make(metric, amount, labels)
+
+    orchestrator.Count = count  # type: ignore[assignment,misc]
+
+
 def _mutant(patch: Callable[[], None], breaks: str, description: str) -> Mutant:
     assert breaks in INVARIANT_NAMES, breaks
     return Mutant(patch.__name__, description, breaks, patch)
@@ -1130,6 +1143,11 @@ MUTANTS: dict[str, Mutant] = {
             unlabelled_reruns,
             "history_well_formed",
             "rule_started is recorded without rerun and execution: reruns are unlabelled",
+        ),
+        _mutant(
+            failed_calls_uncounted,
+            "metrics_match_history",
+            "the agent-calls counter moves for successful calls only",
         ),
     )
 }

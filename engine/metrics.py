@@ -29,7 +29,11 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "reruns": ("engine_reruns", "Rule attempts started again after a crash lost them", ()),
     "calls": ("engine_agent_calls", "Agent calls by outcome", ("outcome",)),
     "tokens": ("engine_tokens", "Tokens spent on agent calls", ()),
-    "rerun_tokens": ("engine_rerun_tokens", "Tokens spent on reruns (duplicated cost)", ()),
+    "rerun_tokens": (
+        "engine_rerun_tokens",
+        "Tokens spent on executions started again (reruns), whatever they drew",
+        (),
+    ),
     "loaded": ("engine_rules_loaded", "Rule results loaded from Redis, not rerun", ()),
     "evaluations": ("engine_evaluations", "Evaluations finished, by status", ("status",)),
 }
@@ -71,6 +75,19 @@ class Metrics:
         """A counter's value now (0 for a child that never moved)."""
         found = self._counts.get((metric, labels))
         return 0.0 if found is None else found[0]
+
+    def totals(self) -> dict[str, float]:
+        """Every counter that moved, as a scrape names it (`engine_tokens_total`,
+        `engine_agent_calls_total{outcome="ok"}`): what a stopping worker leaves in its
+        history, for the checker to hold against the events it recorded."""
+        out = {}
+        for (metric, labels), (value, _) in self._counts.items():
+            if value:
+                name = COUNTERS[metric][0] + "_total"
+                if labels:
+                    name += "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+                out[name] = value
+        return out
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

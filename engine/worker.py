@@ -206,7 +206,7 @@ class Worker:
         await drive(self.controller.shutdown(), self.rt)
         await self.rt.broker.close()
         await self.rt.store.close()
-        self.rt.history.record("worker_stopped")
+        self.rt.history.record("worker_stopped", metrics=self.rt.metrics.totals())
         self.rt.history.close()
 
 

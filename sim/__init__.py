@@ -36,8 +36,9 @@ history events:
 What is not, and why: message bodies are not serialised (the plan travels as the `Plan`:
 the live code only round-trips it; a rule's result is stored as its JSON, as live); Redis
 calls are not grouped into pipeline batches (batching changes neither order nor
-atomicity); metrics and log lines (no invariant reads them: a log line's level is
-checked as `logging` checks it, nothing is written); the events exchange has no consumer (none in a
+atomicity); log lines (no invariant reads them: a log line's level is checked as
+`logging` checks it, nothing is written); metrics are not scraped (a worker leaves its
+counters in its `worker_stopped`, as live); the events exchange has no consumer (none in a
 run); a message's size on the network is estimated, not serialised (`sim.network`);
 process start-up is a seeded delay; memory, CPU and clock skew do not exist. Known
 liberties: a request is "sent" when issued (live, autopipelining sends it on the next loop

@@ -5,10 +5,12 @@ worker's client: latency, retries while Redis is down), a publish goes to `SimBr
 event to the worker's history, an agent call to `FakeAgent.draw` (the live agent's own
 draw) and its latency on the simulated clock, a failpoint to `SimFailpoints`. Simulated
 Redis has no clock of its own to read, so the operations whose live version reads the
-worker's clock get the simulated one. Metrics and log lines go nowhere (no invariant reads
-them), except a task's failure that no live fault explains: the simulator's own bug,
-recorded as an `engine_error` (with its traceback) that fails the run, as the live
-driver records one (`engine.runtime.drive`): never an exception out of the simulator.
+worker's clock get the simulated one. The counters are the live worker's own
+(`engine.metrics.Metrics`, left in its `worker_stopped`). Log lines go nowhere (their
+level checked as `logging` checks it), except a task's failure that no live fault
+explains: the simulator's own bug, recorded as an `engine_error` (with its traceback)
+that fails the run, as the live driver records one (`engine.runtime.drive`): never an
+exception out of the simulator.
 `SimHost` runs the steps that spawn tasks as processes of the worker.
 """
 
@@ -115,8 +117,8 @@ def _join(e: fx.Join, w: SimWorker) -> Generator[Any, Any, Any]:
 #: Effects that take no simulated time.
 _NOW: dict[type, Callable[[Any, SimWorker], Any]] = {
     fx.Record: _record,
-    fx.Count: lambda e, w: None,
-    fx.Gauge: lambda e, w: None,
+    fx.Count: lambda e, w: w.metrics.count(e.metric, e.labels, e.amount),
+    fx.Gauge: lambda e, w: getattr(w.metrics, e.metric).set(e.value),
     fx.Log: _log,
     fx.Clock: lambda e, w: w.store.now_ms(),
     fx.Monotonic: lambda e, w: w.env.now,

@@ -24,6 +24,7 @@ import simpy
 from engine.agent import FakeAgent
 from engine.config import EngineConfig
 from engine.failpoints import Failpoint, fired_fields
+from engine.metrics import Metrics
 from engine.shell.controller import EvaluationController
 from engine.shell.effects import Cancelled
 from engine.shell.heartbeat import heartbeat
@@ -67,6 +68,7 @@ class SimWorker:
         self.config = config
         self.agent = agent
         self.history = Source(env, run.events, self.worker_id, self.pid)
+        self.metrics = Metrics()  # the live worker's counters, left in `worker_stopped`
         self.record = self.history.record
         self.redis = run.redis
         self.store = RedisClient(
@@ -198,7 +200,7 @@ class SimWorker:
             if not (yield from self.broker.connect()):
                 raise ConnectionError("connect_robust(fail_fast=True): no broker")
         except ConnectionError:  # `_serve`: "cannot start", the worker closed, exit 3
-            self.record("worker_stopped")
+            self.record("worker_stopped", metrics=self.metrics.totals())
             self.die(EXIT_CANNOT_START)
             return
         prefetch = self.config.prefetch
@@ -262,5 +264,5 @@ class SimWorker:
         yield from self.broker.stop_consuming()
         yield from drive(self.controller.shutdown(), self)
         yield from self.broker.close()
-        self.record("worker_stopped")
+        self.record("worker_stopped", metrics=self.metrics.totals())
         self.die(EXIT_STOPPED)

@@ -77,6 +77,7 @@ CATCHES = {
     "status_unfenced": "stale_owner_status",  # the frozen owner's status write lands
     "final_unfenced": "stale_owner_final_write",  # the frozen owner's final write lands
     "unlabelled_reruns": "crash_after_ack",
+    "failed_calls_uncounted": "transient_llm_errors",
 }
 
 

@@ -1159,12 +1159,23 @@ def test_no_started_event() -> None:
 def test_unlabelled_reruns() -> None:
     clean, broken = _sim_pair("crash_after_ack", "unlabelled_reruns")
     assert clean.result.ok and clean.result.verdicts["history_well_formed"] == "pass"
-    assert _broken(broken) == {"history_well_formed"}
+    # and the reruns the counters count are no longer in the history
+    assert _broken(broken) == {"history_well_formed", "metrics_match_history"}
     started = sum(e["ev"] == "rule_started" for e in broken.history)
     assert broken.result.cases["history_well_formed"] >= started > 0
     texts = [v.message for v in broken.result.violations]
     assert any("without its field `rerun`" in t for t in texts)
     assert any("without its field `execution`" in t for t in texts)
+
+
+def test_failed_calls_uncounted() -> None:
+    clean, broken = _sim_pair("transient_llm_errors", "failed_calls_uncounted")
+    assert clean.result.ok and clean.result.verdicts["metrics_match_history"] == "pass"
+    assert clean.result.cases["metrics_match_history"] > 0
+    assert _broken(broken) == {"metrics_match_history"}
+    texts = [v.message for v in broken.result.violations]
+    assert all('engine_agent_calls_total{outcome="' in t for t in texts)
+    assert not any('outcome="ok"' in t for t in texts)
 
 
 def test_unbounded_prefetch() -> None:

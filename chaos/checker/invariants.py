@@ -19,6 +19,7 @@ from chaos.checker.history_complete import check_history_complete
 from chaos.checker.idempotent_results import check_idempotent_results
 from chaos.checker.leases import check_leases_renewed, check_leases_respected
 from chaos.checker.matches_reference import check_matches_reference
+from chaos.checker.metrics_match_history import check_metrics_match_history
 from chaos.checker.no_completed_rerun import check_no_completed_rerun
 from chaos.checker.no_engine_error import check_no_engine_error
 from chaos.checker.nothing_lost_on_restart import check_nothing_lost_on_restart
@@ -189,6 +190,12 @@ REGISTRY: tuple[Invariant, ...] = (
         "every event an engine process records is one of its documented kinds, with its "
         "fields, their types and the values the protocol allows",
         check_history_well_formed,
+    ),
+    Invariant(
+        "metrics_match_history",
+        "a worker that stops leaves Prometheus counters that say what its history says "
+        "(calls, tokens, rerun tokens, reruns, retries by level, resumes, evaluations)",
+        check_metrics_match_history,
     ),
     Invariant(
         "writes_fenced",

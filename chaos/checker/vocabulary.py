@@ -95,6 +95,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "plan": STR,
         "resumed": BOOL,
         "kind": BEGIN_KINDS,
+        "reason": REASONS,
         "fence": FENCE,
         "lease_ms": INT,
     },
@@ -165,7 +166,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
     # --- the process
     "worker_started": {"sweeper": BOOL},
     "worker_stopping": {},
-    "worker_stopped": {},
+    "worker_stopped": {"metrics": DICT},
     "failpoint_fired": {
         "failpoint": frozenset(FAILPOINTS),
         "action": STR,

@@ -70,6 +70,7 @@ CORE: tuple[str, ...] = (
     "heartbeat_stops_when_idle",
     "slow_heartbeat",
     "unlabelled_reruns",
+    "failed_calls_uncounted",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (

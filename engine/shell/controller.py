@@ -253,8 +253,6 @@ class EvaluationController:
 
         # 3. The job is initialised (by `begin`); announce it, and only then ACK.
         resumed = not snapshot.empty
-        if resumed:
-            yield Count("resumes", labels=(("reason", body.get("reason") or kind),))
         started = {"attempt_id": attempt_id, "plan": plan.id, "resumed": resumed}
         started["worker"] = self.worker_id
         yield PublishEvent("evaluation.started", started, f"{attempt_id}:started")
@@ -266,10 +264,13 @@ class EvaluationController:
                     "plan": plan.id,
                     "resumed": resumed,
                     "kind": kind,
+                    "reason": body.get("reason"),
                     "fence": begun.fence,
                     "lease_ms": self.config.stale_ms,  # what begin's lease runs for
                 },
             )
+        if resumed:  # counted with its record (no wait between): the two always agree
+            yield Count("resumes", labels=(("reason", body.get("reason") or kind),))
         orch = PassExecutionOrchestrator(
             self.host, self.config, self.worker_id, core, self._done, begun.fence
         )

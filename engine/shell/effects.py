@@ -102,7 +102,7 @@ class Failpoint:
 
 @dataclass(slots=True)
 class Count:
-    """A metric moves (`engine.metrics`; the simulator keeps none)."""
+    """A counter moves (`engine.metrics`, live and in the simulator alike)."""
 
     metric: str
     amount: float = 1
