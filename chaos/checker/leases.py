@@ -229,11 +229,14 @@ def check_leases_respected(cx: Context) -> Outcome:
         # evaluation at every redelivery has thousands of them.
         by_sent = sorted(enumerate(marks), key=lambda im: (im[1].sent, -im[0]))
         sent_keys = [m.sent for _, m in by_sent]
+        # A holder lets go when it sends its release (a park's, the final `done`'s): the
+        # event, recorded at the reply, carries when (`sent_ms`); the others are recorded
+        # before their release is sent.
         let_go_at: dict[Any, list[float]] = defaultdict(list)
         for e in evs:
             ev = e.get("ev")
             if ev in _LET_GO or (ev == "evaluation_terminal" and e.get("won") is False):
-                let_go_at[proc_of(e)].append(event_time(e))
+                let_go_at[proc_of(e)].append(_sent(e))
         for times in let_go_at.values():
             times.sort()
         for s in sessions(evs, dead):

@@ -109,7 +109,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "lease_ms": INT,
         "expires_ms": OPT_INT,
     },
-    "parked": {**_ID, "waiting": DICT},
+    "parked": {**_ID, "waiting": DICT, "sent_ms": INT},
     "cancel_received": {**_ID, "held": BOOL},
     "cancel_seen": {**_ID, "state": EVALUATION_STATUSES},
     "evaluation_abandoned": {**_ID, "reason": STR},
@@ -159,7 +159,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
     },
     "results_restored": {**_ID, "rule_ids": LIST, "status": EVALUATION_STATUSES},
     "final_state_restored": {**_ID, "rule_ids": LIST, "status": EVALUATION_STATUSES},
-    "final_published": {**_ID, "status": EVALUATION_STATUSES},
+    "final_published": {**_ID, "status": EVALUATION_STATUSES, "sent_ms": INT},
     # --- the sweeper
     "sweeper_resumed": {**_ID, "claimed_from_ms": INT},
     "sweeper_retried": {**_RULE, "claimed_from_ms": INT},

@@ -413,8 +413,12 @@ class PassExecutionOrchestrator:
                     },
                 )
             case Park(waiting=waiting):
+                sent_ms = (yield NOW) if self._recording else 0
                 yield Store("park", (a, self.worker_id, self.fence, list(waiting)))
-                yield Record("parked", {"attempt_id": a, "waiting": dict(waiting)})
+                if self._recording:  # with when the lease was let go: before the reply
+                    yield Record(
+                        "parked", {"attempt_id": a, "waiting": dict(waiting), "sent_ms": sent_ms}
+                    )
                 # A retry that arrived while parking is handed back, not dropped: its
                 # redelivery resumes the evaluation from Redis.
                 yield from self._close(release_lease=False, requeue_held=True)
@@ -644,7 +648,10 @@ def publish_completed(
     """
     body = {"attempt_id": attempt_id, "status": status, "verdicts": dict(verdicts)}
     yield PublishEvent("evaluation.completed", body, f"{attempt_id}:completed")
+    sent_ms = (yield NOW) if recording else 0
     held = yield Store("done", (attempt_id, worker_id))
-    if recording:
-        yield Record("final_published", {"attempt_id": attempt_id, "status": status})
+    if recording:  # with when the lease was let go: before the reply
+        yield Record(
+            "final_published", {"attempt_id": attempt_id, "status": status, "sent_ms": sent_ms}
+        )
     return bool(held)
