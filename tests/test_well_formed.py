@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from chaos.checker import CheckSpec, FinalState, check
-from chaos.checker.vocabulary import EVENTS, describe, fits
+from chaos.checker.vocabulary import EVENTS, MESSAGES, describe, fits
 from chaos.insim import run_scenario
 from chaos.scenario import load_scenario
 from tests.test_chaos_runs import SCENARIOS
@@ -37,13 +37,32 @@ def first(events: list[dict], ev: str) -> dict:
 def test_a_whole_history_is_well_formed(history: list[dict]) -> None:
     verdict, cases, _ = judge(history)
     engine = [e for e in history if e["src"] != "runner"]
-    assert verdict == "pass" and cases == len(engine) > 100
-    assert {e["ev"] for e in engine} <= set(EVENTS)
+    received = [e for e in history if e["ev"] in MESSAGES]
+    assert verdict == "pass" and cases == len(engine) + len(received) > 100
+    assert {e["ev"] for e in engine} <= set(EVENTS) and received
 
 
 def test_the_runners_own_events_are_not_judged(history: list[dict]) -> None:
-    runner = [e for e in history if e["src"] == "runner"]
+    runner = [e for e in history if e["src"] == "runner" and e["ev"] not in MESSAGES]
     assert runner and judge(runner)[:2] == ("unknown", 0)
+
+
+@pytest.mark.parametrize(
+    ("ev", "edit", "expected"),
+    [
+        ("started_received", lambda e: e["body"].pop("plan"), "whose body has no `plan`"),
+        ("started_received", lambda e: e["body"].update(resumed=None), "`resumed` is None"),
+        ("completed_received", lambda e: e["body"].update(state="x"), "has a field `state`"),
+        ("completed_received", lambda e: e.update(message_id=None), "with message id None"),
+    ],
+)
+def test_a_message_the_engine_published_is_judged_as_received(
+    history: list[dict], ev: str, edit: Any, expected: str
+) -> None:
+    events = copy.deepcopy(history)
+    edit(first(events, ev))
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and any(expected in m for m in messages), messages
 
 
 @pytest.mark.parametrize(

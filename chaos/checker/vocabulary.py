@@ -178,6 +178,20 @@ EVENTS: dict[str, dict[str, Spec]] = {
     "engine_error": {"error": STR, "during": STR, "traceback": STR, "attempt_id?": STR},
 }
 
+#: The bodies of the engine's `evaluation.*` events, as the runner's consumer receives them
+#: (`started_received`, `completed_received`), and the message id each must carry: a
+#: consumer dedupes on it.
+MESSAGES: dict[str, tuple[str, dict[str, Spec]]] = {
+    "started_received": (
+        "started",
+        {"attempt_id": STR, "plan": STR, "resumed": BOOL, "worker": STR},
+    ),
+    "completed_received": (
+        "completed",
+        {"attempt_id": STR, "status": EVALUATION_STATUSES, "verdicts": DICT},
+    ),
+}
+
 #: Every event's own fields, written by the history itself.
 COMMON = ("t", "src", "pid", "seq", "ev")
 

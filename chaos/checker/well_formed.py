@@ -5,7 +5,8 @@ none unknown, each of the type and, where the protocol fixes them, the values it
 The other invariants read the history by these names: an event recorded under another
 name, or a field under another key, would leave them judging nothing where they should
 judge something. The runner's own events are the harness's, not the engine's, and are
-not judged here.
+not judged here, except the bodies and message ids of the `evaluation.*` events the
+engine published, as the runner's consumer received them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import Counter
 from chaos.checker.context import Context, Outcome, timeline
 from chaos.checker.history_complete import UNREADABLE
 from chaos.checker.records import Violation
-from chaos.checker.vocabulary import COMMON, EVENTS, describe, fits
+from chaos.checker.vocabulary import COMMON, EVENTS, MESSAGES, describe, fits
 
 NAME = "history_well_formed"
 #: The events shown one by one for each kind of problem; the rest are counted in one.
@@ -49,6 +50,39 @@ def problems(e: dict) -> list[tuple[str, str]]:
     return out
 
 
+def message_problems(e: dict) -> list[tuple[str, str]]:
+    """What is wrong with the body or the message id of an event the engine published, as
+    the runner received it."""
+    ev = str(e.get("ev"))
+    suffix, spec = MESSAGES[ev]
+    body = e.get("body")
+    if not isinstance(body, dict):
+        return [(f"{ev} body", f"`{ev}` whose body is {body!r}, not an object")]
+    out: list[tuple[str, str]] = []
+    for key, field in spec.items():
+        if key not in body:
+            out.append((f"{ev}.body.{key} missing", f"`{ev}` whose body has no `{key}`"))
+        elif not fits(body[key], field):
+            out.append(
+                (
+                    f"{ev}.body.{key} wrong",
+                    f"`{ev}` whose body's `{key}` is {body[key]!r}, expected {describe(field)}",
+                )
+            )
+    for key in body:
+        if key not in spec:
+            out.append((f"{ev}.body.{key} unknown", f"`{ev}` whose body has a field `{key}`"))
+    want = f"{body.get('attempt_id')}:{suffix}"
+    if e.get("message_id") != want:
+        out.append(
+            (
+                f"{ev}.message_id",
+                f"`{ev}` with message id {e.get('message_id')!r}, expected {want!r}",
+            )
+        )
+    return out
+
+
 def check_history_well_formed(cx: Context) -> Outcome:
     """One case per event of an engine process; a violation per kind of problem found
     (the first `MAX_SHOWN` events with it, each with its neighbours, then one that counts
@@ -57,10 +91,14 @@ def check_history_well_formed(cx: Context) -> Outcome:
     seen: Counter[str] = Counter()
     out: list[Violation] = []
     for e in cx.events:
-        if e.get("src") == RUNNER or e.get("ev") == UNREADABLE:
+        if e.get("ev") in MESSAGES:  # the runner's, of a message the engine published
+            found, who = message_problems(e), "the runner received"
+        elif e.get("src") == RUNNER or e.get("ev") == UNREADABLE:
             continue
+        else:
+            found, who = problems(e), f"{e.get('src')} recorded"
         cases += 1
-        for key, text in problems(e):
+        for key, text in found:
             seen[key] += 1
             if seen[key] <= MAX_SHOWN:
                 out.append(
@@ -68,7 +106,7 @@ def check_history_well_formed(cx: Context) -> Outcome:
                         NAME,
                         str(e.get("attempt_id") or ""),
                         str(e.get("rule_id")) if e.get("rule_id") else None,
-                        f"{e.get('src')} recorded {text}",
+                        f"{who} {text}",
                         timeline([e], []),
                     )
                 )
