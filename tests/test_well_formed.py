@@ -94,6 +94,8 @@ def test_a_wrong_rule_started(history: list[dict], edit: Any, expected: str) -> 
         ("delivered", "kind", "cancel", "one of execute, retry"),
         ("lease_renewed", "held", True, "one of 0, 1, 2"),
         ("delivered", "kind", ["retry"], "one of execute, retry"),
+        ("status_written", "error", "", "'', expected one of"),
+        ("rule_failed", "retryable", False, "`retryable` False for a"),
     ],
 )
 def test_a_value_the_protocol_does_not_allow(

@@ -15,6 +15,7 @@ may be absent. Every event also carries `t`, `src`, `pid`, `seq` and `ev`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from engine.agent import ERROR_KINDS
@@ -137,7 +138,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "rule_id": STR,
         "status": RULE_STATUS,
         "kept": (None, RULE_STATUS),
-        "error": STR,
+        "error": ERRORS,
         "due_ms": OPT_INT,
         **_WRITE,
     },
@@ -191,6 +192,18 @@ MESSAGES: dict[str, tuple[str, dict[str, Spec]]] = {
         {"attempt_id": STR, "status": EVALUATION_STATUSES, "verdicts": DICT},
     ),
 }
+
+
+def _retryable_as_its_kind(e: dict) -> str | None:
+    kind = e.get("kind")
+    if kind in ERROR_KINDS and e.get("retryable") is not ERROR_KINDS[kind]:
+        retryable = ERROR_KINDS[kind]
+        return f"`retryable` {e.get('retryable')!r} for a {kind} error, which is {retryable}"
+    return None
+
+
+#: What holds between the fields of one event, each a sentence when it does not.
+AGREES: dict[str, Callable[[dict], str | None]] = {"rule_failed": _retryable_as_its_kind}
 
 #: Every event's own fields, written by the history itself.
 COMMON = ("t", "src", "pid", "seq", "ev")

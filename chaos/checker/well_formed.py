@@ -16,7 +16,7 @@ from collections import Counter
 from chaos.checker.context import Context, Outcome, timeline
 from chaos.checker.history_complete import UNREADABLE
 from chaos.checker.records import Violation
-from chaos.checker.vocabulary import COMMON, EVENTS, MESSAGES, describe, fits
+from chaos.checker.vocabulary import AGREES, COMMON, EVENTS, MESSAGES, describe, fits
 
 NAME = "history_well_formed"
 #: The events shown one by one for each kind of problem; the rest are counted in one.
@@ -43,6 +43,10 @@ def problems(e: dict) -> list[tuple[str, str]]:
                     f"`{ev}`'s `{key}` is {e[key]!r}, expected {describe(field)}",
                 )
             )
+    agrees = AGREES.get(ev)
+    wrong = agrees(e) if agrees is not None and not out else None
+    if wrong is not None:
+        out.append((f"{ev} disagrees", f"`{ev}` with {wrong}"))
     known = {n.rstrip("?") for n in spec}
     for key in e:
         if key not in known and key not in COMMON:
