@@ -53,7 +53,8 @@ REASONS: Spec = frozenset({"submit", "lost_retry", "stale_heartbeat", None})
 
 _ID = {"attempt_id": STR}
 _RULE = {**_ID, "rule_id": STR, "attempt": INT}
-_WRITE = {"fence": FENCE, "landed": BOOL, "sent_ms": INT}
+#: A write the fence let through (`write_refused` is the one it did not).
+_WRITE = {"fence": FENCE, "landed": frozenset({True}), "sent_ms": INT}
 #: What the live driver adds to the events whose lateness the checker weighs.
 _LAG = {"loop_lag_ms?": NUM}
 
@@ -66,7 +67,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "attempt": OPT_INT,
         "redelivered": BOOL,
         "reason": REASONS,
-        "published_ms": OPT_INT,
+        "published_ms": INT,
         "delay_ms": OPT_INT,
         **_LAG,
     },
@@ -142,7 +143,13 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "due_ms": OPT_INT,
         **_WRITE,
     },
-    "write_refused": {**_ID, "rule_id": OPT_STR, "write": WRITES, **_WRITE},
+    "write_refused": {
+        **_ID,
+        "rule_id": OPT_STR,
+        "write": WRITES,
+        **_WRITE,
+        "landed": frozenset({False}),
+    },
     "retry_published": {**_RULE, "tier": INT, "bucket": INT, "delay_ms": INT},
     "retry_not_scheduled": {**_RULE, "state": EVALUATION_STATUSES},
     "retry_acked": _RULE,
@@ -202,8 +209,30 @@ def _retryable_as_its_kind(e: dict) -> str | None:
     return None
 
 
+def _expiry_as_its_answer(e: dict) -> str | None:
+    held, expires = e.get("held"), e.get("expires_ms")
+    if (held == 0) != (expires is None):
+        return f"`held` {held!r} and `expires_ms` {expires!r} (a lease runs out only if held)"
+    return None
+
+
+def _retry_or_execute(e: dict) -> str | None:
+    """A retry names its rule, attempt and delay; an execute names none of them."""
+    retry = e.get("kind") == "retry"
+    named = [k for k in ("rule_id", "attempt", "delay_ms") if (e.get(k) is None) is retry]
+    if named:
+        return f"kind {e.get('kind')!r} and `{'`, `'.join(named)}` " + (
+            "missing" if retry else "given"
+        )
+    return None
+
+
 #: What holds between the fields of one event, each a sentence when it does not.
-AGREES: dict[str, Callable[[dict], str | None]] = {"rule_failed": _retryable_as_its_kind}
+AGREES: dict[str, Callable[[dict], str | None]] = {
+    "rule_failed": _retryable_as_its_kind,
+    "lease_renewed": _expiry_as_its_answer,
+    "delivered": _retry_or_execute,
+}
 
 #: Every event's own fields, written by the history itself.
 COMMON = ("t", "src", "pid", "seq", "ev")
@@ -213,11 +242,9 @@ def fits(value: Any, spec: Spec) -> bool:
     """Whether `value` is what `spec` accepts (an int is a number, a bool never is)."""
     if isinstance(spec, re.Pattern):
         return type(value) is str and spec.fullmatch(value) is not None
-    if isinstance(spec, frozenset):
-        if value is None:
-            return None in spec
+    if isinstance(spec, frozenset):  # of the same type too: True is not 1, nor 1.0 1
         try:
-            return type(value) is not bool and value in spec
+            return value in spec and any(type(x) is type(value) for x in spec)
         except TypeError:  # unhashable: a list or a dict where a name belongs
             return False
     for t in spec:
