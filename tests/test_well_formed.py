@@ -100,6 +100,7 @@ def test_a_wrong_rule_started(history: list[dict], edit: Any, expected: str) -> 
         ("status_written", "landed", False, "`landed` is False, expected one of True"),
         ("lease_renewed", "expires_ms", None, "`held` 1 and `expires_ms` None"),
         ("delivered", "published_ms", None, "`published_ms` is None, expected int"),
+        ("evaluation_abandoned", "reason", "worker stoping", "expected matching"),
     ],
 )
 def test_a_value_the_protocol_does_not_allow(

@@ -48,6 +48,13 @@ RENEWAL: Spec = frozenset({0, 1, 2})
 SLOTS: Spec = frozenset({"evaluation", "rule", "lock"})
 WRITES: Spec = frozenset({"result", "status", "final"})
 FENCE: Spec = re.compile(r"[0-9]+:.+")
+#: Why an evaluation was dropped: a stop, a lost lease, a failed delivery, a task's
+#: exception (its type and message), another copy's result write.
+ABANDONED: Spec = re.compile(
+    r"worker stopping|lease lost|delivery failed|[A-Z]\w*: .*"
+    r"|\S+: another write of its result came first",
+    re.S,
+)
 #: Where a submit or a resume came from (`delivered.reason`); None on a retry.
 REASONS: Spec = frozenset({"submit", "lost_retry", "stale_heartbeat", None})
 
@@ -114,7 +121,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
     "parked": {**_ID, "waiting": DICT, "sent_ms": INT},
     "cancel_received": {**_ID, "held": BOOL},
     "cancel_seen": {**_ID, "state": EVALUATION_STATUSES},
-    "evaluation_abandoned": {**_ID, "reason": STR},
+    "evaluation_abandoned": {**_ID, "reason": ABANDONED},
     # --- a rule's attempts
     "rule_started": {**_RULE, "try_no": INT, "rerun": BOOL, "execution": INT, **_LAG},
     "start_marked": {**_RULE, "write_ms": NUM},
