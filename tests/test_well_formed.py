@@ -55,6 +55,11 @@ def test_the_runners_own_events_are_not_judged(history: list[dict]) -> None:
         ("completed_received", lambda e: e["body"].update(state="x"), "has a field `state`"),
         ("completed_received", lambda e: e.update(message_id=None), "with message id None"),
         ("delivered", lambda e: e.update(kind="retry", rule_id=None), "`rule_id`, `attempt`"),
+        (
+            "delivered",
+            lambda e: e.update(ev="evaluation_abandoned", reason="worker stoping"),
+            "`evaluation_abandoned`'s `reason` is 'worker stoping', expected matching",
+        ),
     ],
 )
 def test_a_message_the_engine_published_is_judged_as_received(
@@ -100,7 +105,6 @@ def test_a_wrong_rule_started(history: list[dict], edit: Any, expected: str) -> 
         ("status_written", "landed", False, "`landed` is False, expected one of True"),
         ("lease_renewed", "expires_ms", None, "`held` 1 and `expires_ms` None"),
         ("delivered", "published_ms", None, "`published_ms` is None, expected int"),
-        ("evaluation_abandoned", "reason", "worker stoping", "expected matching"),
     ],
 )
 def test_a_value_the_protocol_does_not_allow(
