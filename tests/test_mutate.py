@@ -185,3 +185,23 @@ def test_a_spliced_mutant_is_the_file_rebuilt_with_the_mutated_node(
     rebuilt = mutants(dag, ROOT) + mutants(policy, ROOT)
     assert len(fast) == len(rebuilt) > 150
     assert fast == rebuilt
+
+
+def test_only_runs_the_listed_mutants_or_a_runs_survivors(tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    argv = ["--paths", "engine/policy.py", "--function", "_show", "--limit", "3"]
+    assert _mutate(*argv, "--scenarios", SCENARIO, "--out", str(first)).returncode == 1
+    ran = json.loads((first / "mutation.json").read_text())["mutants"]
+    wanted = tmp_path / "ids.txt"
+    wanted.write_text(f"# one\n{ran[1]['id']}\n\n")
+    for only, expected in (
+        (wanted, [ran[1]["id"]]),
+        (first / "mutation.json", [m["id"] for m in ran]),
+    ):
+        out = tmp_path / f"out-{only.suffix}"
+        got = _mutate(*argv[:4], "--only", str(only), "--scenarios", SCENARIO, "--out", str(out))
+        assert got.returncode == 1, got.stdout + got.stderr
+        data = json.loads((out / "mutation.json").read_text())
+        assert [m["id"] for m in data["mutants"]] == expected
+    bad = _mutate(*argv, "--only", str(tmp_path / "none.txt"), "--scenarios", SCENARIO)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--only" in bad.stderr

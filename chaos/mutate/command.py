@@ -61,6 +61,13 @@ def add_parser(sub: Any, within: Callable[[int, int], Callable[[str], int]]) -> 
     )
     m.add_argument("--limit", type=within(1, 10**9), help="only the first N mutants")
     m.add_argument(
+        "--only",
+        type=Path,
+        metavar="FILE",
+        help="only the mutants whose ids FILE lists, one a line (a `mutation.json` too: its "
+        "survivors), e.g. to try an earlier run's survivors against a new scenario",
+    )
+    m.add_argument(
         "--equivalent",
         type=Path,
         default=EQUIVALENT,
@@ -115,11 +122,22 @@ def mutate_command(args: argparse.Namespace, console: Console) -> int:
             f"chaos mutate: --function: {args.function}: no mutant in the targets", file=sys.stderr
         )
         return EXIT_INPUT
+    if args.only is not None:
+        try:
+            wanted = _listed(args.only)
+        except (OSError, ValueError) as exc:
+            print(f"chaos mutate: --only: {args.only}: {exc}", file=sys.stderr)
+            return EXIT_INPUT
+        mutants = [m for m in mutants if m.id in wanted]
     if args.limit is not None:
         mutants = mutants[: args.limit]
     ids = {m.id for m in mutants}
     # an entry is stale when its file was mutated whole and no mutant has its id any more
-    whole = {t.path for t in targets} if args.function is None and args.limit is None else set()
+    whole = (
+        {t.path for t in targets}
+        if args.function is None and args.limit is None and args.only is None
+        else set()
+    )
     stale = sorted(i for i in equivalent if i not in ids and i.split(":")[0] in whole)
     to_run = [m for m in mutants if m.id not in equivalent]
     console.print(
@@ -189,6 +207,19 @@ def mutate_command(args: argparse.Namespace, console: Console) -> int:
     console.print(f"outputs: {json_path}, {md_path} ({meta['seconds']:.0f} s)", markup=False)
     survived = any(v.status in ("survived", "not_imported") for v in verdicts)
     return EXIT_SURVIVORS if survived else EXIT_OK
+
+
+def _listed(path: Path) -> set[str]:
+    """Mutant ids: one a line (blank lines and `#` comments ignored), or the survivors of a
+    `mutation.json`."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        data = json.loads(text)
+        rows = data.get("mutants") if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            raise ValueError("expected the `mutants` list of a `chaos mutate` mutation.json")
+        return {str(r.get("id")) for r in rows if r.get("status") == "survived"}
+    return {ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")}
 
 
 def _unreached(m: Any) -> str:
