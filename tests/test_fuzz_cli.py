@@ -131,6 +131,8 @@ def mutated(draw: st.DrawFn) -> tuple[dict[str, Any], list[str]]:
         elif op == "plans":  # one plan listed twice, or twice under another spelling
             ref = {"path": data.pop("plan", None), "evaluations": data.pop("evaluations", 1)}
             plans = data.get("plans") or [ref]
+            if not isinstance(plans, list) or not isinstance(plans[0], dict):
+                continue  # an earlier edit made `plans` something else: nothing to repeat
             again = dict(plans[0])
             if draw(st.booleans()) and isinstance(again.get("path"), str):
                 again["path"] = str(Path(again["path"]).parent / "." / Path(again["path"]).name)
