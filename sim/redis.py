@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import simpy
@@ -635,41 +635,29 @@ class SimRedis:
         self._expire(key, self.ttl)
         return None
 
-    def renew(
-        self, ids: Iterable[str] | Mapping[str, str], me: str, now_ms: int
-    ) -> dict[str, Renewal]:
+    def renew(self, fences: Mapping[str, str], me: str, now_ms: int) -> dict[str, Renewal]:
         """`_RENEW`: each answer with the lease's PEXPIRETIME once renewed."""
-        fences = ids if isinstance(ids, Mapping) else dict.fromkeys(ids, "")
         out: dict[str, Renewal] = {}
         for a, token in fences.items():
             owner = eval_key(a, "owner")
             cur = self.get(owner)
-            if token:  # the fence decides (`_RENEW`)
-                fence = self.get(eval_key(a, "fence"))
-                if (fence is not None and fence != token) or (cur is not None and cur != me):
-                    out[a] = Renewal(0)
-                    continue
-                if fence is None:
-                    self._set(eval_key(a, "fence"), token, self.ttl)
-                self._set(owner, me, self.lease_s)
-                forgotten = self.get(eval_key(a, "state")) is None
-                if forgotten:
-                    self._set(eval_key(a, "state"), "running", self.ttl)
-                if self._over(a) is None:
-                    self._zadd(self.running_index, a, now_ms)
-                out[a] = Renewal(2 if forgotten else 1, self._pexpiretime(owner))
-            elif cur == me:
-                self._expire(owner, self.lease_s)
-                if self._over(a) is None:
-                    self._zadd(self.running_index, a, now_ms)
-                out[a] = Renewal(1, self._pexpiretime(owner))
-            elif cur is not None or self.get(eval_key(a, "state")) is not None:
+            fence = self.get(eval_key(a, "fence"))
+            if (
+                not token
+                or (fence is not None and fence != token)
+                or (cur is not None and cur != me)
+            ):
                 out[a] = Renewal(0)
-            else:  # forgotten by a lossy restart: the owner's again
-                self._set(owner, me, self.lease_s)
+                continue
+            if fence is None:
+                self._set(eval_key(a, "fence"), token, self.ttl)
+            self._set(owner, me, self.lease_s)
+            forgotten = self.get(eval_key(a, "state")) is None
+            if forgotten:
                 self._set(eval_key(a, "state"), "running", self.ttl)
+            if self._over(a) is None:
                 self._zadd(self.running_index, a, now_ms)
-                out[a] = Renewal(2, self._pexpiretime(owner))
+            out[a] = Renewal(2 if forgotten else 1, self._pexpiretime(owner))
         return out
 
     def _pexpiretime(self, key: str) -> int:

@@ -129,9 +129,9 @@ def test_the_claim_scripts_drop_a_terminal_evaluation_instead_of_restamping_it()
 
 def test_the_owner_does_not_restamp_nor_index_a_cancelled_evaluation() -> None:
     _, redis = _redis()
-    redis.begin("a1", "w1", PLAN.order, PLAN, 0)
+    begun = redis.begin("a1", "w1", PLAN.order, PLAN, 0)
     assert redis.set_state("a1", "cancelled") is None
-    assert redis.renew(["a1"], "w1", 500) == {"a1": True}
+    assert redis.renew({"a1": begun.fence}, "w1", 500) == {"a1": True}
     assert redis.get("r") == {"a1": 0}  # the stamp goes stale; the lease is still renewed
     assert redis.write_status("a1", "compiles", "failed_attempt_1", 900) == (
         None,

@@ -878,8 +878,9 @@ def probe_renewals() -> dict[str, Any]:
 
     async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
         a = ids[0]
-        assert (await store.begin(a, "w", TINY.order, TINY.to_json())).snapshot is not None
-        renewed = [(await store.renew([a], "w"))[a] for _ in range(3)]
+        begun = await store.begin(a, "w", TINY.order, TINY.to_json())
+        assert begun.snapshot is not None
+        renewed = [(await store.renew({a: begun.fence}, "w"))[a] for _ in range(3)]
         return {"renewed": renewed, "owner": await store.redis.get(eval_key(a, "owner"))}
 
     return asyncio.run(_probe_store(go))

@@ -455,51 +455,37 @@ return {1}
 # terminal list, ttl, token. {1, PEXPIRETIME} while still ours (when the lease runs out
 # once renewed, by the store's clock: the heartbeat records it); 0 when lost. A terminal
 # evaluation is not stamped again: once announced it leaves the index (`_DONE`), and a
-# stale stamp lets the sweeper announce or drop it. With a token, the fence decides: a
+# stale stamp lets the sweeper announce or drop it. The fence decides what is ours: a
 # lease that lapsed while nobody acquired it (the token is still the current one: a late
-# heartbeat) is the owner's again, and any other token means lost. 2 when the state is
-# gone too: a Redis that lost acknowledged writes forgot an evaluation its owner is
-# running (nobody else can have begun it: `begin` writes the state), so it is the owner's
-# again, and the owner writes back its plan. The state is read once: what this script
-# writes to it is known. A lease still held is renewed with PEXPIRE, as in `fenced`.
+# heartbeat) is the owner's again, and any other token, or none, means lost. 2 when the
+# state is gone too: a Redis that lost acknowledged writes forgot an evaluation its owner
+# is running (nobody else can have begun it: `begin` writes the state), so it is the
+# owner's again, and the owner writes back its plan. The state is read once: what this
+# script writes to it is known. A lease still held is renewed with PEXPIRE, as in
+# `fenced`.
 _RENEW = _script("""
+if ARGV[7] == '' then return 0 end
 local cur = redis.call('GET', KEYS[1])
-if ARGV[7] ~= '' then
-  local fence = redis.call('GET', KEYS[4])
-  if (fence and fence ~= ARGV[7]) or (cur and cur ~= ARGV[1]) then return 0 end
-  if not fence then redis.call('SET', KEYS[4], ARGV[7], 'EX', ARGV[6]) end
-  if cur then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  else
-    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  end
-  local state = redis.call('GET', KEYS[3])
-  local forgotten = not state
-  if forgotten then
-    redis.call('SET', KEYS[3], 'running', 'EX', ARGV[6])
-    state = 'running'
-  end
-  if not terminal(state, ARGV[5]) then
-    redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
-    redis.call('EXPIRE', KEYS[2], ARGV[6])
-  end
-  if forgotten then return {2, redis.call('PEXPIRETIME', KEYS[1])} end
-  return {1, redis.call('PEXPIRETIME', KEYS[1])}
-end
-if cur == ARGV[1] then
+local fence = redis.call('GET', KEYS[4])
+if (fence and fence ~= ARGV[7]) or (cur and cur ~= ARGV[1]) then return 0 end
+if not fence then redis.call('SET', KEYS[4], ARGV[7], 'EX', ARGV[6]) end
+if cur then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  if not terminal(redis.call('GET', KEYS[3]), ARGV[5]) then
-    redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
-    redis.call('EXPIRE', KEYS[2], ARGV[6])
-  end
-  return {1, redis.call('PEXPIRETIME', KEYS[1])}
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
-if cur or redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('SET', KEYS[3], 'running', 'EX', ARGV[6])
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
-redis.call('EXPIRE', KEYS[2], ARGV[6])
-return {2, redis.call('PEXPIRETIME', KEYS[1])}
+local state = redis.call('GET', KEYS[3])
+local forgotten = not state
+if forgotten then
+  redis.call('SET', KEYS[3], 'running', 'EX', ARGV[6])
+  state = 'running'
+end
+if not terminal(state, ARGV[5]) then
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[2], ARGV[6])
+end
+if forgotten then return {2, redis.call('PEXPIRETIME', KEYS[1])} end
+return {1, redis.call('PEXPIRETIME', KEYS[1])}
 """)
 
 # KEYS: owner. ARGV: me.
@@ -912,14 +898,11 @@ class RedisStore:
 
     # --- ownership, heartbeats, indexes ---------------------------------------------------
 
-    async def renew(
-        self, attempt_ids: Iterable[str] | Mapping[str, str], me: str
-    ) -> dict[str, int]:
+    async def renew(self, fences: Mapping[str, str], me: str) -> dict[str, int]:
         """The heartbeat: extend each lease still ours and stamp the running index. Per
-        evaluation: 1 still ours, 0 lost, 2 forgotten by Redis and ours again (`_RENEW`), a
-        `Renewal` that also carries when the lease runs out once renewed (its PEXPIRETIME).
-        Given a mapping of evaluation to fence token, the fence decides what is ours."""
-        fences = attempt_ids if isinstance(attempt_ids, Mapping) else dict.fromkeys(attempt_ids, "")
+        evaluation (mapped to the fence token its owner holds): 1 still ours, 0 lost, 2
+        forgotten by Redis and ours again (`_RENEW`), a `Renewal` that also carries when the
+        lease runs out once renewed (its PEXPIRETIME). The fence decides what is ours."""
         ids = list(fences)
         if not ids:
             return {}
@@ -934,7 +917,7 @@ class RedisStore:
                         eval_key(a, "state"),
                         eval_key(a, "fence"),
                     ],
-                    args=[me, self.config.stale_ms, now, a, _TERMINAL, self.ttl, fences[a] or ""],
+                    args=[me, self.config.stale_ms, now, a, _TERMINAL, self.ttl, fences[a]],
                 )
                 for a in ids
             ]

@@ -86,7 +86,7 @@ def test_the_store_scripts_treat_a_terminal_evaluation_as_the_simulator_does(
                 None,
             )
             assert indexed(live, a)["retries"] == []
-            assert await store.renew([a], "w1") == {a: True}
+            assert await store.renew({a: begun.fence}, "w1") == {a: True}
             # announced: out of the running index; a sweeper claims nothing of it
             assert await store.done(a, "") is True
             assert indexed(live, a) == {"running": None, "retries": []}
