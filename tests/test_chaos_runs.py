@@ -105,7 +105,10 @@ def run(services: Services, name: str, out: Path, mutant: str | None = None) -> 
 #: its first beat that finds nothing held: whether a worker is idle at its first beat (the
 #: other readied late enough) and later holds a lease through a long call is the schedule's
 #: (the simulator's seed makes it so every time; live, one run of several missed it).
-LIVE_TRIES = {"heartbeat_stops_when_idle": 3}
+#: `sweeper_claims_early` made no claim at all in one CI run of `calls_outlast_lease`
+#: (leases_respected judged its 6 begins only; the cause was not found: see the closing
+#: note of 2026-12-04), and claims in every run of it since.
+LIVE_TRIES = {"heartbeat_stops_when_idle": 3, "sweeper_claims_early": 3}
 
 
 @pytest.mark.parametrize("mutant", sorted(CATCHES))
