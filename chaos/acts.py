@@ -244,6 +244,15 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class PublishRaw:
+    """Put `body`, bytes as they are, on the work queue, on a connection of its own (a
+    poison message: `chaos.poison`)."""
+
+    body: bytes
+    message_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Settled:
     """How many of `attempt_ids` are terminal and announced (0 while Redis is down)."""
 
@@ -308,6 +317,7 @@ Act = (
     | CloseConsumer
     | Submit
     | Cancel
+    | PublishRaw
     | Settled
     | Announced
     | Received

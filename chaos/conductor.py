@@ -27,6 +27,7 @@ from typing import Any
 from chaos import acts
 from chaos.acts import Step
 from chaos.checker.holding import CLOSING
+from chaos.poison import NAMELESS, poison
 from chaos.scenario import (
     EventTriggers,
     LoadedScenario,
@@ -39,13 +40,19 @@ from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
 from engine.plan import Plan
 
 #: The harness's durable queue of `evaluation.completed` (in the run's namespace), bound
-#: to `evaluation.started` too: one queue, so that an evaluation's announcements reach the
-#: consumer in the order the broker took them.
+#: to `evaluation.started` and `evaluation.pass_result` too: one queue, so that an
+#: evaluation's announcements reach the consumer in the order the broker took them.
 COMPLETED_QUEUE = "chaos.completed"
 STARTED_KEY = "evaluation.started"
-#: The routing keys the harness's consumer binds, each recorded (`events_consumer_bound`);
-#: a delivery of the first is a `completed_received`, of the second a `started_received`.
-EVENT_KEYS = ("evaluation.completed", STARTED_KEY)
+PASS_KEY = "evaluation.pass_result"
+#: The routing keys the harness's consumer binds, each recorded (`events_consumer_bound`),
+#: and what a delivery of each is recorded as.
+RECEIVED_AS = {
+    "evaluation.completed": "completed_received",
+    STARTED_KEY: "started_received",
+    PASS_KEY: "pass_received",
+}
+EVENT_KEYS = tuple(RECEIVED_AS)
 #: How often the runner supervises the workers and looks whether the run has settled.
 POLL_S = 0.05
 #: How often it reads new history events (event-triggered faults, deliveries at the end).
@@ -97,9 +104,9 @@ class Progress:
 def delivered(
     body: Any, message_id: str | None, redelivered: bool, delivery_mode: Any = None
 ) -> dict[str, Any]:
-    """What the consumer records of a delivery of `evaluation.completed` (its
-    `completed_received`) or `evaluation.started` (`started_received`), before it
-    acknowledges it: with its delivery mode (2: persistent), as the publisher set it."""
+    """What the consumer records of a delivery of an `evaluation.*` event (`RECEIVED_AS`),
+    before it acknowledges it: with its delivery mode (2: persistent), as the publisher
+    set it."""
     attempt_id = body.get("attempt_id") if isinstance(body, dict) else None
     return {
         "attempt_id": attempt_id,
@@ -143,6 +150,10 @@ class Conductor:
         self._on_links: dict[tuple[str, int, str], int] = {}
         self._network = False  # a network fault fired: the links are reset at the end
         self._t0 = 0.0  # the first submit: faults' `at_s` and the deadline count from it
+        # poison messages published and not seen rejected yet: by the attempt id they name,
+        # and a count of those that name none
+        self._poison: set[str] = set()
+        self._nameless_poison = 0
 
     # --- the run ------------------------------------------------------------------------
 
@@ -184,7 +195,8 @@ class Conductor:
     def _wait_settled(self) -> Step:
         """Until every evaluation is terminal and announced (stopping a worker between the
         two would cut the history short, not break the engine), no live worker holds one
-        in memory any more (`Holdings`), and no timed fault, restart or heal is pending (a
+        in memory any more (`Holdings`), every poison message published has been rejected
+        (`poison_rejected` judges how), and no timed fault, restart or heal is pending (a
         restarted worker not ready yet would leave its fault's window open to the end);
         or the deadline."""
         deadline = self._t0 + self.spec.deadline_s
@@ -195,6 +207,7 @@ class Conductor:
             progress.terminal = yield acts.Settled(self.attempt_ids)
             events, cursor = yield acts.Tail(cursor)
             holdings.feed(events)
+            self._poison_seen(events)
             now = yield acts.Now()
             progress.elapsed_s = now - self._t0
             yield acts.Show()
@@ -210,12 +223,23 @@ class Conductor:
             alive = [s.proc.pid for s in alive_slots]
             holding = holdings.held(alive)
             settled = progress.terminal == len(self.attempt_ids)
-            if settled and not (pending_faults or restarting or holding):
+            poisoned = bool(self._poison) or self._nameless_poison > 0
+            if settled and not (pending_faults or restarting or holding or poisoned):
                 return
             if now >= deadline:
                 progress.note = "deadline passed"
                 return
             yield acts.Sleep(POLL_S)
+
+    def _poison_seen(self, events: Iterable[dict]) -> None:
+        """Strike off the poison messages a worker rejected (`poison_rejected` judges how)."""
+        for e in events:
+            if e.get("ev") == "message_rejected":
+                named = e.get("attempt_id")
+                if isinstance(named, str):
+                    self._poison.discard(named)
+                elif e.get("reason") == "malformed":
+                    self._nameless_poison = max(self._nameless_poison - 1, 0)
 
     def _wait_delivered(self) -> Step:
         """Until the consumer holds an `evaluation.completed` of every evaluation announced,
@@ -342,6 +366,27 @@ class Conductor:
                 yield acts.Record("cancel_requested", {"attempt_id": attempt_id})
                 state = yield acts.Cancel(attempt_id)
                 yield acts.Record("cancel_written", {"attempt_id": attempt_id, "state": state})
+                yield from self._healed(fault_id)
+            case "publish_poison":
+                spec = self.spec.faults[fault.fault]
+                assert isinstance(spec, RunnerFault)
+                for kind in spec.poison_kinds:
+                    # named after the run's first evaluation: its prefix keeps it the run's
+                    attempt_id = f"{self.attempt_ids[0]}-poison-{fault_id}-{kind}"
+                    message_id = f"{attempt_id}:poison"
+                    if kind in NAMELESS:
+                        self._nameless_poison += 1
+                    else:
+                        self._poison.add(attempt_id)
+                    yield acts.PublishRaw(poison(kind, attempt_id), message_id)
+                    yield acts.Record(
+                        "poison_published",
+                        {
+                            "kind": kind,
+                            "attempt_id": None if kind in NAMELESS else attempt_id,
+                            "message_id": message_id,
+                        },
+                    )
                 yield from self._healed(fault_id)
 
     def _on_link(self, fault: PlannedFault, fault_id: int) -> Step:

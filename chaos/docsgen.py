@@ -55,7 +55,7 @@ def summary(description: str) -> str:
 
 
 def scenarios_page(root: Path = ROOT) -> str:
-    from chaos.scenario import ScenarioError, load_scenario
+    from chaos.scenario import ScenarioError, expected_refusal, load_scenario
 
     groups = (
         ("Shipped scenarios", "scenarios/*.yaml", "the resilience gate runs each live"),
@@ -68,6 +68,12 @@ def scenarios_page(root: Path = ROOT) -> str:
             "Regressions",
             "scenarios/regressions/*.yaml",
             "shrunk seeds that failed before a fix and pass since; the gate replays them",
+        ),
+        (
+            "Refused",
+            "scenarios/refused/*.yaml",
+            "settings past a bound of the engine: each must be refused with the line its "
+            "first line names (`chaos mutate` runs them with the suite)",
         ),
         ("Examples", "scenarios/examples/*.yaml", "the loader's tests"),
     )
@@ -84,6 +90,10 @@ def scenarios_page(root: Path = ROOT) -> str:
         rows = []
         for path in paths:
             rel = path.relative_to(root).as_posix()
+            refusal = expected_refusal(path)
+            if refusal is not None:
+                rows.append((f"[`{path.stem}`](../../{rel})", f"refused: `{refusal}`"))
+                continue
             try:
                 spec = load_scenario(path).spec
                 name, text = spec.name, summary(spec.description)

@@ -45,7 +45,16 @@ from engine.runtime.drive import drive
 from engine.shell import heartbeat, orchestrator
 from engine.shell import sweeper as shell_sweeper
 from engine.shell.controller import EvaluationController
-from engine.shell.effects import Failpoint, PublishEvent, Sleep, Step, Stepper, Store
+from engine.shell.effects import (
+    Failpoint,
+    PublishEvent,
+    Record,
+    Settle,
+    Sleep,
+    Step,
+    Stepper,
+    Store,
+)
 from engine.shell.reevaluate import ReEvaluateUseCase
 
 #: The invariants of the checker a mutant can name.
@@ -911,6 +920,55 @@ def failed_calls_uncounted() -> None:
     orchestrator.Count = count  # type: ignore[assignment,misc]
 
 
+def pass_result_misrouted() -> None:
+    """pass_results_correct: `evaluation.pass_result` goes out under another routing key
+    (`evaluation.pass_results`): the engine records every announcement as before, and no
+    consumer bound to the documented key ever hears of a pass."""
+    make = orchestrator.PublishEvent
+
+    def publish(routing_key: str, body: Any, message_id: str) -> Any:
+        if routing_key == "evaluation.pass_result":
+            routing_key = "evaluation.pass_results"
+        return make(routing_key, body, message_id)
+
+    orchestrator.PublishEvent = publish  # type: ignore[assignment,misc]
+
+
+def retry_held_to_the_end() -> None:
+    """retries_acked: a delayed retry is not ACKed when the outcome of its attempt is
+    durable; it stays held until the evaluation ends (then ACKed as stale) or parks (then
+    NACKed back, to come round again). Every outcome and every verdict is as before."""
+
+    def keep_holding(self: Evaluation, rule_id: str) -> list[Any]:
+        self._retry_tokens.pop(rule_id, None)
+        return []
+
+    Evaluation._ack_token = keep_holding  # type: ignore[method-assign]
+
+
+def poison_requeued() -> None:
+    """poison_rejected: a malformed message is NACKed back to its queue when it is dropped,
+    not ACKed (the handling of a failed delivery, applied to a poison): it comes round
+    again and again, each time rejected anew."""
+    on_message = EvaluationController.on_message
+
+    def requeue(self: EvaluationController, delivery: Any, body: Any, redelivered: bool) -> Step:
+        stepper = Stepper(on_message(self, delivery, body, redelivered))
+        malformed = False
+        while (effect := stepper.next()) is not None:
+            if isinstance(effect, Record) and effect.event == "message_rejected":
+                malformed = effect.fields.get("reason") == "malformed"
+            if malformed and isinstance(effect, Settle):
+                effect = Settle(effect.delivery, ack=False)
+            try:
+                stepper.reply((yield effect))
+            except BaseException as exc:
+                stepper.fail(exc)
+        return stepper.value
+
+    EvaluationController.on_message = requeue  # type: ignore[method-assign]
+
+
 def _mutant(patch: Callable[[], None], breaks: str, description: str) -> Mutant:
     assert breaks in INVARIANT_NAMES, breaks
     return Mutant(patch.__name__, description, breaks, patch)
@@ -1148,6 +1206,21 @@ MUTANTS: dict[str, Mutant] = {
             failed_calls_uncounted,
             "metrics_match_history",
             "the agent-calls counter moves for successful calls only",
+        ),
+        _mutant(
+            pass_result_misrouted,
+            "pass_results_correct",
+            "evaluation.pass_result is published under another routing key",
+        ),
+        _mutant(
+            retry_held_to_the_end,
+            "retries_acked",
+            "a delayed retry stays unacknowledged until its evaluation ends",
+        ),
+        _mutant(
+            poison_requeued,
+            "poison_rejected",
+            "a malformed message is NACKed back to its queue when dropped, not ACKed",
         ),
     )
 }

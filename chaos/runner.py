@@ -41,7 +41,7 @@ from chaos.conductor import (
     COMPLETED_QUEUE,
     EVENT_KEYS,
     EVENT_POLL_S,
-    STARTED_KEY,
+    RECEIVED_AS,
     STOP_TIMEOUT_S,
     Conductor,
     Progress,
@@ -253,6 +253,7 @@ class ScenarioRun:
             "--max-attempts", str(r.max_attempts),
             "--tiers-ms", ",".join(str(t) for t in r.tiers_ms),
             "--jitter", str(r.jitter),
+            "--jitter-buckets", str(r.jitter_buckets),
             "--seed", str(self.seed),
             "--agent", json.dumps(self.agent_dict()),
             "--history", str(self.raw_history),
@@ -445,6 +446,10 @@ class ScenarioRun:
     async def on_cancel(self, a: acts.Cancel) -> str:
         async with EngineClient(self.config()) as client:
             return await client.cancel(a.attempt_id)
+
+    async def on_publish_raw(self, a: acts.PublishRaw) -> None:
+        async with EngineClient(self.config()) as client:
+            await client.broker.publish_work_raw(a.body, a.message_id)
 
     async def on_settled(self, a: acts.Settled) -> int:
         assert self._client is not None
@@ -652,7 +657,7 @@ class ScenarioRun:
         """Before the first submit: a durable queue (a broker kill keeps what it holds and
         what was confirmed into it) bound to the events exchange for `evaluation.completed`
         and `evaluation.started`, consumed on a robust connection of its own. Every
-        delivery is recorded (`completed_received`, `started_received`), then acknowledged.
+        delivery is recorded (`RECEIVED_AS`), then acknowledged.
         `x-expires` removes the queue should the runner die before deleting it."""
         config = self.config()
         url = self.services.amqp_url
@@ -677,12 +682,10 @@ class ScenarioRun:
         except ValueError:
             body = message.body.decode("utf-8", "replace")
         fields = delivered(body, message.message_id, message.redelivered, message.delivery_mode)
-        if message.routing_key == STARTED_KEY:
-            self.history.record("started_received", **fields)
-        else:
-            self.history.record("completed_received", **fields)
-            if isinstance(body, dict):
-                self._received.add(str(body.get("attempt_id")))
+        ev = RECEIVED_AS.get(message.routing_key or "", "completed_received")
+        self.history.record(ev, **fields)
+        if ev == "completed_received" and isinstance(body, dict):
+            self._received.add(str(body.get("attempt_id")))
         with contextlib.suppress(Exception):  # the channel went with the broker: redelivered
             await message.ack()
 
@@ -846,7 +849,7 @@ async def _take(channel: AbstractChannel, queue_name: str, message_id: str) -> b
 
 
 #: The consumer's records of a delivery: their message names the run's ids.
-RECEIVED_EVENTS = frozenset({"completed_received", "started_received"})
+RECEIVED_EVENTS = frozenset(RECEIVED_AS.values())
 
 _NOW, _LATER = acts.handlers(ScenarioRun, waits=inspect.iscoroutinefunction)
 

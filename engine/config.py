@@ -152,6 +152,7 @@ def policy_from(
     tiers_ms: tuple[int, ...] | None = None,
     jitter: float | None = None,
     seed: int | None = None,
+    jitter_buckets: int | None = None,
 ) -> RetryPolicy:
     base = RetryPolicy()
     return RetryPolicy(
@@ -161,6 +162,7 @@ def policy_from(
         max_attempts=base.max_attempts if max_attempts is None else max_attempts,
         tiers_ms=DEFAULT_TIERS_MS if tiers_ms is None else tiers_ms,
         jitter=base.jitter if jitter is None else jitter,
+        jitter_buckets=base.jitter_buckets if jitter_buckets is None else jitter_buckets,
         seed=base.seed if seed is None else seed,
     )
 

@@ -41,7 +41,7 @@ from engine.config import (
     env_config,
     redacted,
 )
-from engine.core.routing import SUBMIT_REASON
+from engine.core.messages import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.plan import Plan, PlanError, load_plan, plan_from_dict
 from engine.runtime.broker import Broker, QueueInUse, amqp_unavailable

@@ -26,7 +26,6 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import orjson
 from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import AMQPError
 from redis.exceptions import RedisError
@@ -41,6 +40,7 @@ from engine.config import (
     redacted,
 )
 from engine.core import RuleResult
+from engine.core.messages import decode
 from engine.failpoints import FailpointError, Failpoints, fired_fields, parse_specs
 from engine.history import History, open_history
 from engine.metrics import Metrics
@@ -131,10 +131,7 @@ class Worker:
         for another worker when the connection closes."""
         if self._stopping:
             return
-        try:
-            body = orjson.loads(message.body)
-        except orjson.JSONDecodeError:
-            body = None  # the controller drops it, with one line
+        body = decode(message.body)  # None: not JSON, the controller drops it with one line
         window = self.rt.window
         if window is not None:  # per consumer: a restored channel is a new one
             try:
@@ -249,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, help="level 2 attempts before level 3 (default 3)")
     p.add_argument("--tiers-ms", help="comma-separated delay tiers (default 30000,120000,600000)")
     p.add_argument("--jitter", type=float, help="positive jitter fraction of a tier (default 0.1)")
+    p.add_argument(
+        "--jitter-buckets", type=int, help="delay queues per tier, the jitter's steps (default 4)"
+    )
     p.add_argument("--seed", type=int, default=None, help="seed of the jitter")
     p.add_argument(
         "--agent", help="fake agent profile: JSON object or file (default $ENGINE_AGENT)"
@@ -284,6 +284,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_attempts=args.max_attempts,
         tiers_ms=tiers,
         jitter=args.jitter,
+        jitter_buckets=args.jitter_buckets,
         seed=args.seed,
     )
     return env_config(

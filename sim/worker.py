@@ -23,6 +23,7 @@ import simpy
 
 from engine.agent import FakeAgent
 from engine.config import EngineConfig
+from engine.core.messages import decode
 from engine.failpoints import Failpoint, fired_fields
 from engine.metrics import Metrics
 from engine.shell.controller import EvaluationController
@@ -186,7 +187,10 @@ class SimWorker:
             return
         if self.alive:
             self.window.delivered(d, (d.conn, d.queue), d.queue)
-        proc = self.spawn(drive(self.controller.on_message(d, d.body, d.redelivered), self))
+        # the engine's own messages travel as objects; bytes (a harness's poison) are
+        # decoded as the live worker decodes every body
+        body = decode(d.body) if isinstance(d.body, bytes) else d.body
+        proc = self.spawn(drive(self.controller.on_message(d, body, d.redelivered), self))
         if proc is not None:
             self._deliveries.add(proc)
             proc.callbacks.append(self._deliveries.discard)  # type: ignore[arg-type]

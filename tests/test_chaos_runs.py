@@ -78,6 +78,9 @@ CATCHES = {
     "final_unfenced": "stale_owner_final_write",  # the frozen owner's final write lands
     "unlabelled_reruns": "crash_after_ack",
     "failed_calls_uncounted": "transient_llm_errors",
+    "poison_requeued": "poison_messages",  # each malformed one comes round again
+    "retry_held_to_the_end": "delay_tiers",
+    "pass_result_misrouted": "permanent_failure_prunes",
 }
 
 

@@ -914,6 +914,8 @@ class RecordingShell(Shell):
                 self.rec("retry_published", rule_id=rid, attempt=attempt, delay_ms=delay_ms)
             case SkipRules(rule_ids=rids, because_of=because):
                 self.rec("rules_skipped", rule_ids=list(rids), because_of=because)
+            case AckRetry(rule_id=rid, attempt=attempt):
+                self.rec("retry_acked", rule_id=rid, attempt=attempt)
             case Park():
                 self.rec("parked")
             case Finish(status=status):

@@ -1091,3 +1091,54 @@ def test_a_result_is_encoded_once() -> None:
         "attempt",
         "rationale",
     )
+
+
+# --- the message contract (engine.core.messages) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "wrong"),
+    [
+        (None, "not a JSON object"),
+        (["execute"], "not a JSON object"),
+        ({"attempt_id": "a"}, "type: expected a string"),
+        ({"type": "execute", "attempt_id": ""}, "attempt_id: expected a non-empty string"),
+        ({"type": "execute", "attempt_id": "a"}, "published_ms: expected an integer"),
+        ({"type": "execute", "attempt_id": "a", "published_ms": True}, "published_ms"),
+        ({"type": "execute", "attempt_id": "a", "published_ms": 1, "reason": "x"}, "reason"),
+        ({"type": "retry", "attempt_id": "a", "published_ms": 1, "delay_ms": 1.5}, "delay_ms"),
+        ({"type": "retry", "attempt_id": "a", "published_ms": 1, "attempt": 2}, "rule_id"),
+        (
+            {"type": "retry", "attempt_id": "a", "published_ms": 1, "rule_id": "r", "attempt": 1},
+            "attempt: a retry is of attempt 2 or later",
+        ),
+        (
+            {"type": "execute", "attempt_id": "a", "published_ms": 1, "attempt": 2},
+            "an execute names no rule and no attempt",
+        ),
+    ],
+)
+def test_a_message_that_breaks_the_contract_is_named(body: object, wrong: str) -> None:
+    from engine.core.messages import problem
+
+    found = problem(body)
+    assert found is not None and found.startswith(wrong)
+
+
+def test_the_engine_s_own_messages_fit_the_contract() -> None:
+    from engine.core.messages import decode, problem
+
+    assert decode(b"\xff") is None and decode(b'{"a": 1}') == {"a": 1}
+    execute = {"type": "execute", "attempt_id": "a", "published_ms": 0, "reason": "submit"}
+    retry = {
+        "type": "retry",
+        "attempt_id": "a",
+        "rule_id": "r",
+        "attempt": 2,
+        "published_ms": 5,
+        "delay_ms": 0,
+        "reason": "lost_retry",
+    }
+    assert problem(execute) is None and problem(retry) is None
+    assert problem({"type": "cancel", "attempt_id": "a"}) is None
+    assert problem({"type": "explode", "attempt_id": "a"}) is None  # refused later, by type

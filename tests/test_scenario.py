@@ -220,6 +220,7 @@ def test_defaults_are_the_documented_ones() -> None:
         "max_attempts": 3,
         "tiers_ms": (30_000, 120_000, 600_000),
         "jitter": 0.1,
+        "jitter_buckets": 4,
     }
     assert loaded.retry_policy == RetryPolicy(seed=0)
     assert s.engine.model_dump() == {
@@ -361,13 +362,25 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         "retires: unknown field (did you mean retry?)",
     ),
     ("unknown_nested", lambda d: d.update(engine={"stale": 1}), "engine.stale: unknown field"),
-    ("seed_not_int", lambda d: d.update(seed="7"), "seed: expected an integer; got '7'"),
+    (
+        "seed_not_int",
+        lambda d: d.update(seed="7"),
+        "seed: expected an integer within [0, 9223372036854775807]; got '7'",
+    ),
     ("bool_is_not_int", lambda d: d.update(workers=True), "workers: expected an integer; got true"),
     ("float_not_int", lambda d: d.update(workers=1.5), "workers: expected an integer; got 1.5"),
     ("too_many_workers", lambda d: d.update(workers=17), "workers: expected a value <= 16; got 17"),
     ("no_workers", lambda d: d.update(workers=0), "workers: expected a value >= 1; got 0"),
-    ("time_scale_zero", lambda d: d.update(time_scale=0), "time_scale: expected a value > 0"),
-    ("time_scale_big", lambda d: d.update(time_scale=2), "time_scale: expected a value <= 1"),
+    (
+        "time_scale_zero",
+        lambda d: d.update(time_scale=0),
+        "time_scale: expected a number within (0, 1]; got 0",
+    ),
+    (
+        "time_scale_big",
+        lambda d: d.update(time_scale=2),
+        "time_scale: expected a number within (0, 1]; got 2",
+    ),
     ("deadline_inf", lambda d: d.update(deadline_s=float("inf")), "deadline_s: expected a finite"),
     (
         "deadline_null",
@@ -383,29 +396,37 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     (
         "tiers_empty",
         lambda d: d.update(retry={"tiers_ms": []}),
-        "retry.tiers_ms: expected at least 1",
+        "retry.tiers_ms: expected 1 to 16 delays; got ()",
     ),
     (
         "tiers_negative",
         lambda d: d.update(retry={"tiers_ms": [5, -1]}),
-        "retry.tiers_ms[1]: expected a value > 0",
+        "retry.tiers_ms[1]: expected an integer within [1, 86400000]; got -1",
     ),
-    ("tiers_set", lambda d: d.update(retry={"tiers_ms": {5}}), "retry.tiers_ms: expected a list"),
-    ("jitter", lambda d: d.update(retry={"jitter": 1.5}), "retry.jitter: expected a value <= 1"),
+    (
+        "tiers_set",
+        lambda d: d.update(retry={"tiers_ms": {5}}),
+        "retry.tiers_ms: expected 1 to 16 delays; got {5}",
+    ),
+    (
+        "jitter",
+        lambda d: d.update(retry={"jitter": 1.5}),
+        "retry.jitter: expected a number within [0, 1]; got 1.5",
+    ),
     (
         "max_attempts",
         lambda d: d.update(retry={"max_attempts": 0}),
-        "retry.max_attempts: expected a value >= 1",
+        "retry.max_attempts: expected an integer within [1, 20]; got 0",
     ),
     (
         "immediate",
         lambda d: d.update(retry={"immediate_retries": -1}),
-        "retry.immediate_retries: expected a value >= 0",
+        "retry.immediate_retries: expected an integer within [0, 20]; got -1",
     ),
     (
         "heartbeat",
         lambda d: d.update(engine={"heartbeat_ms": 5}),
-        "engine.heartbeat_ms: expected a value >= 10",
+        "engine.heartbeat_ms: expected an integer within [10, 604800000]; got 5",
     ),
     (
         "stale_before_heartbeat",
@@ -635,7 +656,7 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         _fault(1, action="explode"),
         "faults[1].action: expected one of kill_worker, restart_worker, pause_worker, kill_redis, "
         "pause_redis, kill_sentinel, kill_broker, pause_broker, stop_redis, stop_broker, "
-        "cancel, add_toxic, update_toxic, remove_toxic, cut_link; got 'explode'",
+        "cancel, add_toxic, update_toxic, remove_toxic, cut_link, publish_poison; got 'explode'",
     ),
     ("runner_no_action", _drop(1, "action"), "faults[1].action: required field is missing"),
     # network faults: the link, the toxic (Toxiproxy's fields), which workers, for how long
@@ -1034,8 +1055,10 @@ def test_long_values_are_shortened() -> None:
     with pytest.raises(ScenarioError) as info:
         load(minimal(seed="x" * 500))
     msg = _assert_one_line(info.value, "s.yaml")
-    assert msg.startswith("s.yaml: seed: expected an integer; got 'xxx")
-    assert len(msg) < 120
+    assert msg.startswith(
+        "s.yaml: seed: expected an integer within [0, 9223372036854775807]; got 'xxx"
+    )
+    assert len(msg) < 160  # the engine's own words, the value cut at 80 characters
     with pytest.raises(ScenarioError) as info:
         load(minimal(**{"y" * 500: 1}))
     msg = _assert_one_line(info.value, "s.yaml")
@@ -1243,18 +1266,18 @@ def test_a_pause_range_is_drawn_from_the_seed_at_each_firing() -> None:
 
 #: (field, a value at the bound (accepted), the value just past it, the error it gets)
 BOUNDS: list[tuple[str, Any, Any, str]] = [
-    ("seed", MAX_SEED, MAX_SEED + 1, "seed: expected a value <= 9223372036854775807"),
-    ("seed", 0, -1, "seed: expected a value >= 0; got -1"),
-    ("retry.tiers_ms", [86_400_000], [86_400_001], "retry.tiers_ms[0]: expected a value <= 864"),
-    ("retry.tiers_ms", [1] * 16, [1] * 17, "retry.tiers_ms: expected at most 16 items; got 17"),
-    ("retry.max_attempts", 20, 21, "retry.max_attempts: expected a value <= 20; got 21"),
-    ("retry.immediate_retries", 20, 21, "retry.immediate_retries: expected a value <= 20"),
-    ("engine.stale_ms", 604_800_000, 604_800_001, "engine.stale_ms: expected a value <= 604800000"),
-    ("engine.heartbeat_ms", 10, 9, "engine.heartbeat_ms: expected a value >= 10; got 9"),
-    ("engine.sweep_ms", 604_800_000, 10**12, "engine.sweep_ms: expected a value <= 604800000"),
-    ("engine.retry_grace_ms", 604_800_000, 604_800_001, "engine.retry_grace_ms: expected a val"),
-    ("engine.max_evaluations", 1000, 1001, "engine.max_evaluations: expected a value <= 1000"),
-    ("engine.max_parallel", 1000, 10**30, "engine.max_parallel: expected a value <= 1000"),
+    ("seed", MAX_SEED, MAX_SEED + 1, "seed: expected an integer within [0, 9223372036854775807]; "),
+    ("seed", 0, -1, "seed: expected an integer within [0, 9223372036854775807]; got -1"),
+    ("retry.tiers_ms", [86_400_000], [86_400_001], "retry.tiers_ms[0]: expected an integer within"),
+    ("retry.tiers_ms", [1] * 16, [1] * 17, "retry.tiers_ms: expected 1 to 16 delays; got (1, 1"),
+    ("retry.max_attempts", 20, 21, "retry.max_attempts: expected an integer within [1, 20]"),
+    ("retry.immediate_retries", 20, 21, "retry.immediate_retries: expected an integer within [0, "),
+    ("engine.stale_ms", 604_800_000, 604_800_001, "engine.stale_ms: expected an integer within [5"),
+    ("engine.heartbeat_ms", 10, 9, "engine.heartbeat_ms: expected an integer within [10, 60480000"),
+    ("engine.sweep_ms", 604_800_000, 10**12, "engine.sweep_ms: expected an integer within [10, 60"),
+    ("engine.retry_grace_ms", 604_800_000, 604_800_001, "engine.retry_grace_ms: expected an integ"),
+    ("engine.max_evaluations", 1000, 1001, "engine.max_evaluations: expected an integer within [1"),
+    ("engine.max_parallel", 1000, 10**30, "engine.max_parallel: expected an integer within [1, 10"),
     ("deadline_s", 86_400, 86_401, "deadline_s: expected a value <= 86400; got 86401"),
     ("restart_delay_s", 86_400, 1e300, "restart_delay_s: expected a value <= 86400; got 1e+300"),
     ("budgets.max_reruns", 2**63 - 1, 2**63, "budgets.max_reruns: expected a value <= 92233"),
@@ -1426,6 +1449,7 @@ def test_committed_schema_is_current() -> None:
         "update_toxic",
         "remove_toxic",
         "cut_link",
+        "publish_poison",
     ]
     assert schema["$defs"]["ToxicSpec"]["properties"]["type"]["enum"] == list(TOXIC_TYPES)
     assert schema["properties"]["invariants"]["items"]["enum"] == list(INVARIANT_NAMES)
@@ -1650,3 +1674,43 @@ def test_not_checked_reads_the_same_twice_and_refuses_unknown_names() -> None:
     with pytest.raises(ScenarioError) as err:  # exercised must still be checked
         load(minimal(not_checked=["dag_order"], exercised={"dag_order": 1}))
     assert "exercised.dag_order" in _assert_one_line(err.value, "s.yaml")
+
+
+# --- the refused suite (scenarios/refused/): the engine's own checks judge first -----------
+
+REFUSED = sorted((ROOT / "scenarios" / "refused").glob("*.yaml"))
+
+
+def test_the_refused_suite_covers_every_bound_of_the_engine() -> None:
+    from engine.policy import ENGINE_BOUNDS
+
+    text = "\n".join(p.read_text() for p in REFUSED)
+    for name in (*ENGINE_BOUNDS, "max_attempts", "immediate_retries", "tiers_ms", "jitter"):
+        assert name in text, name
+    assert len(REFUSED) >= 30
+
+
+@pytest.mark.parametrize("path", REFUSED, ids=lambda p: p.stem)
+def test_a_refused_scenario_is_refused_with_its_line(path: Path) -> None:
+    from chaos.scenario import expected_refusal, refusal_problem
+
+    want = expected_refusal(path)
+    assert want is not None
+    assert refusal_problem(path) is None
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(path)
+    assert str(err.value) == f"{path}: {want}"
+
+
+def test_a_refused_scenario_that_loads_or_says_otherwise_is_named(tmp_path: Path) -> None:
+    from chaos.scenario import expected_refusal, refusal_problem
+
+    good = tmp_path / "good.yaml"
+    good.write_text(f"# refused: retry.max_attempts: nope\nname: g\nplan: {ROOT / TINY}\n")
+    assert expected_refusal(good) == "retry.max_attempts: nope"
+    assert refusal_problem(good) == "loaded, but must be refused with 'retry.max_attempts: nope'"
+    other = tmp_path / "other.yaml"
+    other.write_text(f"# refused: x\nname: o\nplan: {ROOT / TINY}\nretry: {{max_attempts: 0}}\n")
+    problem = refusal_problem(other)
+    assert problem is not None and problem.startswith("refused with 'retry.max_attempts: expected")
+    assert expected_refusal(ROOT / "scenarios" / "delay_tiers.yaml") is None

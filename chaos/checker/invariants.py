@@ -24,10 +24,12 @@ from chaos.checker.no_completed_rerun import check_no_completed_rerun
 from chaos.checker.no_engine_error import check_no_engine_error
 from chaos.checker.nothing_lost_on_restart import check_nothing_lost_on_restart
 from chaos.checker.pass_results_correct import check_pass_results_correct
+from chaos.checker.poison_rejected import check_poison_rejected
 from chaos.checker.prefetch_respected import check_prefetch_respected
 from chaos.checker.prune_only_dependents import check_prune_only_dependents
 from chaos.checker.quiet_state import check_quiet_state
 from chaos.checker.reruns_explained import check_reruns_explained
+from chaos.checker.retries_acked import check_retries_acked
 from chaos.checker.retry_budget import check_retry_budget
 from chaos.checker.retry_delays_respected import check_retry_delays_respected
 from chaos.checker.single_final_result import check_single_final_result
@@ -160,6 +162,18 @@ REGISTRY: tuple[Invariant, ...] = (
         "every begin of an evaluation publishes evaluation.started before its ACK and its "
         "first rule start, and a consumer bound before the first submit receives it",
         check_started_announced,
+    ),
+    Invariant(
+        "retries_acked",
+        "a delayed retry is ACKed by the process that ran its attempt once the attempt's "
+        "outcome is durable, not held to the evaluation's end",
+        check_retries_acked,
+    ),
+    Invariant(
+        "poison_rejected",
+        "every poison message is dropped on arrival with the reason its kind calls for, "
+        "ACKed once, and leads to no begin, rule start or failed delivery",
+        check_poison_rejected,
     ),
     Invariant(
         "prefetch_respected",

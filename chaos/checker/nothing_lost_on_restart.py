@@ -5,8 +5,8 @@ RabbitMQ keeps a durable queue across a restart, but only the persistent message
 (delivery mode 2): a transient one is held in memory and goes with the node, even in a
 durable queue. Two things are judged:
 - every announcement the harness's consumer received from the engine
-  (`started_received`, `completed_received`, each with the delivery mode the publisher
-  set) is persistent: a transient one would not have survived a restart, whether one
+  (`started_received`, `completed_received`, `pass_received`, each with the delivery mode
+  the publisher set) is persistent: a transient one would not have survived a restart, whether one
   happened or not;
 - each broker kill where the runner counted the messages the node held (the runner's
   `service_killed` with `messages`) is followed by a restart that finds as many
@@ -27,7 +27,7 @@ from __future__ import annotations
 from chaos.checker.context import Context, Outcome, as_int, event_time, of, timeline
 from chaos.checker.records import Violation
 
-RECEIVED = ("started_received", "completed_received")
+RECEIVED = ("started_received", "completed_received", "pass_received")
 PERSISTENT = 2
 
 

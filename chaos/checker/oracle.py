@@ -80,6 +80,22 @@ def delay_bounds(settings: RetrySettings, time_scale: float, failed: int) -> Del
     return DelayBounds(failed, index + 1, tier_ms, low_ms / 1000.0, high_ms / 1000.0)
 
 
+def retry_delay_ms(
+    settings: RetrySettings, time_scale: float, failed: int, bucket: Any
+) -> int | None:
+    """The one delay (ms, scaled and rounded as the queue's TTL) the retry after
+    `failed_attempt_{failed}` may carry from jitter bucket `bucket`: its tier stretched by
+    `jitter x bucket / (jitter_buckets - 1)`; None for a bucket no delay queue has (without
+    jitter, or with one bucket a tier, only bucket 0 exists)."""
+    buckets = 1 if settings.jitter == 0.0 else settings.jitter_buckets
+    if not (isinstance(bucket, int) and not isinstance(bucket, bool) and 0 <= bucket < buckets):
+        return None
+    tier_ms = settings.tiers_ms[min(failed, len(settings.tiers_ms)) - 1]
+    if buckets > 1:
+        tier_ms = round(tier_ms * (1.0 + settings.jitter * bucket / (buckets - 1)))
+    return round(tier_ms * time_scale)
+
+
 def dependents_of(plan: Any, roots: Iterable[str]) -> frozenset[str]:
     """Every rule that depends, directly or not, on one of `roots` (the roots excluded
     unless a cycle leads back to them), from each rule's `depends_on` alone."""

@@ -9,7 +9,9 @@ it from Redis (its `recovered` event). Copies of one announcement (a crash betwe
 publish and the mark in Redis) must agree, and one process never announces a pass twice.
 An evaluation that finished (not cancelled) must have announced every pass, in the history
 or, when its announcer died before recording it, in its `passes` hash in Redis (judged only
-where the final state holds that hash: without it a missing record proves nothing).
+where the final state holds that hash: without it a missing record proves nothing). When the
+harness's consumer was bound to `evaluation.pass_result` before the first submit, every
+announcement recorded reached it (`pass_received`) with the same outcome and rules.
 """
 
 from __future__ import annotations
@@ -40,6 +42,23 @@ from chaos.checker.records import Violation
 
 #: The events `_known_terminal` reads.
 _KNOWN_KINDS = ("result_persisted", "status_written", "recovered")
+PASS_KEY = "evaluation.pass_result"
+
+
+def _received(cx: Context) -> dict[tuple[str, str], set[Any]] | None:
+    """What the harness's consumer received of each (evaluation, pass): the (outcome,
+    rules) of every copy; None when it was not bound before the first submit."""
+    bound = [e for e in of(cx.events, "events_consumer_bound") if e.get("routing_key") == PASS_KEY]
+    submits = of(cx.events, "submitted")
+    if not bound or (submits and event_time(bound[0]) > event_time(submits[0])):
+        return None
+    got: dict[tuple[str, str], set[Any]] = defaultdict(set)
+    for e in of(cx.events, "pass_received"):
+        body = e.get("body")
+        if isinstance(body, Mapping):
+            key = (str(body.get("attempt_id")), str(body.get("pass_id")))
+            got[key].add((str(body.get("outcome")), _frozen(body.get("rules"))))
+    return got
 
 
 def _known_terminal(evs: list[dict], pub: dict, plan: Any) -> set[str]:
@@ -76,6 +95,7 @@ def check_pass_results_correct(cx: Context) -> Outcome:
     cases = duplicates = 0
     compared = 0
     unknown: list[str] = []
+    received = _received(cx)
     for a in cx.evaluations:
         plan, fin = cx.plans.get(a), cx.final_of(a)
         if plan is None:
@@ -150,6 +170,18 @@ def check_pass_results_correct(cx: Context) -> Outcome:
                 seen[key] = e
             duplicates += max(0, len(copies) - 1)
             shapes = {(str(e.get("outcome")), _frozen(e.get("rules"))) for e in copies}
+            if received is not None and copies and not shapes <= received[(a, pid)]:
+                flag(
+                    f"pass {pid} announced {copies[0].get('outcome')} by "
+                    f"{copies[0].get('src')}, but the consumer received "
+                    + (
+                        "no evaluation.pass_result of it"
+                        if not received[(a, pid)]
+                        else "it with other outcomes or rules"
+                    ),
+                    copies,
+                    pid,
+                )
             if len(shapes) > 1:
                 flag(
                     f"copies of pass {pid} disagree: outcomes "

@@ -81,13 +81,14 @@ class FinalState:
 class RetrySettings:
     """The scenario's retry settings as plain data: the checker computes what the engine
     should have done from these, with its own code (`chaos.checker.oracle`), so a bug
-    shared by the engine's policy and its checker cannot hide. Anything with these four
+    shared by the engine's policy and its checker cannot hide. Anything with these
     attributes (a scenario's `retry`, an `engine.policy.RetryPolicy`) converts with `of`."""
 
     immediate_retries: int = 2
     max_attempts: int = 3
     tiers_ms: tuple[int, ...] = (30_000, 120_000, 600_000)
     jitter: float = 0.1
+    jitter_buckets: int = 4
 
     @classmethod
     def of(cls, value: Any) -> RetrySettings:
@@ -98,6 +99,7 @@ class RetrySettings:
             max_attempts=int(value.max_attempts),
             tiers_ms=tuple(int(t) for t in value.tiers_ms),
             jitter=float(value.jitter),
+            jitter_buckets=int(getattr(value, "jitter_buckets", 4)),
         )
 
 

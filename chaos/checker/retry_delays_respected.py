@@ -43,15 +43,18 @@ from chaos.checker.context import (
     sort_key,
     timeline,
 )
-from chaos.checker.oracle import DelayBounds, delay_bounds
-from chaos.checker.records import Violation
+from chaos.checker.oracle import DelayBounds, delay_bounds, retry_delay_ms
+from chaos.checker.records import RetrySettings, Violation
 
 NAME = "retry_delays_respected"
 
 
-def _published_problem(pub: dict, bounds: DelayBounds, time_scale: float) -> str | None:
-    """What is wrong with the `retry_published` record itself, if anything: its tier, or
-    a delay outside [tier, tier * (1 + jitter)] (scaled, in ms)."""
+def _published_problem(
+    pub: dict, bounds: DelayBounds, settings: RetrySettings, time_scale: float
+) -> str | None:
+    """What is wrong with the `retry_published` record itself, if anything: its tier, a
+    delay outside [tier, tier * (1 + jitter)] (scaled, in ms), a jitter bucket its tier does
+    not have, or a delay other than the one its tier and bucket give."""
     tier = pub.get("tier")
     if isinstance(tier, int) and not isinstance(tier, bool) and tier != bounds.tier:
         return (
@@ -59,15 +62,33 @@ def _published_problem(pub: dict, bounds: DelayBounds, time_scale: float) -> str
             f"{bounds.tier} ({num(bounds.tier_ms)} ms)"
         )
     delay = pub.get("delay_ms")
-    if isinstance(delay, int | float) and not isinstance(delay, bool):
-        low_ms, high_ms = bounds.low_s * 1000.0, bounds.high_s * 1000.0
-        if not low_ms <= delay <= high_ms:
-            side = "below" if delay < low_ms else "above"
-            return (
-                f"published with a {num(float(delay))} ms delay, {side} tier {bounds.tier}'s "
-                f"[{num(round(low_ms, 3))}, {num(round(high_ms, 3))}] ms "
-                f"({num(bounds.tier_ms)} ms x {num(time_scale)}, jitter included)"
-            )
+    if not isinstance(delay, int | float) or isinstance(delay, bool):
+        return None
+    low_ms, high_ms = bounds.low_s * 1000.0, bounds.high_s * 1000.0
+    if not low_ms <= delay <= high_ms:
+        side = "below" if delay < low_ms else "above"
+        return (
+            f"published with a {num(float(delay))} ms delay, {side} tier {bounds.tier}'s "
+            f"[{num(round(low_ms, 3))}, {num(round(high_ms, 3))}] ms "
+            f"({num(bounds.tier_ms)} ms x {num(time_scale)}, jitter included)"
+        )
+    bucket = pub.get("bucket")
+    if bucket is None:  # not recorded (`history_well_formed` says so): the range only
+        return None
+    expected = retry_delay_ms(settings, time_scale, bounds.failed, bucket)
+    if expected is None:
+        buckets = 1 if settings.jitter == 0.0 else settings.jitter_buckets
+        return (
+            f"published to jitter bucket {bucket!r}, but tier {bounds.tier} has buckets "
+            f"0 to {buckets - 1} (jitter {num(settings.jitter)}, "
+            f"jitter_buckets {settings.jitter_buckets})"
+        )
+    if delay != expected:
+        return (
+            f"published with a {num(float(delay))} ms delay, but bucket {bucket} of tier "
+            f"{bounds.tier} is {expected} ms ({num(bounds.tier_ms)} ms x {num(time_scale)}, "
+            f"jitter {num(settings.jitter)} over {settings.jitter_buckets} buckets)"
+        )
     return None
 
 
@@ -275,8 +296,10 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
     (`late_retries_excused`), the sweeper re-published it (`late_retries_swept`), or the
     proven waits in its process since its delivery there (slots, a resume's begin and
     recovery) cover all but tol of the lateness (`late_retries_explained`); a
-    `retry_published` with another tier or delay is one."""
+    `retry_published` with another tier, a bucket its tier has not, or a delay other
+    than its tier and bucket give is one."""
     spec = cx.spec
+    settings = RetrySettings.of(spec.policy)
     tol = spec.delay_tolerance_s
     out: list[Violation] = []
     latencies: list[float] = []
@@ -324,7 +347,7 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
             def flag(msg: str, a: str = a, r: str = r, k: list = key, c: list = context) -> None:
                 out.append(Violation(NAME, a, r, msg, timeline(k, c)))
 
-            problem = _published_problem(pub, bounds, spec.time_scale) if pub else None
+            problem = _published_problem(pub, bounds, settings, spec.time_scale) if pub else None
             if problem:
                 flag(f"retry of {r} attempt {k} {problem}")
             latency = ts - event_time(base)

@@ -34,8 +34,9 @@ _SERVICE_OF = {
 _LINK_ACTIONS = frozenset({"add_toxic", "update_toxic", "remove_toxic", "cut_link"})
 _WHERE = frozenset({"toxic_added", "toxic_updated", "toxic_removed", "link_cut", "link_restored"})
 #: Runner fault actions that touch nothing of another execution: a worker's death is
-#: judged as a death (`chaos.checker.holding.deaths`), a cancel is no fault.
-_NOT_A_FAULT = frozenset({"kill_worker", "restart_worker", "cancel"})
+#: judged as a death (`chaos.checker.holding.deaths`), a cancel is no fault, and a poison
+#: message touches no evaluation (`poison_rejected` judges it).
+_NOT_A_FAULT = frozenset({"kill_worker", "restart_worker", "cancel", "publish_poison"})
 
 
 @dataclass(frozen=True)

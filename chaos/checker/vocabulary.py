@@ -78,7 +78,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "delay_ms": OPT_INT,
         **_LAG,
     },
-    "message_rejected": {"attempt_id?": STR, "reason": STR},
+    "message_rejected": {"attempt_id?": STR, "reason": STR, "detail?": STR},
     "delivery_failed": {**_ID, "error": STR},
     "duplicate_dropped": {**_ID, "kind": WORK_KINDS},
     "terminal_dropped": {**_ID, "kind": WORK_KINDS},
@@ -194,8 +194,9 @@ EVENTS: dict[str, dict[str, Spec]] = {
 }
 
 #: The bodies of the engine's `evaluation.*` events, as the runner's consumer receives them
-#: (`started_received`, `completed_received`), and the message id each must carry: a
-#: consumer dedupes on it.
+#: (`started_received`, `completed_received`, `pass_received`), and the message id each
+#: must carry after `{attempt_id}:` (with the body's fields filled in): a consumer dedupes
+#: on it.
 MESSAGES: dict[str, tuple[str, dict[str, Spec]]] = {
     "started_received": (
         "started",
@@ -204,6 +205,10 @@ MESSAGES: dict[str, tuple[str, dict[str, Spec]]] = {
     "completed_received": (
         "completed",
         {"attempt_id": STR, "status": EVALUATION_STATUSES, "verdicts": DICT},
+    ),
+    "pass_received": (
+        "pass:{pass_id}",
+        {"attempt_id": STR, "pass_id": STR, "outcome": PASS_OUTCOMES, "rules": DICT},
     ),
 }
 

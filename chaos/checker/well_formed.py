@@ -11,7 +11,7 @@ engine published, as the runner's consumer received them.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 
 from chaos.checker.context import Context, Outcome, timeline
 from chaos.checker.history_complete import UNREADABLE
@@ -76,7 +76,7 @@ def message_problems(e: dict) -> list[tuple[str, str]]:
     for key in body:
         if key not in spec:
             out.append((f"{ev}.body.{key} unknown", f"`{ev}` whose body has a field `{key}`"))
-    want = f"{body.get('attempt_id')}:{suffix}"
+    want = f"{body.get('attempt_id')}:{suffix.format_map(defaultdict(str, body))}"
     if e.get("message_id") != want:
         out.append(
             (

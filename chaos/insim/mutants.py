@@ -71,6 +71,9 @@ CORE: tuple[str, ...] = (
     "slow_heartbeat",
     "unlabelled_reruns",
     "failed_calls_uncounted",
+    "poison_requeued",
+    "retry_held_to_the_end",
+    "pass_result_misrouted",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (

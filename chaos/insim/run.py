@@ -34,14 +34,14 @@ import simpy
 from chaos import acts
 from chaos.acts import Step
 from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.conductor import COMPLETED_QUEUE, EVENT_KEYS, STARTED_KEY, Conductor, delivered
+from chaos.conductor import COMPLETED_QUEUE, EVENT_KEYS, RECEIVED_AS, Conductor, delivered
 from chaos.insim import mutants
 from chaos.proxy import model as proxy_model
 from chaos.reference import Draws
 from chaos.scenario import LoadedScenario, Scenario
 from engine.agent import AgentProfile, Draw, FakeAgent
 from engine.config import EngineConfig
-from engine.core.routing import SUBMIT_REASON
+from engine.core.messages import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.history import error_fields
 from engine.keys import eval_key
@@ -422,6 +422,16 @@ class SimRun:
         yield from client.close()
         return kept or EvaluationStatus.CANCELLED.value
 
+    def on_publish_raw(self, a: acts.PublishRaw) -> Generator[Any, Any, None]:
+        """On a connection of its own, as `on_cancel`."""
+        client = BrokerClient(
+            self.env, self.broker, "runner-poison", delivery_mode=RUNNER_DELIVERY_MODE
+        )
+        while not (yield from client.connect()):
+            yield self.env.timeout(self.options.reconnect_interval_s)
+        yield from client.publish_work(a.body, a.message_id)
+        yield from client.close()
+
     def on_settled(self, a: acts.Settled) -> int:
         if not self.redis.up:
             return 0
@@ -497,12 +507,10 @@ class SimRun:
         def received(d: Delivery) -> None:
             body = orjson.loads(orjson.dumps(d.body))  # a copy, as JSON carries it
             fields = delivered(body, d.message_id, d.redelivered, d.delivery_mode)
-            if d.routing_key == STARTED_KEY:
-                self.runner.record("started_received", **fields)
-            else:
-                self.runner.record("completed_received", **fields)
-                if isinstance(body, dict):
-                    self._received.add(str(body.get("attempt_id")))
+            ev = RECEIVED_AS.get(d.routing_key, "completed_received")
+            self.runner.record(ev, **fields)
+            if ev == "completed_received" and isinstance(body, dict):
+                self._received.add(str(body.get("attempt_id")))
             events.settle(d)
 
         events.consume(queue, 64, received)

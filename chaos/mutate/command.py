@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console
 
 EXIT_OK, EXIT_SURVIVORS, EXIT_INPUT = 0, 1, 2
-DEFAULT_SCENARIOS = ("scenarios/*.yaml", "scenarios/regressions/*.yaml")
+DEFAULT_SCENARIOS = ("scenarios/*.yaml", "scenarios/regressions/*.yaml", "scenarios/refused/*.yaml")
 EQUIVALENT = Path(__file__).with_name("equivalent.toml")
 
 
@@ -43,7 +43,8 @@ def add_parser(sub: Any, within: Callable[[int, int], Callable[[str], int]]) -> 
         "--scenarios",
         nargs="+",
         metavar="SCENARIO",
-        help="the suite (default: scenarios/*.yaml scenarios/regressions/*.yaml)",
+        help="the suite (default: scenarios/*.yaml scenarios/regressions/*.yaml "
+        "scenarios/refused/*.yaml; a refused one must be refused with its first line)",
     )
     m.add_argument(
         "--jobs",
@@ -89,7 +90,7 @@ def _seconds(text: str) -> float:
 
 def mutate_command(args: argparse.Namespace, console: Console) -> int:
     from chaos.mutate import generate, report, run
-    from chaos.scenario import ScenarioError, load_scenario
+    from chaos.scenario import ScenarioError, expected_refusal, load_scenario
 
     root = Path.cwd()
     try:
@@ -101,7 +102,8 @@ def mutate_command(args: argparse.Namespace, console: Console) -> int:
     scenarios = []
     for path in patterns:
         try:
-            load_scenario(path)
+            if expected_refusal(path) is None:  # a refused one is judged by its refusal
+                load_scenario(path)
         except ScenarioError as exc:
             print(str(exc), file=sys.stderr)
             return EXIT_INPUT

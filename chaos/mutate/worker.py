@@ -5,7 +5,9 @@ could import the very module to mutate before the hook is in place. The hook (a
 `sys.meta_path` finder) hands the import system the mutated source in place of the
 file's, compiled under the file's own name (tracebacks point at the real lines), with no
 bytecode cache read or written. The worker then runs the scenarios in the simulator, in
-order, and stops at the first failure: the first scenario that fails kills the mutant.
+order, and stops at the first failure: the first scenario that fails kills the mutant. A
+refused scenario (`# refused: LINE` on its first line) fails when it loads, or when it is
+refused with another line.
 
 The job (JSON): `root` (the checkout), `scenarios` (paths), `explore` (seeds per
 scenario), `skip` (`[scenario, seed]` pairs that fail without any mutant), `module`,
@@ -89,7 +91,7 @@ def judge(job: dict[str, Any]) -> dict[str, Any]:
     """Run the scenarios (then the exploration) until one fails."""
     from chaos.explore import document, simulate, swarm
     from chaos.insim import run_scenario
-    from chaos.scenario import load_scenario
+    from chaos.scenario import expected_refusal, load_scenario, refusal_problem
 
     baseline = "module" not in job
     failures: list[dict[str, Any]] = []
@@ -99,7 +101,17 @@ def judge(job: dict[str, Any]) -> dict[str, Any]:
         failures.append(entry)
         return None if baseline else entry
 
-    loaded = [load_scenario(p) for p in job["scenarios"]]
+    refused = [p for p in job["scenarios"] if expected_refusal(p) is not None]
+    for path in refused:  # each must be refused, with its own line
+        try:
+            problem = refusal_problem(path)
+        except Exception:
+            got = fail("crashed", path, None, _crash())
+        else:
+            got = None if problem is None else fail("killed", path, None, problem)
+        if got:
+            return got
+    loaded = [load_scenario(p) for p in job["scenarios"] if p not in refused]
     for sc in loaded:
         try:
             outcome = run_scenario(sc)

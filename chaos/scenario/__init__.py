@@ -47,7 +47,12 @@ and `published.py` (the JSON Schema).
 
 from chaos.scenario.faults import EventTriggers, PlannedFault, fault_schedule
 from chaos.scenario.loaded import LoadedScenario, Submission
-from chaos.scenario.loading import load_scenario, scenario_from_dict
+from chaos.scenario.loading import (
+    expected_refusal,
+    load_scenario,
+    refusal_problem,
+    scenario_from_dict,
+)
 from chaos.scenario.published import SCHEMA_PATH, schema_text, write_schema
 from chaos.scenario.schema import (
     INVARIANT_NAMES,
@@ -78,8 +83,10 @@ __all__ = [
     "Scenario",
     "ScenarioError",
     "Submission",
+    "expected_refusal",
     "fault_schedule",
     "load_scenario",
+    "refusal_problem",
     "scenario_from_dict",
     "schema_text",
     "write_schema",

@@ -24,7 +24,35 @@ from chaos.scenario.schema import (
 from engine.plan import Plan, PlanError, load_plan
 from engine.yamlfile import read_yaml
 
+#: The first line of a scenario that must be refused (`scenarios/refused/`): the line it is
+#: refused with follows, after the file's name.
+REFUSED_MARK = "# refused: "
+
 # --- loading ---------------------------------------------------------------------------------
+
+
+def expected_refusal(path: str | Path) -> str | None:
+    """The line a refused scenario must be refused with (its first line says so), or None
+    for a scenario that must load. A suite of them holds the loader, and the engine checks
+    it calls, to every bound: a check that lets a bad value through fails the suite."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return first[len(REFUSED_MARK) :].rstrip("\n") if first.startswith(REFUSED_MARK) else None
+
+
+def refusal_problem(path: str | Path) -> str | None:
+    """What is wrong with how a refused scenario fared: loaded, or refused otherwise."""
+    want = expected_refusal(path)
+    assert want is not None
+    try:
+        load_scenario(path)
+    except ScenarioError as exc:
+        got = str(exc).removeprefix(f"{path}: ")
+        return None if got == want else f"refused with {got!r}, expected {want!r}"
+    return f"loaded, but must be refused with {want!r}"
 
 
 def load_scenario(path: str | Path) -> LoadedScenario:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from types import SimpleNamespace
 from typing import Annotated, Any, Literal, NoReturn, TypeVar
 
 from pydantic import (
@@ -20,6 +21,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from chaos.checker import INVARIANTS
+from chaos.poison import POISON_KINDS
 from chaos.proxy.model import ToxicSpec
 from engine.agent import AgentProfile, AgentProfileError
 from engine.config import EngineConfig
@@ -29,12 +31,14 @@ from engine.policy import (
     ENGINE_BOUNDS,
     MAX_ATTEMPTS,
     MAX_IMMEDIATE_RETRIES,
+    MAX_JITTER_BUCKETS,
     MAX_SEED,
     MAX_TIER_MS,
     MAX_TIERS,
     MAX_TIME_SCALE,
     STATE_TTL_MS,
     RetryPolicy,
+    check_engine_settings,
 )
 from engine.validation import got as _got
 from engine.validation import is_finite_number
@@ -59,6 +63,7 @@ RUNNER_ACTIONS: tuple[str, ...] = (
     "update_toxic",  # change the attributes or toxicity of a toxic added before
     "remove_toxic",  # take a toxic added before away
     "cut_link",  # disable the workers' proxy to a service: connections drop, new ones fail
+    "publish_poison",  # put malformed messages on the work queue (chaos.poison), each once
 )
 WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pause_worker"})
 #: Runner actions that stop something for `pause_s`.
@@ -102,6 +107,7 @@ EVENT_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 InvariantName = Literal[INVARIANT_NAMES]  # type: ignore[valid-type]
 FailpointName = Literal[tuple(FAILPOINTS)]  # type: ignore[valid-type]
 RunnerAction = Literal[RUNNER_ACTIONS]  # type: ignore[valid-type]
+PoisonKind = Literal[POISON_KINDS]  # type: ignore[valid-type]
 
 
 class ScenarioError(ValueError):
@@ -230,6 +236,13 @@ class RetrySpec(_Model):
         default=(30_000, 120_000, 600_000), min_length=1, max_length=MAX_TIERS
     )
     jitter: float = Field(default=0.1, ge=0.0, le=1.0)
+    jitter_buckets: int = Field(
+        default=4,
+        ge=1,
+        le=MAX_JITTER_BUCKETS,
+        description="delay queues per tier: a retry waits tier x (1 + jitter x b / "
+        "(jitter_buckets - 1)) for a bucket b drawn from the seed and the rule attempt",
+    )
 
     def policy(self, seed: int) -> RetryPolicy:
         return RetryPolicy(
@@ -237,6 +250,7 @@ class RetrySpec(_Model):
             max_attempts=self.max_attempts,
             tiers_ms=tuple(self.tiers_ms),
             jitter=self.jitter,
+            jitter_buckets=self.jitter_buckets,
             seed=seed,
         )
 
@@ -605,9 +619,18 @@ class RunnerFault(_Model):
         description="add_toxic, cut_link: undone this long after (null: left until a "
         "remove_toxic, or the end of the run)",
     )
+    poison: Annotated[ListOf[PoisonKind], Field(min_length=1)] | None = Field(
+        default=None,
+        description="publish_poison: the kinds of malformed message to publish, each once "
+        "(null: every kind, " + ", ".join(POISON_KINDS) + ")",
+    )
     count: int = Field(default=1, ge=1, le=100)
     every_s: float | None = Field(default=None, gt=0, le=MAX_RUN_S)
     name: str | None = Field(default=None, pattern=ID_PATTERN)
+
+    @property
+    def poison_kinds(self) -> tuple[str, ...]:
+        return POISON_KINDS if self.poison is None else self.poison
 
     @model_validator(mode="after")
     def _check_link(self) -> RunnerFault:
@@ -659,6 +682,8 @@ class RunnerFault(_Model):
                 "pause_s",
                 f"only with pause_worker, pause_redis and pause_broker; action is {self.action}",
             )
+        if self.poison is not None and self.action != "publish_poison":
+            _fail("poison", f"only with publish_poison; action is {self.action}")
         service_pause = self.action in ("pause_redis", "pause_broker")
         if service_pause and "restart_after_s" in self.model_fields_set:
             _fail("restart_after_s", f"not with {self.action} (pause_s says when it resumes)")
@@ -793,6 +818,35 @@ class Scenario(_Model):
             field = "plan" if err["loc"] == ("path",) else "evaluations"
             _fail(field, _message(err))
         data["plans"] = [ref]
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _the_engine_judges(cls, data: Any) -> Any:
+        """The engine's own checks (`RetryPolicy`, `check_engine_settings`) judge the retry
+        and worker settings first, in its words: a scenario refuses what a worker refuses,
+        as a worker would say it. The models' bounds are the schema's, and a backstop."""
+        if not isinstance(data, dict):
+            return data
+        retry, engine = data.get("retry", {}), data.get("engine", {})
+        if isinstance(retry, dict):
+            values = {k: retry.get(k, f.default) for k, f in RetrySpec.model_fields.items()}
+            values["tiers_ms"] = _as_tuple(values["tiers_ms"])
+            seed = data.get("seed", 0)
+            try:
+                RetryPolicy(**values, seed=seed)
+            except (ValueError, TypeError) as exc:
+                field, _, why = str(exc).partition(": ")
+                _fail(field if field == "seed" else f"retry.{field}", why)
+        if isinstance(engine, dict):
+            fields = EngineSpec.model_fields
+            values = {k: engine.get(k, fields[k].default) for k in ENGINE_BOUNDS}
+            scale = data.get("time_scale", cls.model_fields["time_scale"].default)
+            try:
+                check_engine_settings(SimpleNamespace(**values, time_scale=scale))
+            except (ValueError, TypeError) as exc:
+                field, _, why = str(exc).partition(": ")
+                _fail(field if field == "time_scale" else f"engine.{field}", why)
         return data
 
     @field_validator("agent")

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-#: The `reason` of the `execute` message that `engine.submit` publishes.
-SUBMIT_REASON = "submit"
+from engine.core.messages import SUBMIT_REASON
 
 
 def may_be_held_elsewhere(kind: str, body: Mapping[str, Any], redelivered: bool) -> bool:

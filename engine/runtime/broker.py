@@ -309,6 +309,10 @@ class Broker:
     async def publish_work(self, body: dict[str, Any], message_id: str) -> None:
         await self._publish(None, self.work_queue_name, body, message_id, mandatory=True)
 
+    async def publish_work_raw(self, raw: bytes, message_id: str) -> None:
+        """A message as bytes, whatever they hold: a harness's poison message."""
+        await self._publish_raw(None, self.work_queue_name, raw, message_id, mandatory=True)
+
     async def publish_retry(
         self, tier: int, bucket: int, body: dict[str, Any], message_id: str
     ) -> None:

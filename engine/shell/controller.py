@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from engine.config import EngineConfig
+from engine.core.messages import problem as message_problem
 from engine.core.recovery import announce_again, retry_is_fresh
 from engine.core.routing import may_be_held_elsewhere
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
@@ -70,16 +71,17 @@ class EvaluationController:
 
     def on_message(self, delivery: Any, body: Any, redelivered: bool) -> Step:
         """One delivery; `body` is the decoded message (None: it did not decode)."""
-        try:
-            kind = body["type"]
-            attempt_id = body["attempt_id"]
-            if not isinstance(kind, str) or not isinstance(attempt_id, str):
-                raise TypeError(kind, attempt_id)
-        except (KeyError, TypeError):
-            yield Log("error", "dropping a malformed message")
-            yield Record("message_rejected", {"reason": "malformed"})
+        wrong = message_problem(body)
+        if wrong is not None:  # a poison message: it would fail at every delivery
+            yield Log("error", f"dropping a malformed message: {wrong}")
+            rejected = {"reason": "malformed", "detail": wrong}
+            named = body.get("attempt_id") if isinstance(body, dict) else None
+            if isinstance(named, str):
+                rejected["attempt_id"] = named
+            yield Record("message_rejected", rejected)
             yield Settle(delivery)
             return
+        kind, attempt_id = body["type"], body["attempt_id"]
         try:
             if kind == "cancel":
                 yield from self._on_cancel(attempt_id, delivery)
@@ -103,7 +105,6 @@ class EvaluationController:
     def _on_work(
         self, kind: str, attempt_id: str, body: dict[str, Any], delivery: Any, redelivered: bool
     ) -> Step:
-        attempt = int(body.get("attempt", 0))  # a malformed one fails here, recorded or not
         if self._recording:
             yield Record(
                 "delivered",
@@ -111,7 +112,7 @@ class EvaluationController:
                     "attempt_id": attempt_id,
                     "kind": kind,
                     "rule_id": body.get("rule_id"),
-                    "attempt": attempt or None,
+                    "attempt": body.get("attempt"),
                     "redelivered": redelivered,
                     "reason": body.get("reason"),
                     "published_ms": body.get("published_ms"),
@@ -154,8 +155,7 @@ class EvaluationController:
     def _dispatch(
         self, kind: str, attempt_id: str, body: dict[str, Any], delivery: Any, redelivered: bool
     ) -> Step:
-        rule_id = body.get("rule_id")
-        attempt = int(body.get("attempt", 0))
+        rule_id, attempt = body.get("rule_id"), body.get("attempt") or 0
         orch = self.evaluations.get(attempt_id)
         if orch is not None:
             if kind == "retry" and rule_id is not None:
@@ -239,7 +239,7 @@ class EvaluationController:
 
         due: dict[str, int] = {}
         if kind == "retry":
-            rule_id, attempt = str(body["rule_id"]), int(body["attempt"])
+            rule_id, attempt = body["rule_id"], body["attempt"]
             if retry_is_fresh(plan, snapshot, rule_id, attempt):
                 due[rule_id] = attempt
             else:
@@ -284,7 +284,7 @@ class EvaluationController:
                 yield Record("acked", {"attempt_id": attempt_id})
             yield Failpoint("after_ack", None, attempt_id)
         elif kind == "retry":
-            orch.retry_messages[(str(body["rule_id"]), int(body["attempt"]))] = delivery
+            orch.retry_messages[(body["rule_id"], body["attempt"])] = delivery
         orch.start()
 
     def _forward(self, attempt_id: str, holder: str, delivery: Any) -> Step:

@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core import parse_status
+from engine.core.messages import LOST_RETRY_REASON, STALE_HEARTBEAT_REASON
 from engine.keys import split_member
 from engine.shell.effects import NOW, Effect, Log, PublishWork, Record, Sleep, Step, Store
 
@@ -45,7 +46,7 @@ def sweep(config: EngineConfig, held: Collection[str]) -> Generator[Effect, Any,
         body = {
             "type": "execute",
             "attempt_id": attempt_id,
-            "reason": "stale_heartbeat",
+            "reason": STALE_HEARTBEAT_REASON,
             "published_ms": published_ms,
         }
         yield PublishWork(body, f"{attempt_id}:resume:{published_ms}")
@@ -65,7 +66,7 @@ def sweep(config: EngineConfig, held: Collection[str]) -> Generator[Effect, Any,
             "attempt_id": attempt_id,
             "rule_id": rule_id,
             "attempt": n + 1,
-            "reason": "lost_retry",
+            "reason": LOST_RETRY_REASON,
             "published_ms": (yield NOW),
             "delay_ms": 0,
         }
