@@ -163,6 +163,12 @@ def swarm(data: dict[str, Any], seed: int) -> dict[str, Any]:
             fault["count"] = rng.randint(1, int(fault["count"]))
         faults.append(fault)
     out["faults"] = faults
+    # a drawn hit or trigger may never come: whether a fault fires is chance, not a promise
+    exercised = out.get("exercised")
+    if isinstance(exercised, dict):
+        exercised.pop("faults_fired", None)
+    left_out = out.get("not_checked")
+    out["not_checked"] = [*(left_out if isinstance(left_out, list) else []), "faults_fired"]
     _swarm_services(out, rng)
     out["seed"] = seed
     return out

@@ -176,7 +176,9 @@ class Failpoints:
     causes)."""
 
     def __init__(
-        self, armed: list[Failpoint] | None = None, on_crash: Callable[[str], None] | None = None
+        self,
+        armed: list[Failpoint] | None = None,
+        on_crash: Callable[[str, str | None, str | None], None] | None = None,
     ) -> None:
         self._armed: dict[str, list[Failpoint]] = {}
         self.on_crash = on_crash
@@ -206,7 +208,7 @@ class Failpoints:
             if fp.matches(rule, attempt_id) and fp.should_fire():
                 if fp.action == "crash":
                     if self.on_crash is not None:
-                        self.on_crash(name)
+                        self.on_crash(name, rule, attempt_id)
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.on_fire is not None:
                     self.on_fire(fp, rule, attempt_id)

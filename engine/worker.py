@@ -96,7 +96,9 @@ class Worker:
         self.worker_id = worker_id or f"w{os.getpid()}-{uuid.uuid4().hex[:6]}"
         history = open_history(history_path, self.worker_id)
         fps = failpoints or Failpoints()
-        fps.on_crash = lambda name: history.record("crash", failpoint=name)
+        fps.on_crash = lambda name, rule, attempt_id: history.record(
+            "crash", failpoint=name, rule=rule, attempt_id=attempt_id
+        )
         fps.on_fire = lambda fp, rule, attempt_id: history.record(
             "failpoint_fired", **fired_fields(fp, rule, attempt_id)
         )

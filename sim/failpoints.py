@@ -24,7 +24,7 @@ class SimFailpoints:
         self,
         env: simpy.Environment,
         specs: str,
-        crash: Callable[[str], NoReturn],
+        crash: Callable[[str, str | None, str | None], NoReturn],
         freeze: Callable[[float], None] | None = None,
         on_fire: Callable[[Failpoint, str | None, str | None], None] | None = None,
     ) -> None:
@@ -53,7 +53,7 @@ class SimFailpoints:
         for fp in fps:
             if fp.matches(rule, attempt_id) and fp.should_fire():
                 if fp.action == "crash":
-                    self.crash(name)
+                    self.crash(name, rule, attempt_id)
                 if self.on_fire is not None:
                     self.on_fire(fp, rule, attempt_id)
                 if fp.action == "raise":

@@ -226,8 +226,10 @@ class SimWorker:
         """What the live worker's `Failpoints.on_fire` records."""
         self.record("failpoint_fired", **fired_fields(fp, rule, attempt_id))
 
-    def crash(self, failpoint: str) -> NoReturn:
-        self.record("crash", failpoint=failpoint)
+    def crash(
+        self, failpoint: str, rule: str | None = None, attempt_id: str | None = None
+    ) -> NoReturn:
+        self.record("crash", failpoint=failpoint, rule=rule, attempt_id=attempt_id)
         self.die(EXIT_KILLED)
         raise WorkerDied
 

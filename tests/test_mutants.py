@@ -1237,9 +1237,10 @@ def test_non_persistent() -> None:
 
 
 class _Held:
-    """An evaluation in memory, as the heartbeat sees it (its fence token)."""
+    """An evaluation in memory, as the heartbeat sees it (its fence token, not leaving)."""
 
     fence = "1:w"
+    leaving = False
 
 
 def probe_heartbeat() -> dict[str, Any]:

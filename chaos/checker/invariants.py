@@ -15,6 +15,7 @@ from chaos.checker.cancel_respected import check_cancel_respected
 from chaos.checker.completed_delivered import check_completed_delivered
 from chaos.checker.context import Context, Outcome
 from chaos.checker.dag_order import check_dag_order
+from chaos.checker.faults_fired import check_faults_fired
 from chaos.checker.history_complete import check_history_complete
 from chaos.checker.idempotent_results import check_idempotent_results
 from chaos.checker.leases import check_leases_renewed, check_leases_respected
@@ -162,6 +163,12 @@ REGISTRY: tuple[Invariant, ...] = (
         "every begin of an evaluation publishes evaluation.started before its ACK and its "
         "first rule start, and a consumer bound before the first submit receives it",
         check_started_announced,
+    ),
+    Invariant(
+        "faults_fired",
+        "every fault the scenario plans fires, each failpoint at the rule and evaluation it "
+        "is aimed at",
+        check_faults_fired,
     ),
     Invariant(
         "retries_acked",

@@ -9,6 +9,9 @@
   `cancel_written`, or Redis' `final_published` flag at the end).
 - Every key the engine wrote carries a TTL (`FinalState.key_ttls`: the `attempt:*` keys and
   the engine's own `engine:*` keys; `TTL` -1 is none, -2 a key gone meanwhile).
+- No lease is left on a terminal, announced evaluation (its `owner` key among the keys at
+  the end): the process that announces it, or that drops it as over, gives the lease back.
+  Only a holder that died or was frozen (a kill, a crash, a pause) leaves one, to expire.
 """
 
 from __future__ import annotations
@@ -103,6 +106,19 @@ def check_quiet_state(cx: Context) -> Outcome:
                         ),
                     )
                 )
+        if published and f"attempt:{a}:owner" in cx.final.key_ttls and not _holder_stopped(cx, evs):
+            out.append(
+                Violation(
+                    "quiet_state",
+                    a,
+                    None,
+                    f"evaluation {fin.state} and announced, but its lease is still held when "
+                    "the run ended, though no holder of it died or was paused",
+                    timeline(
+                        of(evs, "evaluation_started", "final_published", "terminal_dropped")[-6:]
+                    ),
+                )
+            )
         if t_quiet is None:
             continue
         late = [e for e in of(evs, *SWEPT) if claim_start(e) > t_quiet]
@@ -151,6 +167,19 @@ def check_quiet_state(cx: Context) -> Outcome:
     if indexes is None:
         cx.stats.setdefault("unknown_parts", {})["quiet_state"] = "the indexes were not read"
     return cases + keys, out
+
+
+#: What stops a holder without giving its leases back: they expire instead.
+_STOPPED = frozenset({"crash", "worker_killed", "worker_paused", "failpoint_fired"})
+
+
+def _holder_stopped(cx: Context, evs: list[dict]) -> bool:
+    """Whether a process that began the evaluation died or was frozen at some point."""
+    pids = {e.get("pid") for e in of(evs, "evaluation_started")}
+    return any(
+        e.get("pid") in pids and (e.get("ev") != "failpoint_fired" or e.get("stall_ms"))
+        for e in of(cx.events, *_STOPPED)
+    )
 
 
 def _owner(key: str) -> str:

@@ -138,6 +138,11 @@ class CheckSpec:
     fault_recovery_s: float = DEFAULT_FAULT_RECOVERY_S
     delay_tolerance_s: float = 0.005
     reference: Reference | None = None
+    #: The failpoints the scenario arms, each (name, rule, attempt id), None where it does
+    #: not filter, and the labels of the runner faults' firings it plans: each must fire
+    #: (`faults_fired`).
+    failpoints: tuple[tuple[str, str | None, str | None], ...] = ()
+    faults_planned: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from chaos.checker.invariants import INVARIANTS  # the registry imports this module

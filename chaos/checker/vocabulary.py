@@ -189,7 +189,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "rule": OPT_STR,
         "attempt_id": OPT_STR,
     },
-    "crash": {"failpoint": frozenset(FAILPOINTS)},
+    "crash": {"failpoint": frozenset(FAILPOINTS), "rule": OPT_STR, "attempt_id": OPT_STR},
     "engine_error": {"error": STR, "during": STR, "traceback": STR, "attempt_id?": STR},
 }
 

@@ -103,6 +103,11 @@ class LoadedScenario:
                 **{name: getattr(budgets, name) for name in COST_BUDGETS},
             },
             price_per_1k_tokens=budgets.price_per_1k_tokens,
+            faults_planned=tuple(f.label for f in self.schedule(random.Random(seed))),
+            failpoints=tuple(
+                (f.failpoint, f.rule, None if f.evaluation is None else list(plans)[f.evaluation])
+                for _, f in self.spec.failpoint_faults
+            ),
         )
 
     @cached_property

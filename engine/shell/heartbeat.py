@@ -53,7 +53,7 @@ def beat(
 ) -> Step:
     """One renewal of every lease held; each recorded when `lease_ms` (the lease the
     renewal asks for) is given."""
-    held = {a: orch.fence for a, orch in evaluations.items()}
+    held = {a: orch.fence for a, orch in evaluations.items() if not orch.leaving}
     if not held:
         return
     sent_ms = (yield NOW) if lease_ms is not None else 0

@@ -86,6 +86,10 @@ class PassExecutionOrchestrator:
         self._tasks: set[Any] = set()
         self._on_done = on_done
         self._closed = False
+        # Set when this copy gives its lease back (the final `done`, a park, a release):
+        # the heartbeat no longer renews it, or a renewal landing after the give-back
+        # would take the lease again for an evaluation nobody runs.
+        self.leaving = False
         self.holds_slot = False
         self._starts: list[tuple[str, int]] = []  # first tries of the actions being executed
         # Starts of each rule's attempt as the start marker counted them (the `runs` key),
@@ -148,6 +152,7 @@ class PassExecutionOrchestrator:
         for task in list(self._tasks):
             if task is not current:
                 self.host.cancel(task)
+        self.leaving = True
         yield from release(self.attempt_id, self.worker_id)
         yield from self._on_done(self)
 
@@ -414,6 +419,7 @@ class PassExecutionOrchestrator:
                 )
             case Park(waiting=waiting):
                 sent_ms = (yield NOW) if self._recording else 0
+                self.leaving = True
                 yield Store("park", (a, self.worker_id, self.fence, list(waiting)))
                 if self._recording:  # with when the lease was let go: before the reply
                     yield Record(
@@ -579,7 +585,9 @@ class PassExecutionOrchestrator:
     def _announce(self, action: Finish, status: str, verdicts: dict[str, str]) -> Step:
         a = self.attempt_id
         yield Failpoint("before_final_publish", None, a)
-        held = yield from publish_completed(self.worker_id, a, status, verdicts, self._recording)
+        held = yield from publish_completed(
+            self.worker_id, a, status, verdicts, self._recording, self._let_go
+        )
         for _ in range(3):
             if held is not False:
                 break
@@ -619,8 +627,12 @@ class PassExecutionOrchestrator:
                 {"attempt_id": self.attempt_id, "rule_id": rule_id, "attempt": attempt},
             )
         if release_lease:
+            self.leaving = True
             yield from release(self.attempt_id, self.worker_id)
         yield from self._on_done(self)
+
+    def _let_go(self) -> None:
+        self.leaving = True
 
 
 def release(attempt_id: str, worker_id: str) -> Step:
@@ -639,6 +651,7 @@ def publish_completed(
     status: str,
     verdicts: Mapping[str, str],
     recording: bool = True,
+    letting_go: Callable[[], None] | None = None,
 ) -> Generator[Effect, Any, bool]:
     """Publish evaluation.completed for the final state, then flag it, unindex, release.
 
@@ -648,6 +661,8 @@ def publish_completed(
     """
     body = {"attempt_id": attempt_id, "status": status, "verdicts": dict(verdicts)}
     yield PublishEvent("evaluation.completed", body, f"{attempt_id}:completed")
+    if letting_go is not None:  # `done` gives the lease back: no renewal after it
+        letting_go()
     sent_ms = (yield NOW) if recording else 0
     held = yield Store("done", (attempt_id, worker_id))
     if recording:  # with when the lease was let go: before the reply
