@@ -920,6 +920,18 @@ def failed_calls_uncounted() -> None:
     orchestrator.Count = count  # type: ignore[assignment,misc]
 
 
+def failpoints_blind() -> None:
+    """faults_fired: the orchestrator's failpoint sites no longer say which rule they are
+    at (`Failpoint(name, None, attempt_id)`): a failpoint aimed at a rule never matches, so
+    every scenario built on one silently tests nothing; the engine is otherwise unchanged."""
+    make = orchestrator.Failpoint
+
+    def blind(name: str, rule: Any = None, attempt_id: Any = None) -> Any:
+        return make(name, None, attempt_id)
+
+    orchestrator.Failpoint = blind  # type: ignore[assignment,misc]
+
+
 def pass_result_misrouted() -> None:
     """pass_results_correct: `evaluation.pass_result` goes out under another routing key
     (`evaluation.pass_results`): the engine records every announcement as before, and no
@@ -1206,6 +1218,11 @@ MUTANTS: dict[str, Mutant] = {
             failed_calls_uncounted,
             "metrics_match_history",
             "the agent-calls counter moves for successful calls only",
+        ),
+        _mutant(
+            failpoints_blind,
+            "faults_fired",
+            "the orchestrator's failpoint sites do not name their rule: an aimed one never fires",
         ),
         _mutant(
             pass_result_misrouted,

@@ -81,6 +81,7 @@ CATCHES = {
     "poison_requeued": "poison_messages",  # each malformed one comes round again
     "retry_held_to_the_end": "delay_tiers",
     "pass_result_misrouted": "permanent_failure_prunes",
+    "failpoints_blind": "failpoints_aimed",
 }
 
 

@@ -30,10 +30,20 @@ def data_of(name: str) -> dict:
     return document(load_scenario(SCENARIOS / f"{name}.yaml"))
 
 
+#: Checks an explored variant leaves out (`chaos.explore.swarm`): whether a drawn fault
+#: fires there is chance, not a promise. Their mutants are caught by the scenario itself.
+NOT_EXPLORED = {"faults_fired"}
+
+
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_every_mutant_is_found_within_1000_seeds(mutant: str) -> None:
     data = data_of(CATCHES[mutant])
     breaks = MUTANTS[mutant].breaks
+    if breaks in NOT_EXPLORED:
+        variant = swarm(data, 0)
+        assert breaks in variant["not_checked"] and breaks not in variant.get("exercised", {})
+        assert breaks in simulate(data, mutant).failed  # the scenario as written catches it
+        return
     for seed in range(1000):
         result = simulate(swarm(data, seed), mutant)
         if breaks in result.failed:

@@ -1192,6 +1192,16 @@ def test_poison_requeued() -> None:
     assert any("rejected again" in v.message for v in broken.result.violations)
 
 
+def test_failpoints_blind() -> None:
+    clean, broken = _sim_pair("failpoints_aimed", "failpoints_blind")
+    assert clean.result.ok and clean.result.cases["faults_fired"] == 13 + 1  # and none unplanned
+    assert _broken(broken) == {"faults_fired"}
+    # the sites that name a rule: their failpoints, aimed at one, never fire
+    missed = {v.message.split()[1] for v in broken.result.violations}
+    assert "rule_after_write" in missed and "before_final_write" not in missed
+    assert all("never fired" in v.message for v in broken.result.violations)
+
+
 def test_pass_result_misrouted() -> None:
     clean, broken = _sim_pair("permanent_failure_prunes", "pass_result_misrouted")
     assert clean.result.ok

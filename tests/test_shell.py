@@ -251,3 +251,20 @@ def test_a_log_level_logging_does_not_know_is_an_engine_bug() -> None:
     assert log_level(Log("warning", "x")) == logging.WARNING
     with pytest.raises(KeyError, match="'fatl'"):
         log_level(Log("fatl", "x"))
+
+
+def test_the_heartbeat_leaves_alone_a_lease_being_given_back() -> None:
+    """A renewal landing after the final `done` (or a park, a release) would take the lease
+    again for an evaluation nobody runs (found by `quiet_state` behind Sentinel, where a
+    batch waits for its replica): a copy that gives its lease back is not renewed."""
+    from types import SimpleNamespace
+
+    from engine.shell.heartbeat import beat
+
+    leaving = SimpleNamespace(fence="1:w", leaving=True)
+    staying = SimpleNamespace(fence="2:w", leaving=False)
+    assert list(beat("w", {"a": leaving}, 600)) == []  # nothing held: no round trip at all
+    step = beat("w", {"a": leaving, "b": staying}, 600)
+    next(step)  # the clock
+    renew = step.send(0)
+    assert renew.op == "renew" and renew.args == ({"b": "2:w"}, "w")

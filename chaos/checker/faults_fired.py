@@ -7,7 +7,9 @@ stopped reaching the site, or stopped telling the site which rule and evaluation
 (a failpoint aimed at a rule then never matches), or the event a fault waits for never
 came. Each planned fault is a case: a runner fault with no `fault_fired` of its label, a
 failpoint with no `crash` or `failpoint_fired` of its name, its rule (when it names one)
-and its evaluation (when it names one), is a violation. An explored variant draws its
+and its evaluation (when it names one), is a violation. And one case more, in every run
+where an engine process recorded anything: nothing fired that the scenario did not plan
+(a fault of another label, a failpoint it does not arm). An explored variant draws its
 hits and times anew, so whether each fires there is chance, not a promise: `chaos sim`
 leaves this check out of its variants.
 """
@@ -24,6 +26,26 @@ def check_faults_fired(cx: Context) -> Outcome:
     """One case per runner fault firing planned and per failpoint armed."""
     out: list[Violation] = []
     labels = {e.get("fault") for e in of(cx.events, "fault_fired")}
+    armed = {name for name, _, _ in cx.spec.failpoints}
+    unplanned = [
+        e
+        for e in of(cx.events, "fault_fired", "crash", "failpoint_fired")
+        if (
+            e.get("fault") not in cx.spec.faults_planned
+            if e.get("ev") == "fault_fired"
+            else e.get("failpoint") not in armed
+        )
+    ]
+    if unplanned:
+        out.append(
+            Violation(
+                NAME,
+                "",
+                None,
+                f"{len(unplanned)} fault(s) fired that the scenario does not plan",
+                unplanned[:6],
+            )
+        )
     for label in cx.spec.faults_planned:
         if label not in labels:
             out.append(
@@ -52,4 +74,5 @@ def check_faults_fired(cx: Context) -> Outcome:
                 near,
             )
         )
-    return len(cx.spec.faults_planned) + len(cx.spec.failpoints), out
+    ran = any(e.get("src") != "runner" for e in cx.events)  # an engine process recorded
+    return len(cx.spec.faults_planned) + len(cx.spec.failpoints) + int(ran), out

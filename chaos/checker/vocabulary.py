@@ -228,14 +228,21 @@ def _expiry_as_its_answer(e: dict) -> str | None:
     return None
 
 
+#: Why each kind of work message was published: a retry by its owner (no reason) or by
+#: the sweeper that found it lost; an execute by a submit or by the sweeper's resume.
+REASONS_OF = {"retry": (None, "lost_retry"), "execute": ("submit", "stale_heartbeat")}
+
+
 def _retry_or_execute(e: dict) -> str | None:
-    """A retry names its rule, attempt and delay; an execute names none of them."""
-    retry = e.get("kind") == "retry"
+    """A retry names its rule, attempt and delay; an execute names none of them; each
+    carries a reason of its own kind."""
+    kind = e.get("kind")
+    retry = kind == "retry"
     named = [k for k in ("rule_id", "attempt", "delay_ms") if (e.get(k) is None) is retry]
     if named:
-        return f"kind {e.get('kind')!r} and `{'`, `'.join(named)}` " + (
-            "missing" if retry else "given"
-        )
+        return f"kind {kind!r} and `{'`, `'.join(named)}` " + ("missing" if retry else "given")
+    if e.get("reason") not in REASONS_OF.get(str(kind), ()):
+        return f"kind {kind!r} with reason {e.get('reason')!r}"
     return None
 
 

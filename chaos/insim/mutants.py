@@ -74,6 +74,7 @@ CORE: tuple[str, ...] = (
     "poison_requeued",
     "retry_held_to_the_end",
     "pass_result_misrouted",
+    "failpoints_blind",
 )
 #: Every object a core patch may change: saved and restored whole.
 _OWNERS: tuple[Any, ...] = (
