@@ -28,7 +28,8 @@ def check_prune_only_dependents(cx: Context) -> Outcome:
     At any time: no rule of D has a result or failed permanently (it ran), and every
     `rules_skipped` names dependents of a rule in F. On evaluations that finished
     (completed / partial / failed, not cancelled): every rule outside F and D has a
-    result, and the state matches (completed: all results; failed: none)."""
+    result, every rule of D was recorded skipped (`rules_skipped`: the engine says what it
+    pruned, and why), and the state matches (completed: all results; failed: none)."""
     out: list[Violation] = []
     judged = 0
     for a in cx.evaluations:
@@ -80,6 +81,19 @@ def check_prune_only_dependents(cx: Context) -> Outcome:
                 )
         if fin.state not in FINISHED_STATES or a in cx.cancelled:
             continue
+        told = {str(x) for e in of(evs, "rules_skipped") for x in e.get("rule_ids") or []}
+        untold = sorted(doomed - told)
+        if untold:
+            out.append(
+                Violation(
+                    "prune_only_dependents",
+                    a,
+                    untold[0] if len(untold) == 1 else None,
+                    f"evaluation {fin.state}, but {listed(untold)} (pruned: a dependency "
+                    "failed permanently) never recorded as skipped",
+                    timeline(of(evs, "evaluation_terminal", "rules_skipped", "status_written")),
+                )
+            )
         missing = [r for r in plan.rules if r not in results and r not in failed | doomed]
         if missing:
             context = [e for e in evs if e.get("rule_id") in missing]

@@ -246,8 +246,19 @@ def _retry_or_execute(e: dict) -> str | None:
     return None
 
 
+def _a_delayed_retry(e: dict) -> str | None:
+    """A start marker's write is measured for a delayed retry's first start only."""
+    attempt, wrote = e.get("attempt"), e.get("write_ms")
+    if isinstance(attempt, int) and attempt < 2:
+        return f"attempt {attempt}: only a delayed retry (attempt 2 or later) is measured"
+    if isinstance(wrote, int | float) and wrote < 0:
+        return f"`write_ms` {wrote!r} below 0"
+    return None
+
+
 #: What holds between the fields of one event, each a sentence when it does not.
 AGREES: dict[str, Callable[[dict], str | None]] = {
+    "start_marked": _a_delayed_retry,
     "rule_failed": _retryable_as_its_kind,
     "lease_renewed": _expiry_as_its_answer,
     "delivered": _retry_or_execute,
