@@ -256,8 +256,22 @@ def _a_delayed_retry(e: dict) -> str | None:
     return None
 
 
+def _rerun_as_counted(e: dict) -> str | None:
+    """A first try is a rerun exactly when an earlier execution of its attempt started
+    (the start marker counts them); a level-1 retry is never one."""
+    execution, try_no = e.get("execution"), e.get("try_no")
+    if not isinstance(execution, int) or not isinstance(try_no, int):
+        return None  # the fields' own types are judged apart
+    if execution < 1:
+        return f"`execution` {execution} below 1"
+    if e.get("rerun") is not (try_no == 1 and execution > 1):
+        return f"`rerun` {e.get('rerun')!r} for try {try_no} of execution {execution}"
+    return None
+
+
 #: What holds between the fields of one event, each a sentence when it does not.
 AGREES: dict[str, Callable[[dict], str | None]] = {
+    "rule_started": _rerun_as_counted,
     "start_marked": _a_delayed_retry,
     "rule_failed": _retryable_as_its_kind,
     "lease_renewed": _expiry_as_its_answer,
