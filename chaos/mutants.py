@@ -513,17 +513,37 @@ def all_passes_complete() -> None:
     dag.pass_outcome = lambda p, state: "complete"
 
 
-def _without_completed(step: Step) -> Step:
-    """`step`, its `evaluation.completed` publish dropped on the way out (as sent)."""
+#: What `_rewritten`'s change returns for an effect to drop (the step gets None back, as
+#: from an effect carried out).
+_DROP = object()
+
+
+def _rewritten(step: Step, change: Callable[[Any], Any]) -> Step:
+    """`step`, each effect passed through `change` on its way out: what `change` returns
+    goes out in its place (`_DROP`: nothing does)."""
     stepper = Stepper(step)
     while (effect := stepper.next()) is not None:
-        if isinstance(effect, PublishEvent) and effect.routing_key == "evaluation.completed":
+        effect = change(effect)
+        if effect is _DROP:
+            stepper.reply(None)
             continue
         try:
             stepper.reply((yield effect))
         except BaseException as exc:
             stepper.fail(exc)
     return stepper.value
+
+
+def _without_completed(step: Step) -> Step:
+    """`step`, its `evaluation.completed` publish dropped on the way out (as sent)."""
+
+    def drop(effect: Any) -> Any:
+        completed = (
+            isinstance(effect, PublishEvent) and effect.routing_key == "evaluation.completed"
+        )
+        return _DROP if completed else effect
+
+    return (yield from _rewritten(step, drop))
 
 
 def no_completed_event() -> None:
@@ -725,16 +745,8 @@ def no_started_event() -> None:
     begin = EvaluationController._begin
 
     def unannounced(self: EvaluationController, *args: Any) -> Step:
-        stepper = Stepper(begin(self, *args))
-        while (effect := stepper.next()) is not None:
-            if _is_started(effect):
-                stepper.reply(None)
-                continue
-            try:
-                stepper.reply((yield effect))
-            except BaseException as exc:
-                stepper.fail(exc)
-        return stepper.value
+        drop = lambda effect: _DROP if _is_started(effect) else effect  # noqa: E731
+        return (yield from _rewritten(begin(self, *args), drop))
 
     EvaluationController._begin = unannounced  # type: ignore[method-assign]
 
@@ -965,18 +977,19 @@ def poison_requeued() -> None:
     on_message = EvaluationController.on_message
 
     def requeue(self: EvaluationController, delivery: Any, body: Any, redelivered: bool) -> Step:
-        stepper = Stepper(on_message(self, delivery, body, redelivered))
         malformed = False
-        while (effect := stepper.next()) is not None:
+
+        def nack(effect: Any) -> Any:
+            nonlocal malformed
             if isinstance(effect, Record) and effect.event == "message_rejected":
                 malformed = effect.fields.get("reason") == "malformed"
-            if malformed and isinstance(effect, Settle):
-                effect = Settle(effect.delivery, ack=False)
-            try:
-                stepper.reply((yield effect))
-            except BaseException as exc:
-                stepper.fail(exc)
-        return stepper.value
+            return (
+                Settle(effect.delivery, ack=False)
+                if malformed and isinstance(effect, Settle)
+                else effect
+            )
+
+        return (yield from _rewritten(on_message(self, delivery, body, redelivered), nack))
 
     EvaluationController.on_message = requeue  # type: ignore[method-assign]
 
