@@ -22,12 +22,20 @@ _BODIES: dict[str, Any] = {
     "no_type": lambda a: {"attempt_id": a, "published_ms": 0},
     "type_not_a_string": lambda a: {"type": 7, "attempt_id": a},
     "no_attempt_id": {"type": "execute", "published_ms": 0, "reason": "submit"},
+    "empty_attempt_id": {
+        "type": "execute", "attempt_id": "", "published_ms": 0, "reason": "submit",
+    },
+    "no_published_ms": lambda a: {"type": "execute", "attempt_id": a, "reason": "submit"},
     "unknown_type": lambda a: {"type": "explode", "attempt_id": a},
     "unknown_reason": lambda a: {
         "type": "execute", "attempt_id": a, "published_ms": 0, "reason": "because",
     },
     "retry_without_rule": lambda a: {
         "type": "retry", "attempt_id": a, "attempt": 2, "published_ms": 0, "delay_ms": 0,
+    },
+    "retry_delay_not_an_integer": lambda a: {
+        "type": "retry", "attempt_id": a, "rule_id": "compiles", "attempt": 2,
+        "published_ms": 0, "delay_ms": "soon",
     },
     "retry_of_no_attempt": lambda a: {
         "type": "retry", "attempt_id": a, "rule_id": "compiles", "attempt": "two",
@@ -49,7 +57,24 @@ POISON_KINDS: tuple[str, ...] = tuple(_BODIES)
 #: carry a reason of their own: the unknown type, `no plan`, or the plan's error line.
 MALFORMED: frozenset[str] = frozenset(POISON_KINDS) - {"unknown_type", "no_plan", "bad_plan"}
 #: The kinds whose message names no attempt id (their rejection cannot name one either).
-NAMELESS: frozenset[str] = frozenset({"not_json", "not_an_object", "no_attempt_id"})
+NAMELESS: frozenset[str] = frozenset(
+    {"not_json", "not_an_object", "no_attempt_id", "empty_attempt_id"}
+)
+#: How the rejection of each malformed kind starts its `detail`: the field it is about.
+DETAILS: dict[str, str] = {
+    "not_json": "not a JSON object",
+    "not_an_object": "not a JSON object",
+    "no_type": "type: ",
+    "type_not_a_string": "type: ",
+    "no_attempt_id": "attempt_id: ",
+    "empty_attempt_id": "attempt_id: ",
+    "no_published_ms": "published_ms: ",
+    "unknown_reason": "reason: expected one of lost_retry, stale_heartbeat, submit",
+    "retry_without_rule": "rule_id: ",
+    "retry_delay_not_an_integer": "delay_ms: ",
+    "retry_of_no_attempt": "attempt: ",
+    "execute_naming_a_rule": "an execute names no rule and no attempt",
+}
 
 
 def poison(kind: str, attempt_id: str) -> bytes:

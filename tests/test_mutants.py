@@ -1183,12 +1183,12 @@ def test_failed_calls_uncounted() -> None:
 def test_poison_requeued() -> None:
     clean, broken = _sim_pair("poison_messages", "poison_requeued")
     assert clean.result.ok and clean.result.verdicts["poison_rejected"] == "pass"
-    assert clean.result.stats["poison_published"] == 16
-    assert clean.result.stats["poison_rejections"] == 16  # each once
+    assert clean.result.stats["poison_published"] == 19
+    assert clean.result.stats["poison_rejections"] == 19  # each once
     delivered = sum(e["ev"] == "delivered" for e in clean.history)
-    assert clean.result.cases["poison_rejected"] == 16 + delivered
+    assert clean.result.cases["poison_rejected"] == 19 + delivered
     assert _broken(broken) == {"poison_rejected"}
-    assert broken.result.stats["poison_rejections"] > 16
+    assert broken.result.stats["poison_rejections"] > 19
     assert any("rejected again" in v.message for v in broken.result.violations)
 
 

@@ -3,8 +3,9 @@
 The runner's `publish_poison` fault records each message it puts on the work queue
 (`poison_published`: its kind, the attempt id it names or null, `chaos.poison`). For each:
 - a worker rejects it (`message_rejected`) with the reason its kind calls for: `malformed`
-  for a message of the wrong shape, the unknown type itself, `no plan`, or the plan's own
-  error line;
+  for a message of the wrong shape (its `detail` naming the field at fault:
+  `chaos.poison.DETAILS`), the unknown type itself, `no plan`, or the plan's own error
+  line;
 - nothing else happens to the evaluation it names: no begin, no rule start, no failed
   delivery (a failed delivery goes back to the queue, and a poison fails again at every
   delivery, for ever);
@@ -27,7 +28,7 @@ from chaos.checker.context import Context, Outcome, event_time, of, proc_of, tim
 from chaos.checker.holding import deaths
 from chaos.checker.records import Violation
 from chaos.checker.touching import touches
-from chaos.poison import expected_reason
+from chaos.poison import DETAILS, expected_reason
 
 NAME = "poison_rejected"
 #: What a poison message must never lead to.
@@ -91,16 +92,27 @@ def check_poison_rejected(cx: Context) -> Outcome:
         if not mine:
             out.append(Violation(NAME, a, None, f"poison {kind} never rejected", timeline([pub])))
             continue
-        want = expected_reason(kind, a)
+        want, detail = expected_reason(kind, a), DETAILS.get(kind)
         for e in mine:
-            if not str(e.get("reason")).startswith(want):
-                got = e.get("reason")
+            got, said = e.get("reason"), e.get("detail")
+            if not str(got).startswith(want):
                 out.append(
                     Violation(
                         NAME,
                         a,
                         None,
                         f"poison {kind} rejected as {got!r}; expected {want!r}",
+                        timeline([pub, e]),
+                    )
+                )
+            elif detail is not None and not str(said).startswith(detail):
+                out.append(
+                    Violation(
+                        NAME,
+                        a,
+                        None,
+                        f"poison {kind} rejected with detail {said!r}; expected one that "
+                        f"starts {detail!r}",
                         timeline([pub, e]),
                     )
                 )
@@ -127,6 +139,23 @@ def check_poison_rejected(cx: Context) -> Outcome:
                 )
             )
     if anonymous or nameless:
+        said = [str(e.get("detail")) for e in nameless]
+        for pub in anonymous:  # each nameless poison's detail, among theirs
+            detail = DETAILS[str(pub.get("kind"))]
+            match = next((i for i, d in enumerate(said) if d.startswith(detail)), None)
+            if match is None:
+                out.append(
+                    Violation(
+                        NAME,
+                        "",
+                        None,
+                        f"poison {pub.get('kind')} (naming no evaluation): no malformed "
+                        f"rejection naming none says {detail!r}",
+                        timeline([pub, *nameless[:5]]),
+                    )
+                )
+            else:
+                del said[match]
         if len(nameless) < len(anonymous):
             out.append(
                 Violation(

@@ -76,7 +76,7 @@ class EvaluationController:
             yield Log("error", f"dropping a malformed message: {wrong}")
             rejected = {"reason": "malformed", "detail": wrong}
             named = body.get("attempt_id") if isinstance(body, dict) else None
-            if isinstance(named, str):
+            if isinstance(named, str) and named:
                 rejected["attempt_id"] = named
             yield Record("message_rejected", rejected)
             yield Settle(delivery)
