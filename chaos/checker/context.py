@@ -106,6 +106,8 @@ class Context:
         by_eval, by_pair = self.by_eval, self.by_pair
         for e in self.events:
             ev = e.get("ev")
+            if type(ev) is not str:  # a broken engine's record: `history_well_formed` says so
+                ev = None
             a = e.get("attempt_id")
             if type(a) is str or isinstance(a, str):
                 by_eval[a].append(e)

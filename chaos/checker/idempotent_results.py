@@ -158,7 +158,11 @@ def check_idempotent_results(cx: Context) -> Outcome:
             for v, e in seen:
                 if e is not None:
                     counts[v] += 1
-            shown = ", ".join(f"{_show(v)} x{n}" for v, n in sorted(counts.items()))
+            # a missing score (None) sorts before any number
+            order = sorted(
+                counts.items(), key=lambda vn: (vn[0][0], vn[0][1] is not None, vn[0][1] or 0)
+            )
+            shown = ", ".join(f"{_show(v)} x{n}" for v, n in order)
             if final is not None:
                 shown += f"; final result {_show(_key(final.verdict, final.score))}"
             out.append(

@@ -535,6 +535,15 @@ class SimRun:
         if self._events is not None:
             yield from self._events.close()
 
+    def _final_or_nothing(self) -> FinalState:
+        """The store as the run left it; a store a broken engine left unreadable (a key or
+        an index member of the wrong type) is an engine error, judged with nothing read."""
+        try:
+            return self.on_read_final(acts.ReadFinal())
+        except Exception as exc:
+            self.runner.record_fields("engine_error", error_fields(exc, "reading the final state"))
+            return FinalState()
+
     def engine_error_seen(self) -> None:
         """Counted by `sim.drive.engine_error`: at the limit, the simulation stops (the run
         has failed already; the rest would repeat the same error)."""
@@ -557,12 +566,11 @@ class SimRun:
             main = self.env.process(self._drive(self.conductor.run()))
             try:
                 self.env.run(until=main | self.stopped)
-                final: FinalState = (
-                    main.value if main.processed else self.on_read_final(acts.ReadFinal())
-                )
+                done = main.value if main.processed else None
+                final = done if isinstance(done, FinalState) else self._final_or_nothing()
             except Exception as exc:  # a verdict, never an exception out of the simulator
                 self.runner.record_fields("engine_error", error_fields(exc, "simulation"))
-                final = self.on_read_final(acts.ReadFinal())
+                final = self._final_or_nothing()
         result = check(self.events, final, self.check_spec())
         digest = history_hash(self.events)
         return SimOutcome(
