@@ -116,14 +116,16 @@ def check_poison_rejected(cx: Context) -> Outcome:
                         timeline([pub, e]),
                     )
                 )
-        for e in _repeats(mine, died, faults, 1):
+        again = _repeats(mine, died, faults, 1)
+        if again:  # one violation a poison, however often it came round
             out.append(
                 Violation(
                     NAME,
                     a,
                     None,
-                    f"poison {kind} rejected again by {proc_of(e)[0]}: it was not ACKed when "
-                    "dropped (no death or fault of the process that dropped it first)",
+                    f"poison {kind} rejected again by {proc_of(again[0])[0]} ({len(again)} "
+                    "time(s)): it was not ACKed when dropped (no death or fault of the "
+                    "process that dropped it first)",
                     timeline([pub, *mine[:4]]),
                 )
             )
@@ -167,15 +169,16 @@ def check_poison_rejected(cx: Context) -> Outcome:
                     timeline(anonymous + nameless),
                 )
             )
-        for e in _repeats(nameless, died, faults, len(anonymous)):
+        again = _repeats(nameless, died, faults, len(anonymous))
+        if again:
             out.append(
                 Violation(
                     NAME,
                     "",
                     None,
                     f"a malformed message naming no evaluation rejected again by "
-                    f"{proc_of(e)[0]}: more rejections ({len(nameless)}) than such poison "
-                    f"messages ({len(anonymous)}), with no death or fault to owe them",
+                    f"{proc_of(again[0])[0]}: more rejections ({len(nameless)}) than such "
+                    f"poison messages ({len(anonymous)}), with no death or fault to owe them",
                     timeline(nameless[:6]),
                 )
             )
