@@ -260,6 +260,14 @@ class Settled:
 
 
 @dataclass(frozen=True, slots=True)
+class Leases:
+    """Which of `attempt_ids` hold a lease (their `owner` key), and the holder's name;
+    None while Redis is down."""
+
+    attempt_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Announced:
     """Which of `attempt_ids` Redis marks announced (`final_published`); none while it is
     down."""
@@ -319,6 +327,7 @@ Act = (
     | Cancel
     | PublishRaw
     | Settled
+    | Leases
     | Announced
     | Received
     | Tail

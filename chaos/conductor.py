@@ -177,6 +177,11 @@ class Conductor:
         yield acts.Spawn(self._timed_faults())
         yield acts.Spawn(self._event_faults())
         yield from self._wait_settled()
+        if self.progress.terminal == len(self.attempt_ids):
+            # the moment no lease should be left on what is over: `quiet_state` reads it
+            held = yield acts.Leases(self.attempt_ids)
+            if held is not None:
+                yield acts.Record("leases_at_settle", {"held": held})
         yield from self._wait_delivered()
         yield acts.StopSpawned()
         if self._network:

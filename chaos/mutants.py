@@ -581,6 +581,20 @@ def leak_running_index() -> None:
         setattr(store, name, source.replace(line, ""))
 
 
+#: The line of the `done` script that gives the announcer's lease back.
+_DONE_RELEASE = "if redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end\n"
+
+
+def done_keeps_lease() -> None:
+    """quiet_state: `done` flags the evaluation announced and takes it out of the indexes,
+    but keeps the announcer's lease: a finished evaluation stays leased to a living worker
+    until the lease expires, and a sweeper or a delivery that meets it meanwhile finds it
+    held. The source is edited before `RedisStore.__init__` registers it."""
+    if store._DONE.count(_DONE_RELEASE) != 1:
+        raise RuntimeError("done_keeps_lease: the done script changed")
+    store._DONE = store._DONE.replace(_DONE_RELEASE, "")
+
+
 #: `needless_rerun`: the renewal (counted per evaluation and worker) that gives the lease up.
 GIVE_UP_AT_RENEWAL = 2
 
@@ -751,6 +765,21 @@ def no_started_event() -> None:
     EvaluationController._begin = unannounced  # type: ignore[method-assign]
 
 
+def skips_untold() -> None:
+    """prune_only_dependents: a permanent failure prunes exactly its dependents, but the
+    engine no longer says so (`rules_skipped` is not recorded): what was pruned, and
+    because of which rule, is nowhere but in the missing results."""
+    execute = orchestrator.PassExecutionOrchestrator._execute
+
+    def drop(effect: Any) -> Any:
+        return _DROP if isinstance(effect, Record) and effect.event == "rules_skipped" else effect
+
+    def untold(self: Any, action: Any) -> Step:
+        return (yield from _rewritten(execute(self, action), drop))
+
+    orchestrator.PassExecutionOrchestrator._execute = untold  # type: ignore[method-assign]
+
+
 # --- RabbitMQ flow control and durability ---------------------------------------------------
 
 
@@ -782,20 +811,20 @@ def non_persistent() -> None:
 
 
 def heartbeat_stops_when_idle() -> None:
-    """leases_renewed: the heartbeat stops at its first idle beat. A worker that holds no
-    evaluation when its heartbeat first beats never renews a lease again: its leases live
-    only as long as its fenced writes run them on, and lapse during any long call."""
-    beat = heartbeat.beat
-    stopped: set[str] = set()
+    """leases_renewed: the heartbeat's loop ends the first time it finds nothing to renew
+    (written `while evaluations:`, the test before the sleep). A worker starts with
+    nothing held, so its heartbeat ends at once and never renews a lease: leases live only
+    as long as fenced writes run them on, and lapse during any long call. (Ending at the
+    first idle beat *after* the sleep instead is the schedule's to reveal: live, a worker
+    may hold something at every beat of a run.)"""
+    loop = heartbeat.heartbeat
 
-    def beat_until_idle(worker_id: str, evaluations: Any, *args: Any) -> Step:
+    def while_held(config: Any, worker_id: str, evaluations: Any, recording: bool = True) -> Step:
         if not evaluations:
-            stopped.add(worker_id)
-        if worker_id in stopped:
             return
-        yield from beat(worker_id, evaluations, *args)
+        yield from loop(config, worker_id, evaluations, recording)
 
-    heartbeat.beat = beat_until_idle  # type: ignore[assignment]
+    heartbeat.heartbeat = while_held  # type: ignore[assignment]
 
 
 #: `slow_heartbeat`: how many times longer than `heartbeat_ms` the heartbeat sleeps.
@@ -1023,6 +1052,11 @@ MUTANTS: dict[str, Mutant] = {
             "a permanent failure skips every pending rule, not only its dependents",
         ),
         _mutant(
+            skips_untold,
+            "prune_only_dependents",
+            "what a permanent failure prunes is pruned, but never recorded as skipped",
+        ),
+        _mutant(
             prune_nothing,
             "prune_only_dependents",
             "a permanently failed dependency counts as satisfied: its dependents still run",
@@ -1106,6 +1140,11 @@ MUTANTS: dict[str, Mutant] = {
             leak_running_index,
             "quiet_state",
             "a terminal evaluation is left in the running index",
+        ),
+        _mutant(
+            done_keeps_lease,
+            "quiet_state",
+            "the announcer keeps its lease on the evaluation it announced",
         ),
         _mutant(
             needless_rerun,
@@ -1195,7 +1234,7 @@ MUTANTS: dict[str, Mutant] = {
         _mutant(
             heartbeat_stops_when_idle,
             "leases_renewed",
-            "the heartbeat stops at its first idle beat: leases live on fenced writes alone",
+            "the heartbeat ends when it finds nothing to renew: leases live on fenced writes alone",
         ),
         _mutant(
             slow_heartbeat,

@@ -461,6 +461,16 @@ class ScenarioRun:
         pairs = zip(values[::2], values[1::2], strict=True)
         return sum(1 for state, published in pairs if state in TERMINAL and published)
 
+    async def on_leases(self, a: acts.Leases) -> dict[str, str] | None:
+        assert self._client is not None
+        try:
+            owners = await self._client.store.redis.mget(
+                [eval_key(i, "owner") for i in a.attempt_ids]
+            )
+        except Exception:  # Redis is down (a fault): nothing to say
+            return None
+        return {i: o for i, o in zip(a.attempt_ids, owners, strict=True) if o is not None}
+
     async def on_announced(self, a: acts.Announced) -> set[str]:
         assert self._client is not None
         keys = [eval_key(i, "final_published") for i in a.attempt_ids]

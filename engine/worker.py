@@ -49,8 +49,8 @@ from engine.runtime.broker import Broker, amqp_unavailable
 from engine.runtime.context import Runtime
 from engine.runtime.drive import LiveHost, detached, drive
 from engine.runtime.store import RedisStore, redis_unavailable
+from engine.shell import heartbeat
 from engine.shell.controller import EvaluationController
-from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
 from engine.shell.window import DeliveryWindow
 
@@ -163,7 +163,7 @@ class Worker:
         except (AMQPError, OSError) as exc:
             raise amqp_unavailable(exc, cfg.amqp_url, cfg.connect_timeout_s) from None
         held = self.controller.evaluations
-        beating = heartbeat(cfg, self.worker_id, held, self.controller.host.recording)
+        beating = heartbeat.heartbeat(cfg, self.worker_id, held, self.controller.host.recording)
         self._tasks.append(asyncio.create_task(drive(beating, rt)))
         if cfg.sweeper:
             self._tasks.append(asyncio.create_task(drive(sweeper(cfg, held), rt)))

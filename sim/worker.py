@@ -26,9 +26,9 @@ from engine.config import EngineConfig
 from engine.core.messages import decode
 from engine.failpoints import Failpoint, fired_fields
 from engine.metrics import Metrics
+from engine.shell import heartbeat
 from engine.shell.controller import EvaluationController
 from engine.shell.effects import Cancelled
-from engine.shell.heartbeat import heartbeat
 from engine.shell.sweeper import sweeper
 from engine.shell.window import DeliveryWindow
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery
@@ -212,7 +212,7 @@ class SimWorker:
         self.broker.consume_private(f"worker.{self.worker_id}", prefetch, self.on_message)
         self.broker.consume(WORK_QUEUE, prefetch, self.on_message)
         held = self.controller.evaluations
-        beating = drive(heartbeat(self.config, self.worker_id, held), self)
+        beating = drive(heartbeat.heartbeat(self.config, self.worker_id, held), self)
         self._loops.append(self.spawn(beating))  # type: ignore[arg-type]
         if self.config.sweeper:
             sweeping = drive(sweeper(self.config, held), self)

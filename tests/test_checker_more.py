@@ -470,6 +470,25 @@ def test_a_key_without_a_ttl_is_a_violation() -> None:
     assert v.attempt_id == A and f"attempt:{A}:rule:a:runs" in v.message
 
 
+def test_a_lease_left_on_an_announced_evaluation_is_a_violation() -> None:
+    # read when the run settled: a short lease left then may have expired by the end
+    h = H().golden()
+    h.runner("leases_at_settle", held={A: "w1"})
+    (v,) = failing(h.check("quiet_state"), "quiet_state")
+    assert v.attempt_id == A and "lease is still held" in v.message
+    h.events.pop()
+    h.ttls[f"attempt:{A}:owner"] = 1  # or among the keys at the end
+    (v,) = failing(h.check("quiet_state"), "quiet_state")
+    assert "lease is still held" in v.message
+
+
+def test_a_lease_left_by_a_holder_that_was_killed_expires() -> None:
+    h = H().golden()
+    h.runner("leases_at_settle", held={A: "w1"})
+    h.runner("worker_killed", pid=11)
+    passing(h.check("quiet_state"), "quiet_state")
+
+
 def test_indexes_not_read_are_reported_unknown() -> None:
     h = H().golden()
     h.indexes = None

@@ -820,6 +820,26 @@ def test_leak_running_index() -> None:
     assert after == {"done": True, "claimed": True, "unindexed": True}  # never claimed, kept
 
 
+def probe_lease_after_done() -> dict[str, bool]:
+    """Whether the announcer still holds the lease of the evaluation it announced."""
+
+    async def go(store: RedisStore, ids: list[str]) -> dict[str, bool]:
+        a = ids[0]
+        assert (await store.begin(a, "w", TINY.order, TINY.to_json())).snapshot is not None
+        assert await store.finish(a, "completed", {}, []) == (None, [])
+        assert await store.done(a, "w")
+        return {"held": await store.redis.get(eval_key(a, "owner")) is not None}
+
+    return asyncio.run(_probe_store(go))
+
+
+@live
+def test_done_keeps_lease() -> None:
+    before, after = _probe("probe_lease_after_done", "done_keeps_lease")
+    assert before == {"held": False}
+    assert after == {"held": True}
+
+
 def probe_lease() -> dict[str, Any]:
     """Worker w1 begins an evaluation; w2 begins it while w1's lease runs."""
 
@@ -1095,7 +1115,8 @@ def test_old_close_order(tmp_path: Path) -> None:
                 what="four retries held",
             )
         for w in workers:
-            w.terminate()
+            # the stop's own end, however long a busy machine makes it: its history is whole
+            w.terminate(timeout=PATIENCE_S)
         stop, taken = _after_stop(mut)
         assert stop[0]["ev"] == "evaluation_abandoned"  # no worker_stopping in the old close
         assert taken, "the requeued retries came back to the stopping worker"
@@ -1139,6 +1160,20 @@ def test_retry_to_undeclared_queue() -> None:
     assert broken.result.verdicts["all_terminal"] == "pass"  # the sweeper re-published
     errors = [e for e in broken.history if e["ev"] == "engine_error"]
     assert errors and all("KeyError: (" in e["error"] for e in errors)
+
+
+def test_skips_untold() -> None:
+    clean, broken = _sim_pair("permanent_failure_prunes", "skips_untold")
+    assert clean.result.ok
+    assert _broken(broken) == {"prune_only_dependents"}
+    # the same rules pruned, the same end: only the record of it is gone
+    assert [e for e in broken.history if e["ev"] == "rules_skipped"] == []
+
+    def ends(o: Any) -> dict[str, Any]:
+        return {a: (f.state, sorted(f.statuses.items())) for a, f in o.final.evaluations.items()}
+
+    assert ends(broken) == ends(clean)
+    assert all("never recorded as skipped" in v.message for v in broken.result.violations)
 
 
 def test_started_after_ack() -> None:
@@ -1265,26 +1300,26 @@ def probe_heartbeat() -> dict[str, Any]:
     return {"idle": idle, "busy": asked, "sleeps": next(loop).seconds}
 
 
-def _busy_after_idle() -> dict[str, Any]:
+def probe_heartbeat_started_idle() -> dict[str, Any]:
+    """The heartbeat's loop, started with nothing held (as every worker starts), then
+    given an evaluation: what it asks of the world in its first two beats."""
     from engine.shell import heartbeat
 
-    list(heartbeat.beat("w", {}, 600))  # the first beat finds nothing held
-    busy = heartbeat.beat("w", {"a": _Held()}, 600)  # type: ignore[dict-item]
+    held: dict[str, Any] = {}
+    loop = heartbeat.heartbeat(EngineConfig(heartbeat_ms=100, stale_ms=600), "w", held)
     asked = []
     with contextlib.suppress(StopIteration):
-        asked.append(type(next(busy)).__name__)
-        asked.append(type(busy.send(0)).__name__)
-    return {"busy": asked}
-
-
-def probe_heartbeat_after_idle() -> dict[str, Any]:
-    return _busy_after_idle()
+        asked.append(type(next(loop)).__name__)  # the first sleep
+        held["a"] = _Held()
+        asked.append(type(loop.send(None)).__name__)
+        asked.append(type(loop.send(0)).__name__)
+    return {"asked": asked}
 
 
 def test_heartbeat_stops_when_idle() -> None:
-    before, after = _probe("probe_heartbeat_after_idle", "heartbeat_stops_when_idle")
-    assert before == {"busy": ["Clock", "Store"]}  # the clock, then the renewal
-    assert after == {"busy": []}  # stopped at the idle beat: nothing renewed ever again
+    before, after = _probe("probe_heartbeat_started_idle", "heartbeat_stops_when_idle")
+    assert before == {"asked": ["Sleep", "Clock", "Store"]}  # sleep, the clock, the renewal
+    assert after == {"asked": []}  # ended before its first sleep: nothing renewed ever
 
 
 def test_slow_heartbeat() -> None:

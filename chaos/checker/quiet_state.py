@@ -9,8 +9,9 @@
   `cancel_written`, or Redis' `final_published` flag at the end).
 - Every key the engine wrote carries a TTL (`FinalState.key_ttls`: the `attempt:*` keys and
   the engine's own `engine:*` keys; `TTL` -1 is none, -2 a key gone meanwhile).
-- No lease is left on a terminal, announced evaluation (its `owner` key among the keys at
-  the end): the process that announces it, or that drops it as over, gives the lease back.
+- No lease is left on a terminal, announced evaluation (its `owner` key, read by the runner
+  the moment the run settled, `leases_at_settle`, and among the keys at the end): the
+  process that announces it, or that drops it as over, gives the lease back.
   Only a holder that died or was frozen (a kill, a crash, a pause) leaves one, to expire.
 """
 
@@ -78,6 +79,7 @@ def check_quiet_state(cx: Context) -> Outcome:
         for member in members:
             held[member_attempt(str(member))].append(f"{key} {member!r}")
     excused = 0
+    settle_leases = _leases_at_settle(cx.events)
     for a in cx.evaluations:
         fin = cx.final_of(a)
         if fin is None or fin.state not in TERMINAL_STATES:
@@ -106,7 +108,8 @@ def check_quiet_state(cx: Context) -> Outcome:
                         ),
                     )
                 )
-        if published and f"attempt:{a}:owner" in cx.final.key_ttls and not _holder_stopped(cx, evs):
+        leased = a in settle_leases or f"attempt:{a}:owner" in cx.final.key_ttls
+        if published and leased and not _holder_stopped(cx, evs):
             out.append(
                 Violation(
                     "quiet_state",
@@ -167,6 +170,17 @@ def check_quiet_state(cx: Context) -> Outcome:
     if indexes is None:
         cx.stats.setdefault("unknown_parts", {})["quiet_state"] = "the indexes were not read"
     return cases + keys, out
+
+
+def _leases_at_settle(events: list[dict]) -> dict[str, Any]:
+    """The leases the runner found the moment every evaluation was terminal and announced
+    and no living worker held one (`leases_at_settle`): read then, not when the run ends,
+    since by then a short lease left behind may have expired."""
+    for e in of(events, "leases_at_settle"):
+        held = e.get("held")
+        if isinstance(held, dict):
+            return held
+    return {}
 
 
 #: What stops a holder without giving its leases back: they expire instead.

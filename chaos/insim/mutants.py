@@ -52,6 +52,7 @@ CORE: tuple[str, ...] = (
     "start_after_cancel",
     "prune_everything",
     "prune_nothing",
+    "skips_untold",
     "reset_attempts_on_recovery",
     "ignore_dag",
     "no_immediate_retries",
@@ -162,6 +163,17 @@ def _leaving_it_indexed(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _leak_running_index() -> None:
     for name in ("done", "begin", "unindex", "claim_stale"):  # the scripts the live one edits
         setattr(SimRedis, name, _leaving_it_indexed(getattr(SimRedis, name)))
+
+
+def _done_keeps_lease() -> None:
+    """The live patch's `done` script without its `DEL` of the owner key: the release it
+    makes is asked for a holder no lease ever has."""
+    done = SimRedis.done
+
+    def done_keeping(self: SimRedis, a: str, me: str) -> bool:
+        return done(self, a, "")
+
+    SimRedis.done = done_keeping  # type: ignore[method-assign]
 
 
 def _needless_rerun() -> None:
@@ -360,6 +372,7 @@ PATCHED: dict[str, Callable[[], None]] = {
     "result_without_ttl": _result_without_ttl,
     "overwrite_result": _overwrite_result,
     "leak_running_index": _leak_running_index,
+    "done_keeps_lease": _done_keeps_lease,
     "needless_rerun": _needless_rerun,
     "ignore_lease": _ignore_lease,
     "no_fencing": _no_fencing,

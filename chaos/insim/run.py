@@ -441,6 +441,12 @@ class SimRun:
             settled += state in TERMINAL and published
         return settled
 
+    def on_leases(self, a: acts.Leases) -> dict[str, str] | None:
+        if not self.redis.up:
+            return None
+        holders = {i: self.redis.holder(i) for i in a.attempt_ids}
+        return {i: h for i, h in holders.items() if h is not None}
+
     def on_announced(self, a: acts.Announced) -> set[str]:
         redis = self.redis
         return {i for i in a.attempt_ids if redis.up and redis.record(i)[2]}
