@@ -42,7 +42,7 @@ from engine.policy import RetryPolicy
 from engine.runtime import store
 from engine.runtime.broker import Broker
 from engine.runtime.drive import drive
-from engine.shell import heartbeat, orchestrator
+from engine.shell import controller, heartbeat, orchestrator
 from engine.shell import sweeper as shell_sweeper
 from engine.shell.controller import EvaluationController
 from engine.shell.effects import (
@@ -780,6 +780,14 @@ def skips_untold() -> None:
     orchestrator.PassExecutionOrchestrator._execute = untold  # type: ignore[method-assign]
 
 
+def never_passed_on() -> None:
+    """retry_delays_respected: a worker whose evaluation slots are all taken no longer
+    looks up who holds a delivery's evaluation: a retry for an evaluation another worker
+    holds waits there for a slot, then is begun, finds the holder and only then is passed
+    on, late by however long the slot took."""
+    controller.may_be_held_elsewhere = lambda kind, body, redelivered: False
+
+
 # --- RabbitMQ flow control and durability ---------------------------------------------------
 
 
@@ -1050,6 +1058,11 @@ MUTANTS: dict[str, Mutant] = {
             prune_everything,
             "prune_only_dependents",
             "a permanent failure skips every pending rule, not only its dependents",
+        ),
+        _mutant(
+            never_passed_on,
+            "retry_delays_respected",
+            "a busy worker holds another owner's retry for a slot instead of passing it on",
         ),
         _mutant(
             skips_untold,

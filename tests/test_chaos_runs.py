@@ -37,6 +37,7 @@ CATCHES = {
     "prune_everything": "permanent_failure_prunes",
     "prune_nothing": "permanent_failure_prunes",
     "skips_untold": "permanent_failure_prunes",
+    "never_passed_on": "busy_workers_pass_retries_on",  # held for a slot, then forwarded
     "nondeterministic_agent": "crash_after_ack",  # no drift there: reruns must agree
     "reset_attempts_on_recovery": "delay_tiers",
     "per_message_ttl": "delay_tiers",

@@ -1176,6 +1176,17 @@ def test_skips_untold() -> None:
     assert all("never recorded as skipped" in v.message for v in broken.result.violations)
 
 
+def test_never_passed_on() -> None:
+    clean, broken = _sim_pair("busy_workers_pass_retries_on", "never_passed_on")
+    assert clean.result.ok
+    assert any(e["ev"] == "forwarded" for e in clean.history)  # passed on at once
+    held_back = [e for e in broken.history if e["ev"] == "slot_wait" and e.get("kind") == "retry"]
+    assert held_back
+    assert _broken(broken) == {"retry_delays_respected"}
+    # each late retry waited for a slot while its evaluation's owner held it
+    assert all("should have been passed on" in v.message for v in broken.result.violations)
+
+
 def test_started_after_ack() -> None:
     clean, broken = _sim_pair("crash_right_after_ack", "started_after_ack")
     assert clean.result.ok and clean.result.verdicts["started_announced"] == "pass"

@@ -10,7 +10,9 @@ There is no slack. A retry may start later than its tier only by what the histor
   and `slot_granted` when it gets one. The checker verifies the claim: each rule named
   running had started in that process and not finished when the wait began, one of them
   ended before the grant, and there were as many as the evaluation's slots; each
-  evaluation named held had begun in that process. The waits are reported as latency
+  evaluation named held had begun in that process, and no other process held the
+  evaluation from before the delivery to the wait (its lease was there to be looked up:
+  the delivery should have been passed on at once). The waits are reported as latency
   (`retry_slot_wait_s`);
 - the resumed evaluation's begin and recovery, when its delivery found it out of memory
   (parked, or its owner gone): from the delivery (or its evaluation slot) to the
@@ -19,9 +21,11 @@ There is no slack. A retry may start later than its tier only by what the histor
 - a fault window (from the runner's own `fault_fired` / `fault_healed` records) open
   during the wait, or the sweeper's lost-retry path.
 What is left, the broker's hold past the TTL, a forward, the delivery's own hops and the
-worker's processing, must fit within `delay_tolerance_s` (the timer granularity, the same
-tolerance an early start gets); live, each event's own recorded event-loop lag
-(`loop_lag_ms`, measured by the worker) is added to it. Anything else is a violation.
+worker's processing (but not a wait for an evaluation slot on the way, in a process that
+should have passed the retry on to the one holding its evaluation), must fit within
+`delay_tolerance_s` (the timer granularity, the same tolerance an early start gets); live,
+each event's own recorded event-loop lag (`loop_lag_ms`, measured by the worker) is added
+to it. Anything else is a violation.
 
 The tier is the checker's own (`oracle.delay_bounds`, from the scenario's `tiers_ms`,
 `jitter` and `time_scale`), never the engine's: a retry published to the wrong tier, or
@@ -40,9 +44,11 @@ from chaos.checker.context import (
     event_time,
     num,
     of,
+    proc_of,
     sort_key,
     timeline,
 )
+from chaos.checker.holding import Proc, Session, deaths, sessions
 from chaos.checker.oracle import DelayBounds, delay_bounds, retry_delay_ms
 from chaos.checker.records import RetrySettings, Violation
 
@@ -159,8 +165,13 @@ def _lock_wait(evs: list[dict], wait: dict, granted: dict) -> str | None:
     return None if busy else "the evaluation did nothing meanwhile"
 
 
-def _evaluation_wait(cx: Context, wait: dict) -> str | None:
-    """Why an evaluation's `slot_wait` is not proven (None: it is)."""
+def _evaluation_wait(
+    cx: Context, wait: dict, delivered: dict | None, held_by: list[Session]
+) -> str | None:
+    """Why an evaluation's `slot_wait` is not proven (None: it is). A delivery for an
+    evaluation another process held all along, from before it arrived (so its lease was
+    in Redis when the shell looked it up) to the wait, should have been passed on to that
+    process at once (`may_be_held_elsewhere`), not held for a slot."""
     src, tw = wait.get("src"), event_time(wait)
     held = wait.get("held")
     if not isinstance(held, list) or not held:
@@ -172,16 +183,72 @@ def _evaluation_wait(cx: Context, wait: dict) -> str | None:
         )
         if not begun:
             return f"{h}, named held, was not begun in that process"
+    if delivered is not None:
+        holder = _holder_all_along(held_by, proc_of(wait), event_time(delivered), tw)
+        if holder is not None:
+            return (
+                f"{holder.proc[0]} held the evaluation from before the delivery to the wait: "
+                "it should have been passed on"
+            )
     return None
 
 
+def _holder_all_along(held_by: list[Session], proc: Proc, t0: float, t1: float) -> Session | None:
+    """Another process's session open over all of [t0, t1] (begun before t0: its lease was
+    written before it recorded `evaluation_started`)."""
+    return next((s for s in held_by if s.proc != proc and s.t0 < t0 and s.t1 > t1), None)
+
+
+def _needless_in_transit(
+    cx: Context,
+    evs: list[dict],
+    start: dict,
+    t_first: float,
+    t_arrived: float,
+    held_by: list[Session],
+) -> tuple[float, list[dict], list[str]]:
+    """Evaluation slot waits, in the processes a retry went through before the one that
+    started it, for an evaluation another process held all along: not the delivery's own
+    latency but a message that should have been passed on at once (seconds, the waits and
+    their grants, what each was)."""
+    seconds = 0.0
+    key: list[dict] = []
+    why: list[str] = []
+    last_delivery: dict[Any, dict] = {}
+    open_waits: dict[Any, dict] = {}
+    for e in evs:
+        t, src, ev = event_time(e), e.get("src"), e.get("ev")
+        if t < t_first or t > t_arrived or src == start.get("src"):
+            continue
+        if ev == "delivered":
+            last_delivery[src] = e
+        elif ev == "slot_wait" and e.get("slot") == "evaluation":
+            open_waits[src] = e
+        elif ev == "slot_granted" and e.get("slot") == "evaluation" and src in open_waits:
+            wait = open_waits.pop(src)
+            delivered = last_delivery.get(src)
+            if delivered is None:
+                continue
+            holder = _holder_all_along(
+                held_by, proc_of(wait), event_time(delivered), event_time(wait)
+            )
+            if holder is not None:
+                seconds += t - event_time(wait)
+                key += [wait, e]
+                why.append(
+                    f"{1000 * (t - event_time(wait)):.1f} ms waiting for an evaluation slot in "
+                    f"{src} while {holder.proc[0]} held the evaluation (not passed on)"
+                )
+    return seconds, key, why
+
+
 def _waits(
-    cx: Context, a: str, r: str, k: int, start: dict, t_from: float
+    cx: Context, a: str, r: str, k: int, start: dict, arrived: dict, held_by: list[Session]
 ) -> tuple[float, float, float, list[dict], list[str]]:
     """Proven waits of attempt k's start in its process since `t_from` (its delivery
     there): (slot and lock waits, begin and recovery, its start marker's write as the
     worker measured it, their events, why a claimed wait is not proven)."""
-    src, ts = start.get("src"), event_time(start)
+    src, ts, t_from = start.get("src"), event_time(start), event_time(arrived)
     evs = cx.by_eval.get(a, [])
     mine = [e for e in evs if e.get("src") == src and t_from <= event_time(e) <= ts]
     slot_s = begin_s = marker_s = 0.0
@@ -211,14 +278,15 @@ def _waits(
             elif slot == "lock":
                 why = _lock_wait(evs, wait, e)
             else:
-                why = _evaluation_wait(cx, wait)
+                why = _evaluation_wait(cx, wait, arrived, held_by)
+            if slot == "evaluation":  # the begin counts from the slot, proven or not
+                begin_from = event_time(e)
             if why is None:
                 slot_s += event_time(e) - event_time(wait)
                 key += [wait, e]
-                if slot == "evaluation":
-                    begin_from = event_time(e)
             else:
-                unproven.append(f"a {slot} slot wait not proven ({why})")
+                article = "an" if slot[0] in "aeiou" else "a"
+                unproven.append(f"{article} {slot} slot wait not proven ({why})")
         elif ev in ("evaluation_started", "recovered") and event_time(e) > begin_from:
             begin_s += event_time(e) - begin_from
             begin_from = event_time(e)
@@ -309,6 +377,8 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
     unexplained: list[float] = []  # lateness past the tier that no proven wait covers
     delivery_latencies: list[float] = []
     excused = swept_late = unchecked = explained = 0
+    dead = deaths(cx.events)
+    held_by: dict[str, list[Session]] = {}  # each evaluation's sessions, once
     for (a, r), evs in sorted(cx.by_pair.items()):
         firsts: dict[int, dict] = {}
         for e in of(evs, "rule_started"):
@@ -364,17 +434,33 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
             # time (the publisher's stamp plus its delay), then any forward to the owner
             first = next((e for e in deliveries if e.get("ev") == "delivered"), None)
             carried = 0.0
+            needless_key: list[dict] = []
+            needless_why: list[str] = []
             if first is not None and arrived is not None:
                 due = _due_s(first)
                 hold = event_time(first) - due if due is not None else 0.0
                 carried = max(hold, 0.0) + max(event_time(arrived) - event_time(first), 0.0)
                 delivery_latencies.append(round(max(hold, 0.0), 6))
+                if arrived is not first:
+                    if a not in held_by:
+                        held_by[a] = sessions(cx.by_eval.get(a, []), dead)
+                    needless, needless_key, needless_why = _needless_in_transit(
+                        cx,
+                        cx.by_eval.get(a, []),
+                        start,
+                        event_time(first),
+                        event_time(arrived),
+                        held_by[a],
+                    )
+                    carried -= needless
             waited = resumed = marked = 0.0
-            waits_key: list[dict] = []
-            unproven: list[str] = []
+            waits_key: list[dict] = list(needless_key)
+            unproven: list[str] = list(needless_why)
             if arrived is not None:
+                if a not in held_by:
+                    held_by[a] = sessions(cx.by_eval.get(a, []), dead)
                 waited, resumed, marked, waits_key, unproven = _waits(
-                    cx, a, r, k, start, event_time(arrived)
+                    cx, a, r, k, start, arrived, held_by[a]
                 )
                 slot_waits.append(round(waited, 6))
                 if resumed:
