@@ -956,6 +956,18 @@ def unlabelled_reruns() -> None:
     orchestrator.Record = record  # type: ignore[assignment,misc]
 
 
+def executions_uncounted() -> None:
+    """history_well_formed: the start marker's count is dropped on the floor (`_mark_starts`
+    still writes the markers, but keeps none of the counts Redis gives back): every first
+    try is told it is execution 1, so a rerun is started, billed and recorded as a first
+    run, and the agent is never told it answers again."""
+
+    def forget(self: Any, counts: list[int]) -> None:
+        self._starts = []
+
+    orchestrator.PassExecutionOrchestrator._mark_starts = forget  # type: ignore[method-assign]
+
+
 def failed_calls_uncounted() -> None:
     """metrics_match_history: `engine_agent_calls_total` moves for the calls that gave a
     result only: a dashboard shows no failed call, whatever the history says."""
@@ -1278,6 +1290,11 @@ MUTANTS: dict[str, Mutant] = {
             unlabelled_reruns,
             "history_well_formed",
             "rule_started is recorded without rerun and execution: reruns are unlabelled",
+        ),
+        _mutant(
+            executions_uncounted,
+            "history_well_formed",
+            "the start marker's count is dropped: every rerun is told it is a first run",
         ),
         _mutant(
             failed_calls_uncounted,

@@ -80,6 +80,7 @@ CATCHES = {
     "status_unfenced": "stale_owner_status",  # the frozen owner's status write lands
     "final_unfenced": "stale_owner_final_write",  # the frozen owner's final write lands
     "unlabelled_reruns": "crash_after_ack",
+    "executions_uncounted": "crash_after_ack",  # each rerun told it is execution 1
     "failed_calls_uncounted": "transient_llm_errors",
     "poison_requeued": "poison_messages",  # each malformed one comes round again
     "retry_held_to_the_end": "delay_tiers",

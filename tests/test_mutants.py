@@ -1187,6 +1187,16 @@ def test_never_passed_on() -> None:
     assert all("should have been passed on" in v.message for v in broken.result.violations)
 
 
+def test_executions_uncounted() -> None:
+    clean, broken = _sim_pair("crash_after_ack", "executions_uncounted")
+    assert clean.result.ok
+    assert any(e["ev"] == "rule_started" and e["rerun"] for e in clean.history)
+    assert _broken(broken) == {"history_well_formed"}
+    starts = [e for e in broken.history if e["ev"] == "rule_started"]
+    assert starts and all(e["execution"] == 1 and not e["rerun"] for e in starts)
+    assert any("earlier start(s) of its attempt" in v.message for v in broken.result.violations)
+
+
 def test_started_after_ack() -> None:
     clean, broken = _sim_pair("crash_right_after_ack", "started_after_ack")
     assert clean.result.ok and clean.result.verdicts["started_announced"] == "pass"

@@ -139,3 +139,75 @@ def test_specs_read_as_a_reader_writes_them() -> None:
     assert describe(frozenset({"b", "a", None})) == "one of a, b, null"
     assert fits(3, (int, float)) and not fits(True, (int, float)) and fits(0.5, (int, float))
     assert not fits(1, (float,)) and fits(None, frozenset({None, "x"}))
+
+
+# --- what holds across events: executions counted, start markers written ------------------
+
+
+def test_a_rerun_told_it_is_a_first_run_is_caught() -> None:
+    history = run_scenario(load_scenario(SCENARIOS / "crash_after_ack.yaml")).history
+    assert judge(history)[0] == "pass"
+    events = copy.deepcopy(history)
+    rerun = next(e for e in events if e["ev"] == "rule_started" and e["rerun"])
+    rerun.update(execution=1, rerun=False)  # each field agrees with the other: only the count
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and len(messages) == 1
+    assert "`rule_started` of execution 1, after 1 earlier start(s) of its attempt" in messages[0]
+
+
+def test_a_restart_that_lost_writes_may_count_again() -> None:
+    history = run_scenario(load_scenario(SCENARIOS / "crash_after_ack.yaml")).history
+    events = copy.deepcopy(history)
+    rerun = next(e for e in events if e["ev"] == "rule_started" and e["rerun"])
+    rerun.update(execution=1, rerun=False)
+    runner = next(e for e in events if e["src"] == "runner")
+    lost = {**runner, "t": rerun["t"] - 1e-6, "ev": "service_restarted", "service": "redis"}
+    events.insert(events.index(rerun), {**lost, "lost_writes": 3})
+    for seq, e in enumerate(e for e in events if e["src"] == "runner"):  # the runner's own
+        e["seq"] = seq + runner["seq"]
+    assert judge(events)[0] == "pass"
+
+
+def _marked(events: list[dict]) -> tuple[dict, dict]:
+    """A delayed retry's `start_marked` and the first start it is followed by."""
+    marked = first(events, "start_marked")
+    start = next(
+        e
+        for e in events[events.index(marked) :]
+        if e["ev"] == "rule_started"
+        and (e["rule_id"], e["attempt"]) == (marked["rule_id"], marked["attempt"])
+    )
+    return marked, start
+
+
+def test_a_delayed_retry_started_without_its_marker_is_caught(history: list[dict]) -> None:
+    events = copy.deepcopy(history)
+    marked, _ = _marked(events)
+    others = (e["rule_id"] for e in events if e.get("rule_id") not in (None, marked["rule_id"]))
+    marked["rule_id"] = next(others)  # a marker, but not its own
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and "with no write of its start marker before it" in messages[0]
+
+
+def test_a_marker_write_longer_than_its_retry_was_there_is_caught(history: list[dict]) -> None:
+    events = copy.deepcopy(history)
+    marked, _ = _marked(events)
+    marked["write_ms"] = 1000.0 * (marked["t"] - events[0]["t"]) + 10.0
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and "sent after the retry's delivery" in messages[0]
+
+
+def test_a_marker_of_no_time_is_caught(history: list[dict]) -> None:
+    events = copy.deepcopy(history)
+    _marked(events)[0]["write_ms"] = 0.0
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and "a write to Redis takes time" in messages[0]
+
+
+def test_a_marker_followed_by_another_start_is_caught(history: list[dict]) -> None:
+    events = copy.deepcopy(history)
+    marked, start = _marked(events)
+    assert events[events.index(marked) + 1] is start
+    start["try_no"] = 2
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and any("followed by try 2" in m for m in messages)

@@ -1,6 +1,8 @@
 """`history_well_formed`: every event an engine process recorded speaks the vocabulary of
 `chaos.checker.vocabulary`: a known kind, each of its fields present (unless optional),
-none unknown, each of the type and, where the protocol fixes them, the values it must have.
+none unknown, each of the type and, where the protocol fixes them, the values it must have;
+each start's `execution` is the count its start marker keeps (`_executions_counted`), and
+a delayed retry's first start follows the write of its start marker (`_markers_accounted`).
 
 The other invariants read the history by these names: an event recorded under another
 name, or a field under another key, would leave them judging nothing where they should
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from chaos.checker.context import Context, Outcome, timeline
+from chaos.checker.context import Context, Outcome, as_int, event_time, num, timeline
 from chaos.checker.history_complete import UNREADABLE
 from chaos.checker.records import Violation
 from chaos.checker.vocabulary import AGREES, COMMON, EVENTS, MESSAGES, describe, fits
@@ -87,6 +89,143 @@ def message_problems(e: dict) -> list[tuple[str, str]]:
     return out
 
 
+#: Runner events after which Redis may have forgotten acknowledged writes (a restart that
+#: lost some, a failover to a replica that had not got them all).
+_FORGETTING = ("service_restarted", "redis_failover")
+
+
+def _executions_counted(events: list[dict]) -> list[tuple[dict, str, str]]:
+    """Each start's `execution` is the start marker's count: a first try counts every
+    earlier first try of its attempt, in any process (each one's marker was counted before
+    it), since Redis last may have lost writes; a level-1 retry carries the execution of
+    the first try it retries, in its process. (event, key, sentence) for each that does not."""
+    out: list[tuple[dict, str, str]] = []
+    since: dict[tuple, int] = defaultdict(int)  # (attempt_id, rule_id, attempt) -> first tries
+    current: dict[tuple, int] = {}  # (process, attempt_id, rule_id, attempt) -> execution
+    for e in events:
+        ev = e.get("ev")
+        if ev in _FORGETTING and (ev == "redis_failover" or e.get("service") == "redis"):
+            since.clear()
+            continue
+        if ev != "rule_started":
+            continue
+        execution, try_no = e.get("execution"), e.get("try_no")
+        if not isinstance(execution, int) or not isinstance(try_no, int):
+            continue  # the fields' own types are judged apart
+        key = (e.get("attempt_id"), e.get("rule_id"), e.get("attempt"))
+        mine = (e.get("src"), e.get("pid"), *key)
+        if try_no == 1:
+            if execution < since[key] + 1:
+                out.append(
+                    (
+                        e,
+                        "rule_started uncounted",
+                        f"`rule_started` of execution {execution}, after {since[key]} earlier "
+                        "start(s) of its attempt (each counted by its start marker)",
+                    )
+                )
+            since[key] += 1
+            current[mine] = execution
+        elif mine in current and execution != current[mine]:
+            out.append(
+                (
+                    e,
+                    "rule_started execution",
+                    f"`rule_started` try {try_no} of execution {execution}, but its first try "
+                    f"in that process was execution {current[mine]}",
+                )
+            )
+    return out
+
+
+#: How far the history's wall clock (`t`) and the monotonic clock a `write_ms` is measured
+#: by may disagree over the second or so between a delivery and its start marker.
+CLOCKS_MS = 1.0
+#: Events of a process between a delayed retry's first start and the write that carried
+#: its start marker: the marker rode on a result's write or on another rule's marker.
+_CARRIERS = frozenset({"result_persisted", "rule_started"})
+#: Events before which a delayed retry's start marker cannot have been written.
+_BEFORE_ANY_MARK = frozenset({"delivered", "evaluation_started", "status_written"})
+
+
+def _markers_accounted(events: list[dict]) -> list[tuple[dict, str, str]]:
+    """A delayed retry's first start is preceded, in its process, by the write of its start
+    marker: its own `start_marked` (followed by that first try; its `write_ms` no longer than
+    the time since the retry's delivery there), or a result's write or another rule's
+    marker that carried it. (event, key, sentence) for each that is not."""
+    out: list[tuple[dict, str, str]] = []
+    mine: dict[tuple, list[dict]] = defaultdict(list)  # (process, attempt_id) -> its events
+    for e in events:
+        if e.get("src") == RUNNER or not e.get("attempt_id"):
+            continue
+        evs = mine[e.get("src"), e.get("pid"), e.get("attempt_id")]
+        ev = e.get("ev")
+        if ev == "rule_started" and e.get("try_no") == 1 and as_int(e.get("attempt"), 1) >= 2:
+            found = _marker_of(evs, e)
+            if found is not None:
+                out.append((e, "rule_started unmarked", found))
+        elif ev == "start_marked":
+            delivered = next(
+                (
+                    x
+                    for x in evs
+                    if x.get("ev") == "delivered"
+                    and (x.get("rule_id"), x.get("attempt")) == (e.get("rule_id"), e.get("attempt"))
+                ),
+                None,
+            )
+            wrote = e.get("write_ms")
+            if delivered is not None and isinstance(wrote, int | float):
+                since_ms = 1000.0 * (event_time(e) - event_time(delivered))
+                if wrote > since_ms + CLOCKS_MS:
+                    out.append(
+                        (
+                            e,
+                            "start_marked too long",
+                            f"`start_marked` of a {num(float(wrote))} ms write, sent after "
+                            f"the retry's delivery {since_ms:.3f} ms before",
+                        )
+                    )
+        elif ev == "rule_started" and evs and evs[-1].get("ev") == "start_marked":
+            marked = evs[-1]
+            same = (marked.get("rule_id"), marked.get("attempt")) == (
+                e.get("rule_id"),
+                e.get("attempt"),
+            )
+            if not same or e.get("try_no") != 1:
+                out.append(
+                    (
+                        marked,
+                        "start_marked unused",
+                        f"`start_marked` of {marked.get('rule_id')} attempt "
+                        f"{marked.get('attempt')}, followed by try {e.get('try_no')} of "
+                        f"{e.get('rule_id')} attempt {e.get('attempt')}",
+                    )
+                )
+        evs.append(e)
+    return out
+
+
+def _marker_of(evs: list[dict], start: dict) -> str | None:
+    """Why the write of `start`'s marker is not found before it (None: it is)."""
+    key = (start.get("rule_id"), start.get("attempt"))
+    for x in reversed(evs):
+        ev = x.get("ev")
+        own = (x.get("rule_id"), x.get("attempt")) == key
+        if ev == "start_marked" and own:
+            return None
+        if ev == "rule_started" and own:
+            break
+        if ev in _CARRIERS:
+            return None
+        if ev in _BEFORE_ANY_MARK:
+            break
+    return (
+        f"`rule_started` of delayed retry attempt {start.get('attempt')} with no write of its "
+        "start marker before it (its own `start_marked`, a result's, another rule's marker)"
+    )
+
+
 def check_history_well_formed(cx: Context) -> Outcome:
     """One case per event of an engine process; a violation per kind of problem found
     (the first `MAX_SHOWN` events with it, each with its neighbours, then one that counts
@@ -114,6 +253,18 @@ def check_history_well_formed(cx: Context) -> Outcome:
                         timeline([e], []),
                     )
                 )
+    for e, key, text in _executions_counted(cx.events) + _markers_accounted(cx.events):
+        seen[key] += 1
+        if seen[key] <= MAX_SHOWN:
+            out.append(
+                Violation(
+                    NAME,
+                    str(e.get("attempt_id") or ""),
+                    str(e.get("rule_id")) if e.get("rule_id") else None,
+                    f"{e.get('src')} recorded {text}",
+                    timeline([e], []),
+                )
+            )
     for key, n in sorted(seen.items()):
         if n > MAX_SHOWN:
             out.append(Violation(NAME, "", None, f"and {n - MAX_SHOWN} more: {key}", []))

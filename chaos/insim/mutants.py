@@ -72,6 +72,7 @@ CORE: tuple[str, ...] = (
     "heartbeat_stops_when_idle",
     "slow_heartbeat",
     "unlabelled_reruns",
+    "executions_uncounted",
     "failed_calls_uncounted",
     "poison_requeued",
     "retry_held_to_the_end",
