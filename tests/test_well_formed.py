@@ -211,3 +211,30 @@ def test_a_marker_followed_by_another_start_is_caught(history: list[dict]) -> No
     start["try_no"] = 2
     verdict, _, messages = judge(events)
     assert verdict == "fail" and any("followed by try 2" in m for m in messages)
+
+
+def test_a_write_sent_outside_its_session_is_caught(history: list[dict]) -> None:
+    events = copy.deepcopy(history)
+    first(events, "status_written")["sent_ms"] = 0  # before its process began the evaluation
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and "before its process began the evaluation" in messages[0]
+    events = copy.deepcopy(history)
+    late = first(events, "result_persisted")
+    late["sent_ms"] = round(late["t"] * 1000) + 5  # after its reply was recorded
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and "after it was recorded" in messages[0]
+
+
+def test_restores_are_recorded_on_their_side_of_the_final_write() -> None:
+    history = run_scenario(load_scenario(SCENARIOS / "redis_data_loss.yaml")).history
+    assert judge(history)[0] == "pass"
+    restored = [e for e in history if e["ev"] == "results_restored"]
+    assert restored
+    events = copy.deepcopy(history)
+    first(events, "results_restored")["ev"] = "final_state_restored"
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and "before its process's evaluation_terminal" in messages[0]
+    events = copy.deepcopy(history)
+    first(events, "results_restored")["rule_ids"] = []
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and "with nothing restored" in messages[0]

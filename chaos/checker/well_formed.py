@@ -1,8 +1,10 @@
 """`history_well_formed`: every event an engine process recorded speaks the vocabulary of
 `chaos.checker.vocabulary`: a known kind, each of its fields present (unless optional),
 none unknown, each of the type and, where the protocol fixes them, the values it must have;
-each start's `execution` is the count its start marker keeps (`_executions_counted`), and
-a delayed retry's first start follows the write of its start marker (`_markers_accounted`).
+each start's `execution` is the count its start marker keeps (`_executions_counted`), a
+delayed retry's first start follows the write of its start marker (`_markers_accounted`), a
+write is sent within its session (`_sent_in_session`) and each restore is recorded on its
+side of the final write (`_restores_in_order`).
 
 The other invariants read the history by these names: an event recorded under another
 name, or a field under another key, would leave them judging nothing where they should
@@ -226,6 +228,76 @@ def _marker_of(evs: list[dict], start: dict) -> str | None:
     )
 
 
+#: Writes recorded with when they were sent (`sent_ms`, the store's clock in whole ms).
+_SENT = frozenset(
+    {
+        "result_persisted",
+        "status_written",
+        "evaluation_terminal",
+        "write_refused",
+        "parked",
+        "final_published",
+    }
+)
+
+
+def _sent_in_session(events: list[dict]) -> list[tuple[dict, str, str]]:
+    """A write is sent within its session: not after it was recorded (at the reply), not
+    before the process began the evaluation (its latest `evaluation_started`, else its first
+    delivery of it); within a millisecond, `sent_ms`'s resolution."""
+    out: list[tuple[dict, str, str]] = []
+    since: dict[tuple, float] = {}  # (process, attempt_id) -> its session's start
+    for e in events:
+        ev, a = e.get("ev"), e.get("attempt_id")
+        if e.get("src") == RUNNER or not a:
+            continue
+        mine = (e.get("src"), e.get("pid"), a)
+        if ev == "evaluation_started" or (ev == "delivered" and mine not in since):
+            since[mine] = event_time(e)
+            continue
+        sent = e.get("sent_ms")
+        if ev not in _SENT or not isinstance(sent, int) or isinstance(sent, bool):
+            continue
+        t, began = event_time(e), since.get(mine)
+        if sent > 1000.0 * t + 1:
+            out.append((e, f"{ev} sent later", f"`{ev}` sent at {sent} ms, after it was recorded"))
+        elif began is not None and sent < 1000.0 * began - 1:
+            out.append(
+                (
+                    e,
+                    f"{ev} sent earlier",
+                    f"`{ev}` sent at {sent} ms, {1000.0 * began - sent:.0f} ms before its "
+                    "process began the evaluation",
+                )
+            )
+    return out
+
+
+def _restores_in_order(events: list[dict]) -> list[tuple[dict, str, str]]:
+    """`results_restored` comes from the final write (what it wrote back, before the
+    process's `evaluation_terminal`); `final_state_restored` from the announcement's check
+    that the final state is still there (after it)."""
+    out: list[tuple[dict, str, str]] = []
+    ended: dict[tuple, bool] = {}  # (process, attempt_id) -> its evaluation_terminal seen
+    for e in events:
+        ev, a = e.get("ev"), e.get("attempt_id")
+        if e.get("src") == RUNNER or not a:
+            continue
+        mine = (e.get("src"), e.get("pid"), a)
+        if ev == "evaluation_started":
+            ended[mine] = False
+        elif ev == "evaluation_terminal":
+            ended[mine] = True
+        elif ev == "results_restored":
+            if ended.get(mine):
+                out.append((e, ev, "`results_restored` after its process's evaluation_terminal"))
+            elif not e.get("rule_ids"):
+                out.append((e, ev, "`results_restored` with nothing restored"))
+        elif ev == "final_state_restored" and not ended.get(mine):
+            out.append((e, ev, "`final_state_restored` before its process's evaluation_terminal"))
+    return out
+
+
 def check_history_well_formed(cx: Context) -> Outcome:
     """One case per event of an engine process; a violation per kind of problem found
     (the first `MAX_SHOWN` events with it, each with its neighbours, then one that counts
@@ -253,7 +325,8 @@ def check_history_well_formed(cx: Context) -> Outcome:
                         timeline([e], []),
                     )
                 )
-    for e, key, text in _executions_counted(cx.events) + _markers_accounted(cx.events):
+    across = (_executions_counted, _markers_accounted, _sent_in_session, _restores_in_order)
+    for e, key, text in [x for rule in across for x in rule(cx.events)]:
         seen[key] += 1
         if seen[key] <= MAX_SHOWN:
             out.append(
