@@ -968,6 +968,19 @@ def executions_uncounted() -> None:
     orchestrator.PassExecutionOrchestrator._mark_starts = forget  # type: ignore[method-assign]
 
 
+def failed_calls_free() -> None:
+    """matches_reference: the tokens of a failed call are read from an attribute the
+    agent's error does not have (`getattr(err, "token", 0)`): every failed call is billed,
+    counted and recorded as free, consistently, so the history and the metrics agree with
+    each other and only what the agent drew for the call tells."""
+    real = getattr
+
+    def misread(obj: Any, name: str, *default: Any) -> Any:
+        return real(obj, "token" if name == "tokens" else name, *default)
+
+    orchestrator.getattr = misread  # type: ignore[attr-defined]
+
+
 def failed_calls_uncounted() -> None:
     """metrics_match_history: `engine_agent_calls_total` moves for the calls that gave a
     result only: a dashboard shows no failed call, whatever the history says."""
@@ -1295,6 +1308,11 @@ MUTANTS: dict[str, Mutant] = {
             executions_uncounted,
             "history_well_formed",
             "the start marker's count is dropped: every rerun is told it is a first run",
+        ),
+        _mutant(
+            failed_calls_free,
+            "matches_reference",
+            "a failed call's tokens are misread: every failed call is recorded as free",
         ),
         _mutant(
             failed_calls_uncounted,

@@ -82,6 +82,7 @@ CATCHES = {
     "unlabelled_reruns": "crash_after_ack",
     "executions_uncounted": "crash_after_ack",  # each rerun told it is execution 1
     "failed_calls_uncounted": "transient_llm_errors",
+    "failed_calls_free": "transient_llm_errors",  # each failed call drew its tokens
     "poison_requeued": "poison_messages",  # each malformed one comes round again
     "retry_held_to_the_end": "delay_tiers",
     "pass_result_misrouted": "permanent_failure_prunes",

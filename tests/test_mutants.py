@@ -1197,6 +1197,17 @@ def test_executions_uncounted() -> None:
     assert any("earlier start(s) of its attempt" in v.message for v in broken.result.violations)
 
 
+def test_failed_calls_free() -> None:
+    clean, broken = _sim_pair("transient_llm_errors", "failed_calls_free")
+    assert clean.result.ok and clean.result.stats["reference_calls_compared"] > 0
+    assert _broken(broken) == {"matches_reference"}  # history and metrics agree: only the draw
+    failed = [e for e in broken.history if e["ev"] == "rule_failed"]
+    assert failed and all(e["tokens"] == 0 for e in failed)
+    assert all(
+        "a call costs what the fake agent drew" in v.message for v in broken.result.violations
+    )
+
+
 def test_started_after_ack() -> None:
     clean, broken = _sim_pair("crash_right_after_ack", "started_after_ack")
     assert clean.result.ok and clean.result.verdicts["started_announced"] == "pass"

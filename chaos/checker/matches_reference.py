@@ -9,12 +9,15 @@ of completed (a result in Redis), permanently failed (that status, no result) an
 skipped (neither) rules, and, when the agent does not drift, each completed rule's
 verdict. With `drift` > 0 a rerun may legitimately answer another verdict, so verdicts
 are left to `idempotent_results`, which holds them to the first durable write instead.
+And each call the run made that the reference makes too costs the tokens the fake agent
+drew for it (the draw is the call's alone, whoever makes it, however often).
 
 No reference (a hand-built `CheckSpec`): nothing is judged, the verdict is "unknown".
 """
 
 from __future__ import annotations
 
+from chaos.checker.budgets import reference_calls
 from chaos.checker.context import TERMINAL_STATES, Context, Outcome, listed, of, timeline
 from chaos.checker.records import Violation
 from chaos.reference import outcome_of
@@ -75,5 +78,47 @@ def check_matches_reference(cx: Context) -> Outcome:
                 ),
             )
         )
+    calls, wrong = _calls_as_drawn(cx)
+    out.extend(wrong)
     cx.stats["reference_compared"] = cases  # its bill: chaos.checker.budgets.run_figures
+    cx.stats["reference_calls_compared"] = calls
+    return cases + calls, out
+
+
+def _calls_as_drawn(cx: Context) -> tuple[int, list[Violation]]:
+    """Each call the history records (`rule_finished`, `rule_failed`) that the reference
+    makes too costs the tokens the fake agent drew for it: the draw depends on the call
+    alone (evaluation, rule, attempt, try), whoever makes it and however often. One
+    violation per evaluation, its first calls named."""
+    paid = reference_calls(cx.spec, cx.evaluations)
+    if not paid:
+        return 0, []
+    cases = 0
+    out: list[Violation] = []
+    for a in sorted(cx.evaluations):
+        wrong: list[tuple[dict, int]] = []
+        for e in of(cx.by_eval.get(a, []), "rule_finished", "rule_failed"):
+            drawn = paid.get((a, e.get("rule_id"), e.get("attempt"), e.get("try_no")))  # type: ignore[arg-type]
+            if drawn is None:
+                continue
+            cases += 1
+            if e.get("tokens") != drawn:
+                wrong.append((e, drawn))
+        if wrong:
+            shown = [
+                f"{e.get('rule_id')} attempt {e.get('attempt')} try {e.get('try_no')} "
+                f"recorded {e.get('tokens')!r} token(s), drawn {drawn}"
+                for e, drawn in wrong[:3]
+            ]
+            more = f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+            named = {e.get("rule_id") for e, _ in wrong}
+            out.append(
+                Violation(
+                    "matches_reference",
+                    a,
+                    str(wrong[0][0].get("rule_id")) if len(named) == 1 else None,
+                    "a call costs what the fake agent drew for it: " + "; ".join(shown) + more,
+                    timeline([e for e, _ in wrong[:6]], []),
+                )
+            )
     return cases, out

@@ -74,6 +74,7 @@ CORE: tuple[str, ...] = (
     "unlabelled_reruns",
     "executions_uncounted",
     "failed_calls_uncounted",
+    "failed_calls_free",
     "poison_requeued",
     "retry_held_to_the_end",
     "pass_result_misrouted",
