@@ -189,7 +189,10 @@ def test_both_modes_get_a_reference_from_the_scenario() -> None:
     assert loaded.check_spec(seed, {}, set(), loaded.agent, reference=False).reference is None
     outcome = run_scenario(loaded)
     assert outcome.result.verdicts["matches_reference"] == "pass"
-    assert outcome.result.cases["matches_reference"] == len(loaded.evaluations(seed))
+    # each evaluation compared, and each call of them the reference makes too
+    calls = outcome.result.stats["reference_calls_compared"]
+    assert calls > 0
+    assert outcome.result.cases["matches_reference"] == len(loaded.evaluations(seed)) + calls
 
 
 # --- matches_reference on hand-built final states --------------------------------------------
