@@ -968,6 +968,18 @@ def executions_uncounted() -> None:
     orchestrator.PassExecutionOrchestrator._mark_starts = forget  # type: ignore[method-assign]
 
 
+def cancel_unknown() -> None:
+    """poison_rejected: the controller no longer knows a cancel broadcast (its `type`
+    compared with another spelling) and rejects it as a message of an unknown type, ACKed:
+    an owner hears of a cancel only when it next reads the state in Redis."""
+
+    def unknown(self: EvaluationController, attempt_id: str, delivery: Any) -> Step:
+        yield Record("message_rejected", {"attempt_id": attempt_id, "reason": "cancel"})
+        yield Settle(delivery)
+
+    EvaluationController._on_cancel = unknown  # type: ignore[method-assign]
+
+
 def failed_calls_free() -> None:
     """matches_reference: the tokens of a failed call are read from an attribute the
     agent's error does not have (`getattr(err, "token", 0)`): every failed call is billed,
@@ -1308,6 +1320,11 @@ MUTANTS: dict[str, Mutant] = {
             executions_uncounted,
             "history_well_formed",
             "the start marker's count is dropped: every rerun is told it is a first run",
+        ),
+        _mutant(
+            cancel_unknown,
+            "poison_rejected",
+            "a cancel broadcast is rejected as a message of an unknown type",
         ),
         _mutant(
             failed_calls_free,

@@ -569,3 +569,15 @@ def test_runs_without_reruns_are_judged_not_unknown() -> None:
     passing(result, "reruns_explained")
     assert result.cases["reruns_explained"] == len(PLAN.order)
     assert result.stats["reruns_judged"] == 0
+
+
+# --- poison_rejected: the engine's own messages ----------------------------------------------
+
+
+def test_a_message_of_the_engines_own_is_rejected_only_when_its_plan_is_gone() -> None:
+    h = H().golden()
+    h.ev("message_rejected", attempt_id=A, reason="no plan")  # a Redis that lost the plan
+    passing(h.check("poison_rejected"), "poison_rejected")
+    h.ev("message_rejected", attempt_id=A, reason="cancel")  # its own cancel, unknown to it
+    (v,) = failing(h.check("poison_rejected"), "poison_rejected")
+    assert "rejected a message of the engine's own as 'cancel'" in v.message

@@ -1208,6 +1208,13 @@ def test_failed_calls_free() -> None:
     )
 
 
+def test_cancel_unknown() -> None:
+    clean, broken = _sim_pair("cancel_midway", "cancel_unknown")
+    assert clean.result.ok
+    assert "poison_rejected" in _broken(broken)
+    assert any("engine's own as 'cancel'" in v.message for v in broken.result.violations)
+
+
 def test_started_after_ack() -> None:
     clean, broken = _sim_pair("crash_right_after_ack", "started_after_ack")
     assert clean.result.ok and clean.result.verdicts["started_announced"] == "pass"

@@ -15,8 +15,9 @@ The runner's `publish_poison` fault records each message it puts on the work que
   together, by count.
 A poison the run never saw rejected is a violation: the runner waits for each rejection
 before it stops the workers (until the deadline). And the other way round, in every run:
-no message the engine published itself is rejected as malformed (a publisher and a
-consumer that disagree on the shape of a message); each delivery taken is a case.
+no message the engine published itself is rejected, as malformed (a publisher and a
+consumer that disagree on the shape of a message) or for any reason but `no plan` (an
+unknown type, a plan that does not parse); each delivery taken is a case.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from chaos.checker.touching import touches
 from chaos.poison import DETAILS, expected_reason
 
 NAME = "poison_rejected"
+#: The one rejection a message of the engine's own may meet: its evaluation's plan is gone
+#: (a Redis that lost it, a state expired).
+NO_PLAN = "no plan"
 #: What a poison message must never lead to.
 _NEVER = ("evaluation_started", "rule_started", "delivery_failed", "acked")
 
@@ -73,14 +77,15 @@ def check_poison_rejected(cx: Context) -> Outcome:
     anonymous = [p for p in published if p.get("attempt_id") is None]
     for e in rejected:
         a = e.get("attempt_id")
-        if isinstance(a, str) and a not in poisoned and e.get("reason") == "malformed":
+        reason = e.get("reason")
+        if isinstance(a, str) and a not in poisoned and reason != NO_PLAN:
+            why = f"malformed: {e.get('detail')}" if reason == "malformed" else repr(reason)
             out.append(
                 Violation(
                     NAME,
                     a,
                     None,
-                    f"{proc_of(e)[0]} rejected a message of the engine's own as malformed: "
-                    f"{e.get('detail')}",
+                    f"{proc_of(e)[0]} rejected a message of the engine's own as {why}",
                     timeline([e, *of(cx.by_eval.get(a, []), "delivered")[:3]]),
                 )
             )

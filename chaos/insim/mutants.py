@@ -75,6 +75,7 @@ CORE: tuple[str, ...] = (
     "executions_uncounted",
     "failed_calls_uncounted",
     "failed_calls_free",
+    "cancel_unknown",
     "poison_requeued",
     "retry_held_to_the_end",
     "pass_result_misrouted",
