@@ -87,6 +87,14 @@ class Holdings:
         """How many evaluations the processes `pids` hold."""
         return sum(len(self._held.get(pid, ())) for pid in pids)
 
+    def holders(self, pids: Iterable[Any]) -> dict[str, list[Any]]:
+        """Which of the processes `pids` hold each evaluation held."""
+        out: dict[str, list[Any]] = defaultdict(list)
+        for pid in pids:
+            for attempt_id in sorted(self._held.get(pid, ())):
+                out[attempt_id].append(pid)
+        return dict(out)
+
 
 @dataclass
 class Progress:
@@ -233,6 +241,12 @@ class Conductor:
                 return
             if now >= deadline:
                 progress.note = "deadline passed"
+                # what kept the run from settling: `quiet_state` judges an evaluation over
+                # and announced that a living worker still held in memory
+                yield acts.Record(
+                    "deadline_passed",
+                    {"terminal": progress.terminal, "held": holdings.holders(alive)},
+                )
                 return
             yield acts.Sleep(POLL_S)
 

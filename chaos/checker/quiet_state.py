@@ -9,6 +9,9 @@
   `cancel_written`, or Redis' `final_published` flag at the end).
 - Every key the engine wrote carries a TTL (`FinalState.key_ttls`: the `attempt:*` keys and
   the engine's own `engine:*` keys; `TTL` -1 is none, -2 a key gone meanwhile).
+- No living worker still holds a terminal, announced evaluation in memory when the run's
+  deadline passes (`deadline_passed`: the run could not settle because of it): it has
+  nothing left to do there but renew a lease on what is over.
 - No lease is left on a terminal, announced evaluation (its `owner` key, read by the runner
   the moment the run settled, `leases_at_settle`, and among the keys at the end): the
   process that announces it, or that drops it as over, gives the lease back.
@@ -80,6 +83,7 @@ def check_quiet_state(cx: Context) -> Outcome:
             held[member_attempt(str(member))].append(f"{key} {member!r}")
     excused = 0
     settle_leases = _leases_at_settle(cx.events)
+    held_at_deadline = _held_at_deadline(cx.events)
     for a in cx.evaluations:
         fin = cx.final_of(a)
         if fin is None or fin.state not in TERMINAL_STATES:
@@ -109,6 +113,21 @@ def check_quiet_state(cx: Context) -> Outcome:
                     )
                 )
         leased = a in settle_leases or f"attempt:{a}:owner" in cx.final.key_ttls
+        if published and a in held_at_deadline:
+            out.append(
+                Violation(
+                    "quiet_state",
+                    a,
+                    None,
+                    f"evaluation {fin.state} and announced, but still held in memory by a "
+                    f"living worker (pid {listed([str(p) for p in held_at_deadline[a]])}) when "
+                    "the run's deadline passed",
+                    timeline(
+                        of(evs, "evaluation_started", "final_published", "cancel_written")[-6:],
+                        of(evs, "cancel_seen", "evaluation_abandoned")[-4:],
+                    ),
+                )
+            )
         if published and leased and not _holder_stopped(cx, evs):
             out.append(
                 Violation(
@@ -180,6 +199,16 @@ def _leases_at_settle(events: list[dict]) -> dict[str, Any]:
         held = e.get("held")
         if isinstance(held, dict):
             return held
+    return {}
+
+
+def _held_at_deadline(events: list[dict]) -> dict[str, list[Any]]:
+    """The evaluations living workers still held in memory when the run's deadline passed
+    before it settled (`deadline_passed`), and by which pids."""
+    for e in of(events, "deadline_passed"):
+        held = e.get("held")
+        if isinstance(held, dict):
+            return {str(a): list(p) if isinstance(p, list) else [p] for a, p in held.items()}
     return {}
 
 

@@ -446,6 +446,8 @@ class PassExecutionOrchestrator:
             if self._over is not None:
                 return
             if self._lease_short((yield MONO)) and not (yield from self._still_ours()):
+                if self._over is not None:  # a cancel the store told of: the core hears it
+                    yield from self._feed(_no_input)
                 return
             if action.try_no > 1:
                 yield _RETRIED_AT_ONCE
@@ -633,6 +635,12 @@ class PassExecutionOrchestrator:
 
     def _let_go(self) -> None:
         self.leaving = True
+
+
+def _no_input() -> list[Action]:
+    """Nothing for the core: a feed for what `_feed` does after any input (a terminal state
+    the store told of is heard as a cancel)."""
+    return []
 
 
 def release(attempt_id: str, worker_id: str) -> Step:
