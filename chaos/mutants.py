@@ -968,6 +968,21 @@ def executions_uncounted() -> None:
     orchestrator.PassExecutionOrchestrator._mark_starts = forget  # type: ignore[method-assign]
 
 
+def cancel_read_unheard() -> None:
+    """quiet_state: a cancel the owner reads in the store right before a call stops that
+    call, but its core never hears it (the fix of 2026-12-04 undone): with the broadcast
+    lost, the evaluation stays in memory, its lease renewed, until the worker stops."""
+    feed = orchestrator.PassExecutionOrchestrator._feed
+    nothing = orchestrator._no_input
+
+    def deaf(self: Any, fn: Any, *args: Any, **kw: Any) -> Step:
+        if fn is nothing:
+            return
+        yield from feed(self, fn, *args, **kw)
+
+    orchestrator.PassExecutionOrchestrator._feed = deaf  # type: ignore[method-assign]
+
+
 def cancel_unknown() -> None:
     """poison_rejected: the controller no longer knows a cancel broadcast (its `type`
     compared with another spelling) and rejects it as a message of an unknown type, ACKed:
@@ -1320,6 +1335,11 @@ MUTANTS: dict[str, Mutant] = {
             executions_uncounted,
             "history_well_formed",
             "the start marker's count is dropped: every rerun is told it is a first run",
+        ),
+        _mutant(
+            cancel_read_unheard,
+            "quiet_state",
+            "a cancel read before a call stops the call, but the core never hears it",
         ),
         _mutant(
             cancel_unknown,

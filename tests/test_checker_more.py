@@ -489,6 +489,15 @@ def test_a_lease_left_by_a_holder_that_was_killed_expires() -> None:
     passing(h.check("quiet_state"), "quiet_state")
 
 
+def test_an_announced_evaluation_still_held_at_the_deadline_is_a_violation() -> None:
+    h = H().golden()
+    h.runner("deadline_passed", terminal=1, held={A: [11]})
+    (v,) = failing(h.check("quiet_state"), "quiet_state")
+    assert "still held in memory by a living worker (pid 11)" in v.message
+    h.events[-1]["held"] = {}  # the deadline passed for another reason
+    passing(h.check("quiet_state"), "quiet_state")
+
+
 def test_indexes_not_read_are_reported_unknown() -> None:
     h = H().golden()
     h.indexes = None

@@ -1215,6 +1215,15 @@ def test_cancel_unknown() -> None:
     assert any("engine's own as 'cancel'" in v.message for v in broken.result.violations)
 
 
+def test_cancel_read_unheard() -> None:
+    clean, broken = _sim_pair(
+        "regressions/cancel-read-before-a-call-quiet-state-s4", "cancel_read_unheard"
+    )
+    assert clean.result.ok and any(e["ev"] == "cancel_seen" for e in clean.history)
+    assert _broken(broken) == {"quiet_state"}
+    assert any("when the run's deadline passed" in v.message for v in broken.result.violations)
+
+
 def test_started_after_ack() -> None:
     clean, broken = _sim_pair("crash_right_after_ack", "started_after_ack")
     assert clean.result.ok and clean.result.verdicts["started_announced"] == "pass"

@@ -76,6 +76,7 @@ CORE: tuple[str, ...] = (
     "failed_calls_uncounted",
     "failed_calls_free",
     "cancel_unknown",
+    "cancel_read_unheard",
     "poison_requeued",
     "retry_held_to_the_end",
     "pass_result_misrouted",
