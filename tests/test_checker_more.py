@@ -590,3 +590,25 @@ def test_a_message_of_the_engines_own_is_rejected_only_when_its_plan_is_gone() -
     h.ev("message_rejected", attempt_id=A, reason="cancel")  # its own cancel, unknown to it
     (v,) = failing(h.check("poison_rejected"), "poison_rejected")
     assert "rejected a message of the engine's own as 'cancel'" in v.message
+
+
+# --- retries_acked: a failed attempt's status makes the ACK owed -----------------------------
+
+
+def test_a_retry_held_past_its_failed_attempts_status_is_a_violation() -> None:
+    def run(acked: bool) -> H:
+        h = H().submit().begin()
+        h.ev("delivered", attempt_id=A, kind="retry", rule_id="c", attempt=2, redelivered=False)
+        h.ev("rule_started", attempt_id=A, rule_id="c", attempt=2, try_no=1, rerun=False)
+        h.ev("rule_failed", attempt_id=A, rule_id="c", attempt=2, try_no=1, kind="timeout")
+        h.ev("status_written", attempt_id=A, rule_id="c", status="failed_attempt_2")
+        if acked:
+            h.ev("retry_acked", attempt_id=A, rule_id="c", attempt=2)
+        h.ev("parked", attempt_id=A, waiting={"c": 3})
+        return h
+
+    result = run(acked=True).check("retries_acked")
+    passing(result, "retries_acked")
+    assert result.cases["retries_acked"] == 1  # the status (text) made the ACK owed
+    (v,) = failing(run(acked=False).check("retries_acked"), "retries_acked")
+    assert "held the retry of attempt 2 past the attempt's durable outcome" in v.message

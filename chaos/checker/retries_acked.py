@@ -52,8 +52,9 @@ def _outcome_of(e: dict, started: dict[str, int]) -> tuple[str, int] | None:
         return r, as_int(e.get("attempt"))
     if ev == "status_written":
         status = str(e.get("status"))
-        if status.startswith("failed_attempt_"):
-            return r, as_int(status.removeprefix("failed_attempt_"))
+        number = status.removeprefix("failed_attempt_")
+        if status.startswith("failed_attempt_") and number.isdigit():  # the status is text
+            return r, int(number)
         if status == "permanently_failed" and r in started:
             return r, started[r]
     return None
