@@ -303,30 +303,25 @@ def check_history_well_formed(cx: Context) -> Outcome:
     (the first `MAX_SHOWN` events with it, each with its neighbours, then one that counts
     the rest)."""
     cases = 0
-    seen: Counter[str] = Counter()
-    out: list[Violation] = []
+    found: list[tuple[dict, str, str]] = []  # (event, a key to group by, the sentence)
     for e in cx.events:
         if e.get("ev") in MESSAGES:  # the runner's, of a message the engine published
-            found, who = message_problems(e), "the runner received"
+            mine, who = message_problems(e), "the runner received"
         elif e.get("src") == RUNNER or e.get("ev") == UNREADABLE:
             continue
         else:
-            found, who = problems(e), f"{e.get('src')} recorded"
+            mine, who = problems(e), f"{e.get('src')} recorded"
         cases += 1
-        for key, text in found:
-            seen[key] += 1
-            if seen[key] <= MAX_SHOWN:
-                out.append(
-                    Violation(
-                        NAME,
-                        str(e.get("attempt_id") or ""),
-                        str(e.get("rule_id")) if e.get("rule_id") else None,
-                        f"{who} {text}",
-                        timeline([e], []),
-                    )
-                )
+        found += [(e, key, f"{who} {text}") for key, text in mine]
     across = (_executions_counted, _markers_accounted, _sent_in_session, _restores_in_order)
-    for e, key, text in [x for rule in across for x in rule(cx.events)]:
+    found += [
+        (e, key, f"{e.get('src')} recorded {text}")
+        for rule in across
+        for e, key, text in rule(cx.events)
+    ]
+    seen: Counter[str] = Counter()
+    out: list[Violation] = []
+    for e, key, text in found:
         seen[key] += 1
         if seen[key] <= MAX_SHOWN:
             out.append(
@@ -334,7 +329,7 @@ def check_history_well_formed(cx: Context) -> Outcome:
                     NAME,
                     str(e.get("attempt_id") or ""),
                     str(e.get("rule_id")) if e.get("rule_id") else None,
-                    f"{e.get('src')} recorded {text}",
+                    text,
                     timeline([e], []),
                 )
             )
