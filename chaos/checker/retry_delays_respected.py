@@ -200,7 +200,6 @@ def _holder_all_along(held_by: list[Session], proc: Proc, t0: float, t1: float) 
 
 
 def _needless_in_transit(
-    cx: Context,
     evs: list[dict],
     start: dict,
     t_first: float,
@@ -445,7 +444,6 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
                     if a not in held_by:
                         held_by[a] = sessions(cx.by_eval.get(a, []), dead)
                     needless, needless_key, needless_why = _needless_in_transit(
-                        cx,
                         cx.by_eval.get(a, []),
                         start,
                         event_time(first),
