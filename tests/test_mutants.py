@@ -1194,7 +1194,9 @@ def test_executions_uncounted() -> None:
     assert _broken(broken) == {"history_well_formed"}
     starts = [e for e in broken.history if e["ev"] == "rule_started"]
     assert starts and all(e["execution"] == 1 and not e["rerun"] for e in starts)
-    assert any("earlier start(s) of its attempt" in v.message for v in broken.result.violations)
+    assert any(
+        "told to an earlier start of its attempt" in v.message for v in broken.result.violations
+    )
 
 
 def test_failed_calls_free() -> None:

@@ -152,7 +152,7 @@ def test_a_rerun_told_it_is_a_first_run_is_caught() -> None:
     rerun.update(execution=1, rerun=False)  # each field agrees with the other: only the count
     verdict, _, messages = judge(events)
     assert verdict == "fail" and len(messages) == 1
-    assert "`rule_started` of execution 1, after 1 earlier start(s) of its attempt" in messages[0]
+    assert "`rule_started` of execution 1, told to an earlier start of its attempt" in messages[0]
 
 
 def test_a_restart_that_lost_writes_may_count_again() -> None:

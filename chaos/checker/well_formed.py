@@ -97,17 +97,18 @@ _FORGETTING = ("service_restarted", "redis_failover")
 
 
 def _executions_counted(events: list[dict]) -> list[tuple[dict, str, str]]:
-    """Each start's `execution` is the start marker's count: a first try counts every
-    earlier first try of its attempt, in any process (each one's marker was counted before
-    it), since Redis last may have lost writes; a level-1 retry carries the execution of
-    the first try it retries, in its process. (event, key, sentence) for each that does not."""
+    """Each start's `execution` is the start marker's count: the first tries of an attempt,
+    in any process, are told executions no two alike (each marker counted one more; in
+    whatever order the processes record them), since Redis last may have lost writes; a
+    level-1 retry carries the execution of the first try it retries, in its process.
+    (event, key, sentence) for each that does not."""
     out: list[tuple[dict, str, str]] = []
-    since: dict[tuple, int] = defaultdict(int)  # (attempt_id, rule_id, attempt) -> first tries
+    told: dict[tuple, set[int]] = defaultdict(set)  # (attempt_id, rule_id, attempt) -> executions
     current: dict[tuple, int] = {}  # (process, attempt_id, rule_id, attempt) -> execution
     for e in events:
         ev = e.get("ev")
         if ev in _FORGETTING and (ev == "redis_failover" or e.get("service") == "redis"):
-            since.clear()
+            told.clear()
             continue
         if ev != "rule_started":
             continue
@@ -117,16 +118,17 @@ def _executions_counted(events: list[dict]) -> list[tuple[dict, str, str]]:
         key = (e.get("attempt_id"), e.get("rule_id"), e.get("attempt"))
         mine = (e.get("src"), e.get("pid"), *key)
         if try_no == 1:
-            if execution < since[key] + 1:
+            if execution in told[key]:
                 out.append(
                     (
                         e,
                         "rule_started uncounted",
-                        f"`rule_started` of execution {execution}, after {since[key]} earlier "
-                        "start(s) of its attempt (each counted by its start marker)",
+                        f"`rule_started` of execution {execution}, told to an earlier start of "
+                        f"its attempt too ({len(told[key])} before it; each start marker "
+                        "counts one more)",
                     )
                 )
-            since[key] += 1
+            told[key].add(execution)
             current[mine] = execution
         elif mine in current and execution != current[mine]:
             out.append(
@@ -146,8 +148,6 @@ CLOCKS_MS = 1.0
 #: Events of a process between a delayed retry's first start and the write that carried
 #: its start marker: the marker rode on a result's write or on another rule's marker.
 _CARRIERS = frozenset({"result_persisted", "rule_started"})
-#: Events before which a delayed retry's start marker cannot have been written.
-_BEFORE_ANY_MARK = frozenset({"delivered", "evaluation_started", "status_written"})
 
 
 def _markers_accounted(events: list[dict]) -> list[tuple[dict, str, str]]:
@@ -209,19 +209,32 @@ def _markers_accounted(events: list[dict]) -> list[tuple[dict, str, str]]:
 
 
 def _marker_of(evs: list[dict], start: dict) -> str | None:
-    """Why the write of `start`'s marker is not found before it (None: it is)."""
+    """Why the write of `start`'s marker is not found before it (None: it is): since the
+    process last began the evaluation or started this attempt, and after the retry's first
+    delivery there (a duplicate delivery or another rule's status may be recorded in
+    between: the controller and the evaluation's other tasks record as they go)."""
     key = (start.get("rule_id"), start.get("attempt"))
+    region: list[dict] = []
     for x in reversed(evs):
         ev = x.get("ev")
+        if ev == "evaluation_started" or (
+            ev == "rule_started" and (x.get("rule_id"), x.get("attempt")) == key
+        ):
+            break
+        region.append(x)
+    region.reverse()
+    first = next(
+        (
+            i
+            for i, x in enumerate(region)
+            if x.get("ev") == "delivered" and (x.get("rule_id"), x.get("attempt")) == key
+        ),
+        -1,
+    )
+    for x in region[first + 1 :]:
         own = (x.get("rule_id"), x.get("attempt")) == key
-        if ev == "start_marked" and own:
+        if (x.get("ev") == "start_marked" and own) or (x.get("ev") in _CARRIERS and not own):
             return None
-        if ev == "rule_started" and own:
-            break
-        if ev in _CARRIERS:
-            return None
-        if ev in _BEFORE_ANY_MARK:
-            break
     return (
         f"`rule_started` of delayed retry attempt {start.get('attempt')} with no write of its "
         "start marker before it (its own `start_marked`, a result's, another rule's marker)"
