@@ -15,7 +15,7 @@ from typing import NoReturn
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from engine.policy import DEFAULT_TIERS_MS, RetryPolicy, check_engine_settings
-from engine.runtime.sentinel import (
+from engine.sentinel_url import (
     is_sentinel_url,
     parse_sentinel_url,
     redacted_sentinel_url,

@@ -25,8 +25,8 @@ from engine.agent import agent_error
 from engine.core import ProtocolError
 from engine.failpoints import InjectedFault, site
 from engine.history import error_fields
-from engine.runtime.replies import LeaseLost
 from engine.shell import effects as fx
+from engine.shell.replies import LeaseLost
 from sim.redis import SCRIPTS
 from sim.sync import Lock, Semaphore
 

@@ -39,7 +39,7 @@ import simpy
 from engine.core import PERMANENTLY_FAILED, RuleResult, Snapshot, status_rank
 from engine.core.states import TERMINAL_EVALUATION_STATUSES
 from engine.keys import eval_key, result_key, retry_member, runs_key, split_member, status_key
-from engine.runtime.replies import Begun, LeaseLost, Renewal, StatusWritten
+from engine.shell.replies import Begun, LeaseLost, Renewal, StatusWritten
 from sim.network import DOWN, UP, Conn, Link, size_of
 
 TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import env_config, redacted, scrubbed, secrets_of
-from engine.runtime.sentinel import SentinelTarget, parse_sentinel_url
+from engine.sentinel_url import SentinelTarget, parse_sentinel_url
 
 
 def test_a_sentinel_url_names_the_sentinels_the_master_and_the_db() -> None:

@@ -26,10 +26,10 @@ from engine.core.evaluation import Evaluation
 from engine.core.results import RuleResult
 from engine.keys import eval_key
 from engine.policy import RetryPolicy
-from engine.runtime.replies import Renewal
 from engine.shell import controller, heartbeat, orchestrator, reevaluate
 from engine.shell import module as shell_module
 from engine.shell import sweeper as shell_sweeper
+from engine.shell.replies import Renewal
 from sim.broker import SHARED_DELAY_QUEUE, BrokerClient, Message, Queue, SimBroker
 from sim.drive import drive as sim_drive
 from sim.history import Source

@@ -52,8 +52,9 @@ from engine.keys import (
 )
 from engine.plan import Plan
 from engine.runtime.autopipeline import AutoPipeline
-from engine.runtime.replies import Begun, LeaseLost, Renewal, StatusWritten
-from engine.runtime.sentinel import is_sentinel_url, sentinel_client
+from engine.runtime.sentinel import sentinel_client
+from engine.sentinel_url import is_sentinel_url
+from engine.shell.replies import Begun, LeaseLost, Renewal, StatusWritten
 
 
 def now_ms() -> int:

@@ -37,7 +37,6 @@ from engine.core import (
 )
 from engine.core.results import RuleResult
 from engine.core.states import EvaluationStatus, RuleState
-from engine.runtime.replies import LeaseLost
 from engine.shell import module
 from engine.shell.effects import (
     MONO,
@@ -56,6 +55,7 @@ from engine.shell.effects import (
     Step,
     Store,
 )
+from engine.shell.replies import LeaseLost
 
 #: Effects a rule yields as they are, built once.
 _CALLED_OK = Count("calls", labels=(("outcome", "ok"),))

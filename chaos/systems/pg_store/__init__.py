@@ -1,0 +1,1 @@
+"""`pg-store`: the same shell and RabbitMQ, PostgreSQL as the engine's store."""
