@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, Any, Self
 
 __all__ = [
     "MARKER_ENV",
@@ -360,20 +360,36 @@ def _owner_alive(token: str) -> bool:
     return pid.isdigit() and _owner_token(int(pid)) == token and not _is_zombie(int(pid))
 
 
+def _parent_of(pid: int) -> int | None:
+    """Parent pid of a live (non-zombie) process, None when it is gone or a zombie."""
+    stat = _read_proc(pid, "stat")
+    if stat is None:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return None if fields[0] in (b"Z", b"X") else int(fields[1])
+
+
 def _marked_processes() -> list[tuple[int, dict[str, str]]]:
-    """(pid, our env vars) of every live process carrying MARKER_ENV.
+    """(pid, our env vars) of every live process carrying MARKER_ENV, or descending from one.
 
     A /proc scan instead of psutil: no extra dependency, and it sees daemons that left the
     process group. Processes of other users are unreadable and therefore never matched.
+    Descent covers children that erase their environment (PostgreSQL's backends overwrite
+    theirs with a process title, and each leads a session of its own): the scan lists them
+    while their marked parent lives, so one pass of SIGKILLs takes parent and children.
     """
     found: list[tuple[int, dict[str, str]]] = []
+    unmarked: list[int] = []
     own = os.getpid()
     prefix = MARKER_ENV.encode() + b"="
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == own:
             continue
         environ = _read_proc(int(entry.name), "environ")
-        if not environ or prefix not in environ:
+        if environ is None:
+            continue
+        if prefix not in environ:
+            unmarked.append(int(entry.name))
             continue
         ours = {}
         for item in environ.split(b"\0"):
@@ -382,6 +398,16 @@ def _marked_processes() -> list[tuple[int, dict[str, str]]]:
                 ours[key.decode()] = value.decode(errors="replace")
         if MARKER_ENV in ours and not _is_zombie(int(entry.name)):
             found.append((int(entry.name), ours))
+    marks = dict(found)
+    if marks:
+        parents = {pid: _parent_of(pid) for pid in unmarked}
+        while True:
+            heirs = [p for p, parent in parents.items() if parent in marks and p not in marks]
+            if not heirs:
+                break
+            for pid in heirs:
+                marks[pid] = dict(marks[parents[pid]])
+                found.append((pid, marks[pid]))
     return found
 
 
@@ -736,8 +762,11 @@ class _Service:
             env.update(extra)
         return env
 
-    def _spawn(self, argv: Sequence[str], log_name: str, env: Mapping[str, str]) -> None:
-        """Run argv in its own session (so killpg reaches it), output into a log in the dir."""
+    def _spawn(
+        self, argv: Sequence[str], log_name: str, env: Mapping[str, str], **popen: Any
+    ) -> None:
+        """Run argv in its own session (so killpg reaches it), output into a log in the dir;
+        `popen` adds Popen keywords (`user=`: a server that refuses to run as root)."""
         assert self._dir is not None
         log = (self._dir / log_name).open("ab")
         self._logs.append(log)
@@ -749,6 +778,7 @@ class _Service:
             cwd=self._dir,
             env=dict(env),
             start_new_session=True,
+            **popen,
         )
         self._procs.append(proc)
 
