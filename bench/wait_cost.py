@@ -3,12 +3,12 @@ second with no answer, with WAIT for a replica, and with the servers' min-replic
 
     python bench/wait_cost.py [--rounds 5] [--evaluations 200]
 
-A throwaway topology (a primary, a replica, three sentinels: `chaos.sentinel`) serves every
-run, the worker finding the primary through the sentinels as in production. Each round runs
-the three designs one after the other, in an order that turns each round (these machines
-are noisy: each design sees the same minutes), and the median rate of each design over the
-rounds is printed with its ratio to no answer. min-replicas-to-write is the servers'
-setting, set with CONFIG SET on both servers around its runs; WAIT is the worker's
+A throwaway topology (a primary, a replica, three sentinels:
+`chaos.systems.redis_rabbitmq.sentinel`) serves every run, the worker finding the primary through
+the sentinels as in production. Each round runs the three designs one after the other, in an order
+that turns each round (these machines are noisy: each design sees the same minutes), and the median
+rate of each design over the rounds is printed with its ratio to no answer. min-replicas-to-write is
+the servers' setting, set with CONFIG SET on both servers around its runs; WAIT is the worker's
 `--wait-replicas 1` (each batch of the store's scripts ends with one WAIT). Their
 protection, measured over many seeds in the simulator, is `chaos compare --designs
 sentinel` (README: "Lost writes, answered").
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from rules_per_second import rule_rate  # noqa: E402
 
-from chaos.sentinel import SentinelTopology, redis_call  # noqa: E402
+from chaos.systems.redis_rabbitmq.sentinel import SentinelTopology, redis_call  # noqa: E402
 
 #: (name, worker arguments, min-replicas-to-write on the servers)
 DESIGNS: tuple[tuple[str, list[str], int], ...] = (

@@ -339,21 +339,56 @@ Handler = Callable[[Any, Any], Any]
 ACTS: tuple[type, ...] = Act.__args__  # type: ignore[attr-defined]
 
 
+#: The acts a system under test carries out (`chaos.systems`): its services, its client,
+#: its consumer, what it holds. The others are the interpreter's own, whatever the design:
+#: time, the history, the workers' processes, the proxies.
+SYSTEM_ACTS: frozenset[type] = frozenset(
+    {
+        KillService,
+        RestartService,
+        PauseService,
+        ResumeService,
+        KillSentinel,
+        RestartSentinel,
+        AwaitFailover,
+        Connect,
+        Disconnect,
+        BindConsumer,
+        CloseConsumer,
+        Submit,
+        Cancel,
+        PublishRaw,
+        Settled,
+        Leases,
+        Announced,
+        ReadFinal,
+    }
+)
+
+
+def handler_name(act: type) -> str:
+    """`on_<act>`: `on_stop_spawned` for `StopSpawned`."""
+    return "on_" + re.sub(r"(?<!^)(?=[A-Z])", "_", act.__name__).lower()
+
+
 def handlers(
-    driver: type, waits: Callable[[Callable[..., Any]], bool]
+    driver: type, system: type, waits: Callable[[Callable[..., Any]], bool]
 ) -> tuple[dict[type, Handler], dict[type, Handler]]:
-    """A driver's tables for `engine.shell.effects.Stepper`: each act to the driver's method
-    `on_<act>` (`on_stop_spawned` for `StopSpawned`), called as `handler(act, driver)`;
-    the acts carried out at once, then those `waits(method)` says are waited for. A
-    driver that lacks one fails here, when it is imported."""
+    """A driver's tables for `engine.shell.effects.Stepper`: each act to its method
+    `on_<act>` on the interpreter (`driver`), or on its system under test (`driver.system`,
+    an instance of `system`) for `SYSTEM_ACTS`, called as `handler(act, driver)`; the acts
+    carried out at once, then those `waits(method)` says are waited for. A driver or a
+    system that lacks one fails here, when the pair is first used."""
     now: dict[type, Handler] = {}
     later: dict[type, Handler] = {}
     for act in ACTS:
-        name = "on_" + re.sub(r"(?<!^)(?=[A-Z])", "_", act.__name__).lower()
-        method = getattr(driver, name, None)
+        name = handler_name(act)
+        owner = system if act in SYSTEM_ACTS else driver
+        method = getattr(owner, name, None)
         if method is None:
-            raise TypeError(f"{driver.__name__} does not carry out {act.__name__} ({name})")
-        (later if waits(method) else now)[act] = _as_handler(name)
+            raise TypeError(f"{owner.__name__} does not carry out {act.__name__} ({name})")
+        handler = _of_system(name) if act in SYSTEM_ACTS else _as_handler(name)
+        (later if waits(method) else now)[act] = handler
     return now, later
 
 
@@ -361,3 +396,7 @@ def _as_handler(name: str) -> Handler:
     """The driver's method, looked up on the driver (a subclass may carry an act out its
     own way)."""
     return lambda act, driver: getattr(driver, name)(act)
+
+
+def _of_system(name: str) -> Handler:
+    return lambda act, driver: getattr(driver.system, name)(act)

@@ -74,6 +74,32 @@ def _within(least: int, most: int) -> Callable[[str], int]:
     return parse
 
 
+def _system_option(parser: argparse.ArgumentParser) -> None:
+    from chaos.systems import SYSTEMS
+
+    parser.add_argument(
+        "--system",
+        choices=sorted(SYSTEMS),
+        help="the durable design under test, instead of each scenario's system: "
+        "(python -m chaos list)",
+    )
+
+
+def _with_system(loaded: list[Any], args: argparse.Namespace) -> tuple[list[Any], bool]:
+    """The scenarios on `--system` when given, and whether each can run on its system in
+    the mode asked (a refusal said in one line: file, field, system)."""
+    from chaos.systems import on_system, refusal
+
+    loaded = [on_system(sc, getattr(args, "system", None)) for sc in loaded]
+    mode = "sim" if args.command == "sim" or getattr(args, "mode", "") == "sim" else "live"
+    for sc in loaded:
+        problem = refusal(sc, sc.spec.system, mode)
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            return loaded, False
+    return loaded, True
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m chaos", description=OneLineParser.summary(__doc__))
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -87,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "containers: live, Redis and RabbitMQ in containers (a Docker engine)",
     )
     run.add_argument("--seed", type=_within(0, MAX_SEED), help="override every scenario's seed")
+    _system_option(run)
     run.add_argument("--out", type=Path, help="output folder (default out/<time>)")
     run.add_argument("--mutant", help="run the workers with this deliberately broken behaviour")
     run.add_argument("--quiet", action="store_true", help="no progress display")
@@ -112,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs", type=_within(0, 256), default=0, help="processes (default: every core)"
     )
     sim.add_argument("--mutant", help="explore a deliberately broken engine")
+    _system_option(sim)
     sim.add_argument("--shrink", action="store_true", help="shrink the first failure found")
     sim.add_argument(
         "--report",
@@ -157,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seeds", type=_within(1, MAX_SEEDS), default=20, help="sim: seeds per design (20)"
     )
     cmp.add_argument("--out", type=Path, help="output folder (default out/compare-<time>)")
+    _system_option(cmp)
     cmp.add_argument(
         "--designs",
         choices=["memories", "sentinel"],
@@ -267,6 +296,9 @@ def _main(argv: list[str] | None) -> int:
             console.print(f"{sc.path}: ok ({sc.spec.name})", markup=False)
         return EXIT_INPUT if errors else EXIT_OK
     if errors:
+        return EXIT_INPUT
+    loaded, runnable = _with_system(loaded, args)
+    if not runnable:
         return EXIT_INPUT
     if args.command == "sim":
         if args.mutant is not None and _bad_mutant(args.mutant):
@@ -399,7 +431,7 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
     """`chaos compare`: each design's runs under OUT/<its key>, then the table. Exit 1 when
     the engine as shipped broke an invariant (the other designs are meant to)."""
     from chaos.explore import document, load_document
-    from chaos.services import Services
+    from chaos.systems.redis_rabbitmq.services import Services
     from reports import find_runs
     from reports.compare import DESIGNS, compare, table_md, write_comparison
 
@@ -585,7 +617,9 @@ def _interrupted(name: str) -> int:
             with contextlib.suppress(Exception):  # the sweep below is the last word
                 stop()
     reaped = stack.stop_owned()
-    containers = sys.modules.get("chaos.containers")  # not imported: none was started
+    containers = sys.modules.get(
+        "chaos.systems.redis_rabbitmq.containers"
+    )  # not imported: none was started
     if containers is not None:
         with contextlib.suppress(Exception):
             containers.remove_owned()
@@ -680,6 +714,29 @@ def brief(text: str, limit: int = BRIEF_CHARS) -> str:
     return first[: limit - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
 
 
+def _systems_table(console: Console, long: bool) -> Table:
+    """The durable designs a scenario can run on (`system:`, `--system`), each with what it
+    can take: the services a fault stops, the links a network fault cuts, the modes, and
+    the invariants that do not apply to it."""
+    from chaos.systems import DEFAULT_SYSTEM, SYSTEMS
+
+    table = Table(title="systems (system:, --system)", **_table_style(console))
+    for column in ("name", "services (kill/stop/pause/restart_service)", "links", "modes", "n/a"):
+        table.add_column(column)
+    for sut in SYSTEMS.values():
+        services = "\n".join(f"{n}: {what}" if long else n for n, what in sut.services.items())
+        modes = ", ".join(m for m, where in (("live", sut.live), ("sim", sut.sim)) if where)
+        cannot = [f"sim: no {k}" for k in sut.not_simulated]
+        na = "\n".join(f"{k}: {why}" if long else k for k, why in sut.not_applicable.items())
+        name = sut.name + (" (default)" if sut.name == DEFAULT_SYSTEM else "")
+        if long:
+            name += f"\n{sut.summary}"
+        table.add_row(
+            name, services, ", ".join(sut.links), "; ".join([modes, *cannot]), na or "none"
+        )
+    return table
+
+
 def _list(console: Console, long: bool = False) -> int:
     from chaos.checker import INVARIANTS
     from chaos.mutants import MUTANTS
@@ -699,6 +756,7 @@ def _list(console: Console, long: bool = False) -> int:
             desc = f"[red]invalid: {exc}"
         table.add_row(str(path.relative_to(root.parent)), desc)
     console.print(table)
+    console.print(_systems_table(console, long))
     for title, rows in (
         ("invariants", INVARIANTS.items()),
         ("failpoints", FAILPOINTS.items()),
@@ -715,7 +773,7 @@ def _list(console: Console, long: bool = False) -> int:
 
 
 def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Console) -> int:
-    from chaos.services import Services, ServicesUnavailable
+    from chaos.systems.redis_rabbitmq.services import Services, ServicesUnavailable
 
     containers = args.mode == "containers"
     problem = _containers_problem() if containers else Services.available()
@@ -731,7 +789,7 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
     if problem is not None:
         print(f"chaos run: {problem}", file=sys.stderr)
         return EXIT_STACK
-    from chaos.runner import refusal
+    from chaos.systems.redis_rabbitmq.live import refusal
 
     killable = {  # containers mode: always the run's own
         n
@@ -773,7 +831,7 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
         stop_workers()
         stack.stop_all()
         if containers:  # by label: whatever the services lost track of
-            from chaos.containers import remove_owned
+            from chaos.systems.redis_rabbitmq.containers import remove_owned
 
             remove_owned()
 
@@ -881,13 +939,13 @@ def _live_mode(args: argparse.Namespace) -> str:
 
 def _containers_problem() -> str | None:
     """None when containers mode can run here, else why not (one line)."""
-    from chaos.containers import engine_problem
+    from chaos.systems.redis_rabbitmq.containers import engine_problem
 
     return engine_problem()
 
 
 def _remove_dead_containers(console: Console) -> None:
-    from chaos.containers import remove_dead_owners
+    from chaos.systems.redis_rabbitmq.containers import remove_dead_owners
 
     removed = remove_dead_owners()
     if removed:
@@ -895,9 +953,10 @@ def _remove_dead_containers(console: Console) -> None:
 
 
 def _images(console: Console) -> int:
-    """`chaos images build`: the local Redis and RabbitMQ images (`chaos.images`)."""
-    from chaos.containers import engine_problem
-    from chaos.images import build
+    """`chaos images build`: the local Redis and RabbitMQ images
+    (`chaos.systems.redis_rabbitmq.images`)."""
+    from chaos.systems.redis_rabbitmq.containers import engine_problem
+    from chaos.systems.redis_rabbitmq.images import build
 
     problem = engine_problem()
     if problem is not None:

@@ -35,7 +35,6 @@ from chaos.scenario import (
     RunnerFault,
     fault_schedule,
 )
-from chaos.scenario.schema import SERVICE_ACTIONS
 from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
 from engine.plan import Plan
 
@@ -350,10 +349,11 @@ class Conductor:
                 slot.restart((yield acts.Now()), fault_id)
             case "pause_worker":
                 yield from self._pause(self.slots[fault.target], fault.pause_s or 0.0, fault_id)
-            case "kill_redis" | "kill_broker" | "stop_redis" | "stop_broker":
-                name, how = SERVICE_ACTIONS[fault.action]
-                held = yield acts.KillService(name, graceful=how == "stop")
-                signal = {"signal": "SIGTERM"} if how == "stop" else {}
+            case _ if fault.service is not None and fault.how != "pause":
+                name, how = fault.service, fault.how
+                graceful = how in ("stop", "restart")
+                held = yield acts.KillService(name, graceful=graceful)
+                signal = {"signal": "SIGTERM"} if graceful else {}
                 # what the node held, when the runner can count it (the simulator's model)
                 counted = {"messages": held} if held is not None else {}
                 yield acts.Record("service_killed", {"service": name, **signal, **counted})
@@ -365,9 +365,8 @@ class Conductor:
                         yield from self._after(fault.restart_after_s, self._restart(name, None))
                 elif fault.restart_after_s is not None:
                     yield from self._after(fault.restart_after_s, self._restart(name, fault_id))
-            case "pause_redis" | "pause_broker":
-                name = SERVICE_ACTIONS[fault.action][0]
-                yield from self._pause_service(name, fault.pause_s or 0.0, fault_id)
+            case _ if fault.service is not None:  # a pause
+                yield from self._pause_service(fault.service, fault.pause_s or 0.0, fault_id)
             case "kill_sentinel":
                 yield acts.KillSentinel(fault.target)
                 yield acts.Record("sentinel_killed", {"sentinel": fault.target})

@@ -66,6 +66,7 @@ def write_outputs(
         "check_durations_s": {k: round(v, 6) for k, v in result.durations_s.items()},
         "budget_failures": list(result.budget_failures),
         "exercise_failures": list(result.exercise_failures),
+        **({"not_applicable": dict(result.not_applicable)} if result.not_applicable else {}),
         "extra": dict(extra or {}),
     }
     _atomic_write(out / "journal.json", json.dumps(journal, indent=2, default=str) + "\n")
@@ -92,9 +93,9 @@ def junit_cases(
 ) -> list[ET.Element]:
     """One `<testcase>` per invariant judged (classname = scenario, name = invariant), timed
     by its own check (`result.durations_s`): a `<failure>` with the violations and their
-    timelines, `<skipped>` for "unknown"; a `budgets` case (time 0: comparing numbers) when
-    any budget was set (`stats["budgets"]` lists them); and an `exercised` case timed by the
-    scenario's own run (`duration_s`: what a CI tab adds up is then the scenario's time),
+    timelines, `<skipped>` for "unknown" and "n/a" (with why); a `budgets` case (time 0: comparing
+    numbers) when any budget was set (`stats["budgets"]` lists them); and an `exercised` case timed
+    by the scenario's own run (`duration_s`: what a CI tab adds up is then the scenario's time),
     failing when the run judged fewer cases than its `exercised` minimums, which fails the
     run as a violation does."""
     cases: list[ET.Element] = []
@@ -114,6 +115,8 @@ def junit_cases(
             n = result.cases.get(name, 0)
             why = "no case judged" if n == 0 else f"{n} case(s) on an incomplete history"
             ET.SubElement(case, "skipped", message=f"unknown: {why}")
+        elif verdict == "n/a":
+            ET.SubElement(case, "skipped", message=f"n/a: {result.not_applicable.get(name)}")
         cases.append(case)
     budgets = result.stats.get("budgets")
     if result.budget_failures or budgets:
@@ -271,6 +274,9 @@ def summary_line(
         line.append(f"; broken: {_with_cases(result, failed)}", style="red")
     if unknown:
         line.append(f"; unknown: {_with_cases(result, unknown)}", style="yellow")
+    if result.not_applicable:
+        shown = ", ".join(f"{n} ({why})" for n, why in result.not_applicable.items())
+        line.append(f"; n/a: {shown}", style="dim")
     if result.exercise_failures:
         line.append(f"; exercised: {'; '.join(result.exercise_failures)}", style="red")
     if result.budget_failures:

@@ -70,11 +70,12 @@ def seeds_progress_line(name: str, done: int, total: int, failing: int, took: fl
 
 
 def _refused(loaded: list[LoadedScenario]) -> bool:
-    """Say in one line why the simulator cannot run a scenario (`chaos.insim.run.refusal`)."""
-    from chaos.insim.run import refusal
+    """Say in one line why the simulator cannot run a scenario on its system
+    (`chaos.systems.refusal`)."""
+    from chaos.systems import refusal
 
     for sc in loaded:
-        problem = refusal(sc)
+        problem = refusal(sc, sc.spec.system, "sim")
         if problem is not None:
             print(problem, file=sys.stderr)
             return True
@@ -84,8 +85,6 @@ def _refused(loaded: list[LoadedScenario]) -> bool:
 def explore_all(loaded: list[LoadedScenario], args: argparse.Namespace, console: Console) -> int:
     """`chaos sim A.yaml B.yaml ...`: each scenario explored in turn, the worst exit code.
     With several scenarios, `--report DIR` writes each one's report to DIR/<name>."""
-    if _refused(loaded):
-        return EXIT_INPUT
     worst = EXIT_OK
     report = getattr(args, "report", None)
     for sc in loaded:

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from chaos.scenario.schema import GENERIC_SERVICE_ACTIONS
+
 if TYPE_CHECKING:
     from chaos.scenario import PlannedFault
 
@@ -123,9 +125,12 @@ def fired(fault: PlannedFault, fault_id: int) -> dict[str, Any]:
     """The fields of a fault's `fault_fired`; its `fault_healed` carries the same id once
     the runner has undone it (a worker restarted and ready, a service back, a cancel
     sent); a fault never undone stays open."""
-    return {
+    fields = {
         "fault": fault.label,
         "action": fault.action,
         "target": fault.target,
         "fault_id": fault_id,
     }
+    if fault.action in GENERIC_SERVICE_ACTIONS:  # the aliases (kill_redis...) name theirs
+        fields["service"] = fault.service
+    return fields

@@ -270,6 +270,7 @@ def _verdict_rows(per_run: list[dict[str, Any]]) -> list[list[str]]:
         judged = sum(v["cases"] or 0 for v in verdicts.values())
         broken = [k for k, v in verdicts.items() if v["verdict"] == "fail"]
         unknown = [k for k, v in verdicts.items() if v["verdict"] == "unknown"]
+        unknown += [f"{k} (n/a)" for k, v in verdicts.items() if v["verdict"] == "n/a"]
         rows.append(
             [
                 m["run"],

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from chaos.services import Services
+from chaos.systems.redis_rabbitmq.services import Services
 
 
 @pytest.fixture(scope="module")

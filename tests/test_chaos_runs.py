@@ -22,8 +22,8 @@ import pytest
 from chaos.mutants import MUTANTS
 from chaos.runner import Outcome, ScenarioRun
 from chaos.scenario import load_scenario
-from chaos.services import Services
 from chaos.stack import OWNER_ENV, _marked_processes
+from chaos.systems.redis_rabbitmq.services import Services
 
 pytestmark = pytest.mark.slow  # live runs: a redis-server and a RabbitMQ node of their own
 

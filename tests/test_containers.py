@@ -1,4 +1,5 @@
-"""Containers mode: Redis and RabbitMQ in containers (`chaos.containers`, `chaos.images`).
+"""Containers mode: Redis and RabbitMQ in containers (`chaos.systems.redis_rabbitmq.containers`,
+`chaos.systems.redis_rabbitmq.images`).
 
 Most of these need a Docker engine and skip without one, saying so; `.ci/run` starts one
 when none answers and sets CHAOS_REQUIRE_DOCKER=1, so in CI they run (or fail). Without
@@ -21,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from chaos.containers import (
+from chaos.mutants import MUTANTS
+from chaos.stack import StackError
+from chaos.systems.redis_rabbitmq.containers import (
     OFFICIAL_IMAGES,
     OWNER_LABEL,
     RabbitContainer,
@@ -29,9 +32,7 @@ from chaos.containers import (
     engine_problem,
     image_for,
 )
-from chaos.images import IMAGE_LABEL, LOCAL_IMAGES
-from chaos.mutants import MUTANTS
-from chaos.stack import StackError
+from chaos.systems.redis_rabbitmq.images import IMAGE_LABEL, LOCAL_IMAGES
 from tests.rabbit import dump_queue_records, wait_for_queue
 from tests.test_chaos_runs import chaos
 
@@ -88,7 +89,9 @@ def test_the_simulator_refuses_a_broker_pause_in_one_line(tmp_path: Path) -> Non
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr == (
         "scenarios/containers/broker_pause.yaml: faults[0].action: pause_broker is not "
-        "simulated (a frozen node); run it with --mode live or --mode containers\n"
+        "simulated on redis-rabbitmq (a frozen RabbitMQ node (connections held, nothing "
+        "delivered or confirmed) has no model in the simulator); run it with --mode live or "
+        "--mode containers\n"
     )
     stopped = chaos("run", "scenarios/containers/broker_stop.yaml", "--mode", "sim")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr  # a stop: a kill there

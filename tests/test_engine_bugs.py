@@ -25,12 +25,13 @@ import pytest
 import simpy
 
 from chaos import acts
-from chaos.aof import write_offsets
 from chaos.explore import document, swarm
 from chaos.insim import SimOptions
 from chaos.insim.run import SimOutcome, SimRun, scenario_options
-from chaos.runner import refusal
 from chaos.scenario import LoadedScenario, load_scenario
+from chaos.systems.redis_rabbitmq.aof import write_offsets
+from chaos.systems.redis_rabbitmq.live import refusal
+from chaos.systems.redis_rabbitmq.sim import RedisRabbitSim
 from engine.core import RuleResult
 from engine.core.states import RuleState
 from engine.plan import load_plan
@@ -61,7 +62,7 @@ def run(loaded: LoadedScenario, seed: int | None = None) -> tuple[SimRun, SimOut
 
 def indexed(sim: SimRun) -> tuple[set[str], set[str]]:
     """The evaluations in the running index and in the retries index at the end."""
-    redis = sim.redis
+    redis = sim.system.redis
     running = set(redis.get(redis.running_index) or {})
     retries = {m.partition("\x1f")[0] for m in redis.get(redis.retries_index) or {}}
     return running, retries
@@ -147,8 +148,8 @@ def test_the_owner_does_not_restamp_nor_index_a_cancelled_evaluation() -> None:
 # --- (c) a cancel is seen at the next step --------------------------------------------------
 
 
-class _NoBroadcast(SimRun):
-    """A run whose cancel client never publishes the control broadcast (a lost or late
+class _NoBroadcast(RedisRabbitSim):
+    """A design whose cancel client never publishes the control broadcast (a lost or late
     broadcast): the owner can learn of the cancel from Redis only."""
 
     def on_cancel(self, a: acts.Cancel) -> Generator[Any, Any, str]:
@@ -167,7 +168,7 @@ class _NoBroadcast(SimRun):
 
 @pytest.mark.parametrize("name", ["cancel_midway", "cancel_during_retry"])
 def test_a_cancel_is_seen_in_the_store_before_the_next_start(name: str) -> None:
-    outcome = _NoBroadcast(scenario(name)).run()
+    outcome = SimRun(scenario(name), adapter=_NoBroadcast).run()
     history = outcome.history
     written = of(history, "cancel_written")[0]
     a = written["attempt_id"]

@@ -127,7 +127,8 @@ def test_redis_with_aof_keeps_data_across_sigkill() -> None:
 @needs_redis
 def test_redis_paused_answers_nothing_and_a_clean_stop_keeps_its_data() -> None:
     """`pause` / `resume` (SIGSTOP, SIGCONT: pause_redis) and `terminate` (SIGTERM:
-    stop_redis), as `chaos.containers` offers them with docker pause and docker stop."""
+    stop_redis), as `chaos.systems.redis_rabbitmq.containers` offers them with docker pause
+    and docker stop."""
     with RedisServer(persistence=True) as server:
         redis.Redis.from_url(server.url).set("k", "v")
         server.pause()

@@ -26,10 +26,11 @@ import redis
 from redis.exceptions import AuthenticationError, ResponseError
 
 from chaos.checker import EvaluationFinal, FinalState
-from chaos.runner import ScenarioRun, run_prefix
+from chaos.runner import ScenarioRun
 from chaos.scenario import load_scenario
-from chaos.services import Services
 from chaos.stack import RedisServer, free_port
+from chaos.systems.redis_rabbitmq.live import run_prefix
+from chaos.systems.redis_rabbitmq.services import Services
 from engine.agent import AgentProfile, AgentService, FakeAgent
 from engine.config import DEFAULT_AMQP_URL, ServiceUnavailable, redacted
 from engine.plan import load_plan

@@ -126,8 +126,11 @@ def check(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckResul
     verdicts: dict[str, Verdict] = {}
     violations: list[Violation] = []
     unconfirmed = 0
+    not_applicable = {n: why for n, why in spec.not_applicable.items() if n in spec.invariants}
     for inv in REGISTRY:
-        if inv.name in spec.invariants:
+        if inv.name in not_applicable:  # judged nothing: neither a pass nor a case
+            verdicts[inv.name] = "n/a"
+        elif inv.name in spec.invariants:
             verdicts[inv.name] = verdict_of(inv)
             if blind(inv):
                 unconfirmed += len(found_by[inv.name])
@@ -137,6 +140,8 @@ def check(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckResul
         cx.stats["violations_unconfirmed"] = unconfirmed
     exercise_failures = []
     for name, least in spec.exercised.items():
+        if name in spec.not_applicable:  # the summary line says n/a, and why
+            continue
         n = counts[name]
         verdict = verdicts.get(name) or verdict_of(next(i for i in REGISTRY if i.name == name))
         if verdict == "unknown":
@@ -158,8 +163,16 @@ def check(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckResul
         value = cx.stats.get(stat)
         if limit is not None and value is not None and value > limit:
             budget_failures.append(f"{stat} {num(value)} > {budget} {num(limit)}")
-    timed = {name: durations[name] for name in verdicts}
-    cases = {name: counts[name] for name in verdicts}
+    judged = [name for name, v in verdicts.items() if v != "n/a"]
+    timed = {name: durations[name] for name in judged}
+    cases = {name: counts[name] for name in judged}
     return CheckResult(
-        verdicts, violations, cx.stats, budget_failures, timed, cases, exercise_failures
+        verdicts,
+        violations,
+        cx.stats,
+        budget_failures,
+        timed,
+        cases,
+        exercise_failures,
+        not_applicable,
     )

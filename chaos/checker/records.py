@@ -15,7 +15,9 @@ from engine.plan import Plan
 if TYPE_CHECKING:
     from chaos.reference import Reference
 
-Verdict = Literal["pass", "fail", "unknown"]
+#: "n/a": the invariant does not apply to the system under test (`CheckSpec.not_applicable`
+#: says why); neither passed nor judged.
+Verdict = Literal["pass", "fail", "unknown", "n/a"]
 
 #: How long after a fault heals a client may take to notice: aio-pika's (and the
 #: simulator's) reconnect interval is 0.5 s; twice that.
@@ -143,12 +145,15 @@ class CheckSpec:
     #: (`faults_fired`).
     failpoints: tuple[tuple[str, str | None, str | None], ...] = ()
     faults_planned: tuple[str, ...] = ()
+    #: Invariant -> why it does not apply to the system under test (`chaos.systems`).
+    not_applicable: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from chaos.checker.invariants import INVARIANTS  # the registry imports this module
 
         self.policy = RetrySettings.of(self.policy)
-        unknown = [n for n in (*self.invariants, *self.exercised) if n not in INVARIANTS]
+        named = (*self.invariants, *self.exercised, *self.not_applicable)
+        unknown = [n for n in named if n not in INVARIANTS]
         if unknown:
             raise ValueError(f"unknown invariant(s) {unknown}; expected some of {list(INVARIANTS)}")
         bad = [b for b in self.budgets if b not in BUDGETS]
@@ -193,6 +198,8 @@ class CheckResult:
     durations_s: dict[str, float] = field(default_factory=dict)
     cases: dict[str, int] = field(default_factory=dict)
     exercise_failures: list[str] = field(default_factory=list)
+    #: Invariant -> why its verdict is "n/a" (the system under test has no such guarantee).
+    not_applicable: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -211,4 +218,5 @@ class CheckResult:
             "stats": dict(self.stats),
             "budget_failures": list(self.budget_failures),
             "exercise_failures": list(self.exercise_failures),
+            **({"not_applicable": dict(self.not_applicable)} if self.not_applicable else {}),
         }

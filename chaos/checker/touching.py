@@ -30,6 +30,8 @@ _SERVICE_OF = {
     "stop_broker": "broker",
     "pause_broker": "broker",
 }
+#: Runner fault actions on a service named by the record (`kill_service`...).
+_ON_A_SERVICE = frozenset({"kill_service", "stop_service", "pause_service", "restart_service"})
 #: Runner fault actions on the network, and the runner's record of where each acted.
 _LINK_ACTIONS = frozenset({"add_toxic", "update_toxic", "remove_toxic", "cut_link"})
 _WHERE = frozenset({"toxic_added", "toxic_updated", "toxic_removed", "link_cut", "link_restored"})
@@ -78,6 +80,8 @@ def touches(events: list[dict]) -> list[Touch]:
                 continue
             if action in _SERVICE_OF:
                 out.append(Touch(t, end, None, _SERVICE_OF[action], label))
+            elif action in _ON_A_SERVICE:  # any system's service, named
+                out.append(Touch(t, end, None, str(e.get("service")), label))
             elif action in _LINK_ACTIONS:
                 pending["link"].append((t, end, label))
             elif action == "pause_worker":

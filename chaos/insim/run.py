@@ -19,8 +19,8 @@ orders simultaneous events by insertion: one seed, one history, byte for byte.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import inspect
 import random
 from collections.abc import Generator
@@ -28,39 +28,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
 import simpy
 
 from chaos import acts
 from chaos.acts import Step
-from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, check
-from chaos.conductor import COMPLETED_QUEUE, EVENT_KEYS, RECEIVED_AS, Conductor, delivered
+from chaos.checker import CheckResult, CheckSpec, FinalState, check
+from chaos.conductor import Conductor
 from chaos.insim import mutants
+from chaos.insim.quiet import quiet
 from chaos.proxy import model as proxy_model
 from chaos.reference import Draws
 from chaos.scenario import LoadedScenario, Scenario
+from chaos.systems import on_system, refusal
+from chaos.systems import system as system_named
+from chaos.systems.seam import SimSystem
 from engine.agent import AgentProfile, Draw, FakeAgent
 from engine.config import EngineConfig
-from engine.core.messages import SUBMIT_REASON
-from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.history import error_fields
-from engine.keys import eval_key
 from engine.plan import Plan
 from engine.shell.effects import Stepper
-from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker
 from sim.drive import ENGINE_ERROR_LIMIT
 from sim.history import Source, history_hash
 from sim.network import Network
-from sim.redis import RedisClient, SimRedis
-from sim.sentinel import SimSentinel
-from sim.worker import EXIT_KILLED, SimWorker
+from sim.worker import EXIT_KILLED
 from sim.world import SimOptions
 
-TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
 RUNNER_PID = 1
-#: The runner's own publishes (submits, a cancel's announcement): `engine.submit`'s, in a
-#: process of its own live, which a mutant of the worker never reaches.
-RUNNER_DELIVERY_MODE = 2
 
 
 def scenario_options(spec: Scenario, options: SimOptions) -> SimOptions:
@@ -99,23 +92,6 @@ class SimOutcome:
         return self.sim_time_s
 
 
-#: Faults the simulator has no model of (a frozen RabbitMQ node: connections held, nothing
-#: delivered or confirmed): such a scenario runs live or in containers only.
-NOT_SIMULATED = frozenset({"pause_broker"})
-
-
-def refusal(loaded: LoadedScenario) -> str | None:
-    """Why the simulator cannot run this scenario, in one line (None: it can)."""
-    for i, fault in enumerate(loaded.spec.faults):
-        action = getattr(fault, "action", "")
-        if action in NOT_SIMULATED:
-            return (
-                f"{loaded.path}: faults[{i}].action: {action} is not simulated (a frozen "
-                "node); run it with --mode live or --mode containers"
-            )
-    return None
-
-
 class SimRun:
     def __init__(
         self,
@@ -123,10 +99,15 @@ class SimRun:
         seed: int | None = None,
         mutant: str | None = None,
         options: SimOptions | None = None,
+        system: str | None = None,
+        adapter: type | None = None,
     ) -> None:
+        """`system`: the design, instead of the scenario's `system:`; `adapter`: its
+        adapter class instead of the registry's (a test's deliberately broken one)."""
         if mutant is not None and mutant not in mutants.known():
             raise ValueError(f"unknown mutant {mutant!r}; expected one of {mutants.known()}")
-        problem = refusal(loaded)
+        loaded = on_system(loaded, system)
+        problem = refusal(loaded, loaded.spec.system, "sim")
         if problem is not None:
             raise ValueError(problem)
         self.loaded = loaded
@@ -158,67 +139,16 @@ class SimRun:
         self.immediate_retries = self.config.policy.immediate_retries  # for fail_rules
         # what the agents draw, kept for the reference (a mutant's agent may draw otherwise)
         self.draws = Draws(self.profile, self.immediate_retries) if mutant is None else None
-        self.redis = SimRedis(
-            self.env,
-            running_index=self.config.name("engine:running"),
-            retries_index=self.config.name("engine:retries"),
-            ttl_s=self.config.state_ttl_s,
-            lease_ms=self.config.stale_ms,
-            failover_loss=self.options.redis_failover_loss,
-        )
-        delay_queues = {}
-        for tier, bucket, ms in self.config.policy.delay_queues():
-            ttl_ms = max(1, round(ms * spec.time_scale))
-            name = f"evaluation.retry.t{tier + 1}.b{bucket}.{ttl_ms}ms"
-            delay_queues[(tier, bucket)] = (name, ttl_ms / 1000)
-        self.broker = SimBroker(
-            self.env,
-            self.net_rng,
-            self.options.broker_latency_s,
-            delay_queues,
-            dead_letter_loss=self.options.dead_letter_loss,
-            consumer_timeout_s=self.options.consumer_timeout_s,
-            loses=self._loses if spec.broker.dead_letter_loss else None,
-            on_lost=self._retry_lost,
-        )
-        self.sentinel = (  # the seed's deployment: a replica the sentinels promote
-            SimSentinel(
-                self.env,
-                self.redis,
-                random.Random(f"{tag}:sentinel"),
-                spec.redis.down_after_ms / 1000,
-                self.options.redis_boot_s,
-                (
-                    float(spec.redis.min_replicas_max_lag_s)
-                    if spec.redis.min_replicas_to_write
-                    else None
-                ),
-            )
-            if spec.redis.topology == "sentinel"
-            else None
-        )
-        self.store = RedisClient(self.env, self.redis, self.net_rng, self.options.redis_latency_s)
         # the workers' proxies (the runner's own clients go around them, as live)
         self.network = Network(self.env, self.seed, proxy_model)
         self._spawned: list[simpy.Process] = []  # the conductor's steps alongside
-        self._client: BrokerClient | None = None  # the runner's, as `EngineClient`
-        self._events: BrokerClient | None = None  # the consumer of evaluation.completed
-        self._received: set[str] = set()  # attempt ids whose evaluation.completed it holds
+        self.received: set[str] = set()  # attempt ids whose evaluation.completed it holds
+        self.system_name = spec.system
+        adapter = adapter or system_named(self.system_name).adapter("sim")
+        self.system: SimSystem = adapter(self)
+        self._now, self._later = _tables(type(self.system))
 
     # --- set-up -------------------------------------------------------------------------
-
-    def _loses(self, message_id: str | None) -> bool:
-        """`broker.dead_letter_loss`: the live runner's draw, on the same id."""
-        return self.spec.broker.loses(self.seed, message_id)
-
-    def _retry_lost(self, body: dict[str, Any]) -> None:
-        """A dead-lettered retry vanished (the live runner records the one it takes)."""
-        self.runner.record(
-            "retry_lost",
-            attempt_id=body.get("attempt_id"),
-            rule_id=body.get("rule_id"),
-            attempt=body.get("attempt"),
-        )
 
     def _config(self) -> EngineConfig:
         same_seed = self.seed == self.spec.seed
@@ -232,7 +162,7 @@ class SimRun:
         agent.setdefault("seed", self.seed)
         return agent
 
-    def _agent(self) -> FakeAgent:
+    def agent(self) -> FakeAgent:
         """The agent of a new worker process, salted as a live one is (`os.urandom`), from
         the seed (its salt matters only to the `nondeterministic_agent` mutant)."""
         salt = 0 if self.salt_rng is None else self.salt_rng.getrandbits(64)
@@ -253,9 +183,9 @@ class SimRun:
         """Carry `step` out to its end; what it returns is returned. An act that takes no
         simulated time is carried out in place."""
         stepper = Stepper(step)
-        while (act := stepper.advance(_NOW, self)) is not None:
+        while (act := stepper.advance(self._now, self)) is not None:
             try:
-                stepper.reply((yield from _LATER[type(act)](act, self)))
+                stepper.reply((yield from self._later[type(act)](act, self)))
             except BaseException as exc:  # into the step (an interrupt at the end too)
                 stepper.fail(exc)
         return stepper.value
@@ -270,7 +200,7 @@ class SimRun:
         pass
 
     def on_spawn(self, a: acts.Spawn) -> None:
-        self._spawned.append(self.env.process(_quiet(self._drive(a.step))))
+        self._spawned.append(self.env.process(quiet(self._drive(a.step))))
 
     def on_stop_spawned(self, a: acts.StopSpawned) -> None:
         for proc in self._spawned:
@@ -280,12 +210,8 @@ class SimRun:
     def on_sleep(self, a: acts.Sleep) -> Generator[Any, Any, None]:
         yield self.env.timeout(a.seconds)
 
-    def on_start_worker(self, a: acts.StartWorker) -> SimWorker:
-        slot = a.slot
-        config = dataclasses.replace(self.config)  # each process parses its own, as live
-        return SimWorker(
-            self, slot.index, slot.incarnation + 1, a.failpoints, self._agent(), config
-        )
+    def on_start_worker(self, a: acts.StartWorker) -> Any:
+        return self.system.worker(a.slot.index, a.slot.incarnation + 1, a.failpoints)
 
     def on_wait_ready(self, a: acts.WaitReady) -> Generator[Any, Any, None]:
         for slot in a.slots:  # its "ready" line, or the process gone
@@ -302,53 +228,6 @@ class SimRun:
 
     def on_resume_worker(self, a: acts.ResumeWorker) -> None:
         pass  # its freeze has ended
-
-    def on_kill_service(self, a: acts.KillService) -> int | None:
-        """The broker says how many messages it held (the model counts them)."""
-        # a clean stop (`a.graceful`) is a kill here: the engine sees its connections go
-        # either way, and neither an fsync-always Redis nor durable queues lose anything
-        # (persistent messages: a transient one is lost either way)
-        if a.name == "redis" and self.sentinel is not None:
-            self.sentinel.kill_primary()
-            return None
-        if a.name == "redis":
-            self.redis.kill()
-            return None
-        return self.broker.kill()
-
-    def on_restart_service(self, a: acts.RestartService) -> Generator[Any, Any, int | None]:
-        o = self.options
-        if a.name == "redis" and self.sentinel is not None:
-            yield from self.sentinel.restart_killed()
-            return None
-        yield self.env.timeout(o.redis_boot_s if a.name == "redis" else o.broker_boot_s)
-        if a.name == "redis":
-            return self.redis.restart()
-        return self.broker.restart()  # the messages it found
-
-    def on_pause_service(self, a: acts.PauseService) -> None:
-        assert a.name == "redis", "only Redis is paused"
-        if self.sentinel is not None:
-            self.sentinel.pause_primary()
-        else:
-            self.redis.pause()
-
-    def on_resume_service(self, a: acts.ResumeService) -> bool:
-        if self.sentinel is not None:
-            return self.sentinel.resume_primary()
-        return self.redis.resume()
-
-    def on_kill_sentinel(self, a: acts.KillSentinel) -> None:
-        assert self.sentinel is not None, "a sentinel without Sentinel"
-        self.sentinel.kill_sentinel()
-
-    def on_restart_sentinel(self, a: acts.RestartSentinel) -> None:
-        assert self.sentinel is not None, "a sentinel without Sentinel"
-        self.sentinel.restart_sentinel()
-
-    def on_await_failover(self, a: acts.AwaitFailover) -> Generator[Any, Any, bool]:
-        assert self.sentinel is not None, "a failover without Sentinel"
-        return (yield from self.sentinel.wait_back())
 
     def on_add_toxic(self, a: acts.AddToxic) -> None:
         for w in a.workers:
@@ -369,9 +248,7 @@ class SimRun:
         self._set_link(a.link, a.workers, cut=False)
 
     def _set_link(self, link: str, workers: tuple[int, ...], cut: bool) -> None:
-        if link == "replication":  # the replica's link to the primary: one, not per worker
-            assert self.sentinel is not None, "a replication link without Sentinel"
-            self.sentinel.partition(cut)
+        if self.system.set_own_link(link, cut):
             return
         for w in workers:
             proxy = self.network.link(w, link)
@@ -379,176 +256,13 @@ class SimRun:
 
     def on_reset_links(self, a: acts.ResetLinks) -> None:
         self.network.reset()
-        if self.sentinel is not None:
-            self.sentinel.partition(False)
-
-    def on_connect(self, a: acts.Connect) -> Generator[Any, Any, None]:
-        client = BrokerClient(self.env, self.broker, "runner", delivery_mode=RUNNER_DELIVERY_MODE)
-        while not (yield from client.connect()):  # connect_robust waits for the node
-            yield self.env.timeout(self.options.reconnect_interval_s)
-        self._client = client
-
-    def on_disconnect(self, a: acts.Disconnect) -> Generator[Any, Any, None]:
-        if self._client is not None:
-            yield from self._client.close()
-
-    def on_submit(self, a: acts.Submit) -> Generator[Any, Any, None]:
-        assert self._client is not None
-        body = {
-            "type": "execute",
-            "attempt_id": a.attempt_id,
-            "plan": a.plan,  # the live message carries plan.to_dict(); the sim, the plan
-            "reason": SUBMIT_REASON,
-            "published_ms": int(self.env.now * 1000),
-        }
-        yield from self._client.publish_work(body, a.attempt_id)
-
-    def on_cancel(self, a: acts.Cancel) -> Generator[Any, Any, str]:
-        """`EngineClient.cancel`, on a connection of its own."""
-        attempt_id = a.attempt_id
-        client = BrokerClient(
-            self.env, self.broker, "runner-cancel", delivery_mode=RUNNER_DELIVERY_MODE
-        )
-        while not (yield from client.connect()):  # connect_robust waits for the node
-            yield self.env.timeout(self.options.reconnect_interval_s)
-        kept = yield from self.store.call(
-            self.redis.set_state, attempt_id, EvaluationStatus.CANCELLED.value
-        )
-        if kept is None:
-            body = {"attempt_id": attempt_id, "status": "cancelled", "verdicts": {}}
-            yield from client.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
-            yield from self.store.call(self.redis.done, attempt_id, "")
-            yield from client.publish_control({"type": "cancel", "attempt_id": attempt_id})
-        yield from client.close()
-        return kept or EvaluationStatus.CANCELLED.value
-
-    def on_publish_raw(self, a: acts.PublishRaw) -> Generator[Any, Any, None]:
-        """On a connection of its own, as `on_cancel`."""
-        client = BrokerClient(
-            self.env, self.broker, "runner-poison", delivery_mode=RUNNER_DELIVERY_MODE
-        )
-        while not (yield from client.connect()):
-            yield self.env.timeout(self.options.reconnect_interval_s)
-        yield from client.publish_work(a.body, a.message_id)
-        yield from client.close()
-
-    def on_settled(self, a: acts.Settled) -> int:
-        if not self.redis.up:
-            return 0
-        settled = 0
-        for attempt_id in a.attempt_ids:
-            state, _, published = self.redis.record(attempt_id)
-            settled += state in TERMINAL and published
-        return settled
-
-    def on_leases(self, a: acts.Leases) -> dict[str, str] | None:
-        if not self.redis.up:
-            return None
-        holders = {i: self.redis.holder(i) for i in a.attempt_ids}
-        return {i: h for i, h in holders.items() if h is not None}
-
-    def on_announced(self, a: acts.Announced) -> set[str]:
-        redis = self.redis
-        return {i for i in a.attempt_ids if redis.up and redis.record(i)[2]}
+        self.system.heal_links()
 
     def on_received(self, a: acts.Received) -> set[str]:
-        return self._received
+        return self.received
 
     def on_tail(self, a: acts.Tail) -> tuple[list[dict[str, Any]], int]:
         return self.events[a.cursor or 0 :], len(self.events)
-
-    def on_read_final(self, a: acts.ReadFinal) -> FinalState:
-        if not self.redis.up:  # the final state needs Redis back
-            self.redis.restart()
-        return self._final_state()
-
-    def _final_state(self) -> FinalState:
-        """`ScenarioRun.on_read_final`: each evaluation's keys, every key's TTL (the engine's
-        own `engine:*` keys too) and the members of its indexes."""
-        redis = self.redis
-        evaluations: dict[str, EvaluationFinal] = {}
-        for attempt_id in self.attempt_ids:
-            snap = redis.snapshot(attempt_id, self.plans[attempt_id].order)
-            state, _, published = redis.record(attempt_id)
-            passes = redis.get(eval_key(attempt_id, "passes")) or {}
-            evaluations[attempt_id] = EvaluationFinal(
-                attempt_id=attempt_id,
-                state=state,
-                results=dict(snap.results),
-                statuses=dict(snap.statuses),
-                published=published,
-                passes={str(p): str(o) for p, o in sorted(passes.items())},
-            )
-        ns = self.config.name("")
-        ttls = redis.ttls(f"attempt:{self.id_prefix}")
-        ttls.update(
-            {k.removeprefix(ns): t for k, t in redis.ttls(self.config.name("engine:")).items()}
-        )
-        indexes = {
-            key.removeprefix(ns): {
-                str(m): float(v) for m, v in sorted((redis.get(key) or {}).items())
-            }
-            for key in (redis.running_index, redis.retries_index)
-        }
-        return FinalState(evaluations=evaluations, key_ttls=ttls, indexes=indexes)
-
-    # --- the harness's consumer of evaluation.completed -----------------------------------
-
-    def on_bind_consumer(self, a: acts.BindConsumer) -> Generator[Any, Any, None]:
-        """`acts.BindConsumer`, on a robust connection of its own."""
-        env = self.env
-        events = BrokerClient(
-            env,
-            self.broker,
-            "runner-events",
-            reconnect_interval_s=self.options.reconnect_interval_s,
-            spawn=lambda gen: env.process(_quiet(gen)),
-        )
-        while not (yield from events.connect()):
-            yield env.timeout(self.options.reconnect_interval_s)
-        queue = self.config.name(COMPLETED_QUEUE)
-        for key in EVENT_KEYS:
-            self.broker.bind_events(queue, key)
-
-        def received(d: Delivery) -> None:
-            body = orjson.loads(orjson.dumps(d.body))  # a copy, as JSON carries it
-            fields = delivered(body, d.message_id, d.redelivered, d.delivery_mode)
-            ev = RECEIVED_AS.get(d.routing_key, "completed_received")
-            self.runner.record(ev, **fields)
-            if ev == "completed_received" and isinstance(body, dict):
-                self._received.add(str(body.get("attempt_id")))
-            events.settle(d)
-
-        events.consume(queue, 64, received)
-        self._events = events
-        for key in EVENT_KEYS:
-            self.runner.record("events_consumer_bound", queue=queue, routing_key=key)
-
-    def on_close_consumer(self, a: acts.CloseConsumer) -> Generator[Any, Any, None]:
-        """The live runner's: first what is left in the work and delay queues
-        (`queues_drained`), then the consumer closed."""
-        if self.broker.up:
-            left = [
-                str(m.message_id)
-                for q in self.broker.queues.values()
-                if q.owner is None and (q.delay or q.name == WORK_QUEUE)
-                for m in q.messages
-            ]
-            for q in self.broker.queues.values():
-                if q.owner is None and (q.delay or q.name == WORK_QUEUE):
-                    q.messages.clear()
-            self.runner.record("queues_drained", message_ids=sorted(left))
-        if self._events is not None:
-            yield from self._events.close()
-
-    def _final_or_nothing(self) -> FinalState:
-        """The store as the run left it; a store a broken engine left unreadable (a key or
-        an index member of the wrong type) is an engine error, judged with nothing read."""
-        try:
-            return self.on_read_final(acts.ReadFinal())
-        except Exception as exc:
-            self.runner.record_fields("engine_error", error_fields(exc, "reading the final state"))
-            return FinalState()
 
     def engine_error_seen(self) -> None:
         """Counted by `sim.drive.engine_error`: at the limit, the simulation stops (the run
@@ -573,10 +287,12 @@ class SimRun:
             try:
                 self.env.run(until=main | self.stopped)
                 done = main.value if main.processed else None
-                final = done if isinstance(done, FinalState) else self._final_or_nothing()
+                final = (
+                    done if isinstance(done, FinalState) else self.system.read_final_or_nothing()
+                )
             except Exception as exc:  # a verdict, never an exception out of the simulator
                 self.runner.record_fields("engine_error", error_fields(exc, "simulation"))
-                final = self._final_or_nothing()
+                final = self.system.read_final_or_nothing()
         result = check(self.events, final, self.check_spec())
         digest = history_hash(self.events)
         return SimOutcome(
@@ -589,11 +305,12 @@ class SimRun:
             attempt_ids=list(self.attempt_ids),
             extra={
                 "mode": "sim",
+                "system": self.system_name,
                 "seed": self.seed,
                 "mutant": self.mutant,
                 "history_hash": digest,
                 "sim_time_s": round(self.env.now, 6),
-                "dead_letters_lost": self.broker.dead_letters_lost,
+                **self.system.extra(),
                 "shell_errors": list(self.shell_errors),
                 "settings": self.spec.settings(),
             },
@@ -626,12 +343,6 @@ def _api(toxic: Any) -> dict[str, Any]:
     return as_api()
 
 
-def _quiet(gen: Generator) -> Generator[Any, Any, None]:
-    """A runner task cancelled at the end of the run stops where it waits."""
-    with contextlib.suppress(simpy.Interrupt):
-        yield from gen
-
-
 def run_scenario(
     loaded: LoadedScenario,
     seed: int | None = None,
@@ -651,4 +362,6 @@ def outputs(outcome: SimOutcome, out_dir: str | Path) -> None:
     write_outputs(out_dir, outcome.scenario, outcome.history, outcome.result, extra)
 
 
-_NOW, _LATER = acts.handlers(SimRun, waits=inspect.isgeneratorfunction)
+@functools.cache
+def _tables(system: type) -> tuple[dict[type, acts.Handler], dict[type, acts.Handler]]:
+    return acts.handlers(SimRun, system, waits=inspect.isgeneratorfunction)

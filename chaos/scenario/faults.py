@@ -15,6 +15,7 @@ from chaos.scenario.schema import (
     WORKER_ACTIONS,
     AfterEvent,
     Scenario,
+    service_action,
 )
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class PlannedFault:
     delay_s: float
     restart_after_s: float | None
     pause_s: float | None = None
+    #: A fault on a service: which, and how (kill, stop, pause, restart).
+    service: str | None = None
+    how: str | None = None
 
     @property
     def label(self) -> str:
@@ -95,10 +99,15 @@ def fault_schedule(
                     delay_s=delay,
                     restart_after_s=(
                         None
-                        if fault.action in ("cancel", "pause_redis") or fault.action in LINK_ACTIONS
+                        if fault.action in ("cancel", "pause_redis", "pause_service")
+                        or fault.action in LINK_ACTIONS
+                        else 0.0
+                        if fault.action == "restart_service"
                         else fault.restart_after_s
                     ),
                     pause_s=pause,
+                    service=on[0] if (on := service_action(fault)) else None,
+                    how=on[1] if on else None,
                 )
             )
     out.sort(key=lambda p: (p.at_s is None, p.at_s or 0.0, p.fault, p.repetition))

@@ -14,6 +14,7 @@ from chaos.checker import CheckSpec, RetrySettings
 from chaos.checker.records import COST_BUDGETS
 from chaos.scenario.faults import PlannedFault, fault_schedule
 from chaos.scenario.schema import Scenario
+from chaos.systems import SYSTEMS
 from engine.agent import AgentProfile
 from engine.plan import Plan
 from engine.policy import (
@@ -103,6 +104,7 @@ class LoadedScenario:
                 **{name: getattr(budgets, name) for name in COST_BUDGETS},
             },
             price_per_1k_tokens=budgets.price_per_1k_tokens,
+            not_applicable=dict(SYSTEMS[self.spec.system].not_applicable),
             faults_planned=tuple(f.label for f in self.schedule(random.Random(seed))),
             failpoints=tuple(
                 (f.failpoint, f.rule, None if f.evaluation is None else list(plans)[f.evaluation])

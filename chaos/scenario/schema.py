@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 from chaos.checker import INVARIANTS
 from chaos.poison import POISON_KINDS
 from chaos.proxy.model import ToxicSpec
+from chaos.systems import DEFAULT_SYSTEM, SYSTEMS
 from engine.agent import AgentProfile, AgentProfileError
 from engine.config import EngineConfig
 from engine.failpoints import FAILPOINTS, RULELESS_FAILPOINTS
@@ -64,10 +65,16 @@ RUNNER_ACTIONS: tuple[str, ...] = (
     "remove_toxic",  # take a toxic added before away
     "cut_link",  # disable the workers' proxy to a service: connections drop, new ones fail
     "publish_poison",  # put malformed messages on the work queue (chaos.poison), each once
+    "kill_service",  # SIGKILL the system's service named by `service` (`chaos list`)
+    "stop_service",  # stop it cleanly (SIGTERM; `docker stop`), back restart_after_s later
+    "pause_service",  # stop it for pause_s (SIGSTOP of its process group), its sockets open
+    "restart_service",  # stop it cleanly and start it again at once
 )
 WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pause_worker"})
 #: Runner actions that stop something for `pause_s`.
-PAUSE_ACTIONS: frozenset[str] = frozenset({"pause_worker", "pause_redis", "pause_broker"})
+PAUSE_ACTIONS: frozenset[str] = frozenset(
+    {"pause_worker", "pause_redis", "pause_broker", "pause_service"}
+)
 #: Runner actions on a service: which, and how (kill: SIGKILL, stop: a clean stop, both
 #: brought back restart_after_s later; pause: stopped for pause_s, its sockets open).
 SERVICE_ACTIONS: dict[str, tuple[str, str]] = {
@@ -78,6 +85,27 @@ SERVICE_ACTIONS: dict[str, tuple[str, str]] = {
     "pause_broker": ("broker", "pause"),
     "stop_broker": ("broker", "stop"),
 }
+#: The same for any system's services (`chaos.systems`), named by the fault's `service`:
+#: the actions above are their aliases for `redis-rabbitmq`'s "redis" and "broker".
+GENERIC_SERVICE_ACTIONS: dict[str, str] = {
+    "kill_service": "kill",
+    "stop_service": "stop",
+    "pause_service": "pause",
+    "restart_service": "restart",
+}
+
+
+def service_action(fault: Any) -> tuple[str, str] | None:
+    """(service, how) of a runner fault on a service: how is kill, stop, pause or restart
+    (None: the fault is on no service)."""
+    action = getattr(fault, "action", "")
+    if action in SERVICE_ACTIONS:
+        return SERVICE_ACTIONS[action]
+    if action in GENERIC_SERVICE_ACTIONS and getattr(fault, "service", None):
+        return fault.service, GENERIC_SERVICE_ACTIONS[action]
+    return None
+
+
 #: Runner actions whose `target` is an index: a worker, an evaluation (cancel), a sentinel.
 TARGETED_ACTIONS: frozenset[str] = WORKER_ACTIONS | {"cancel", "kill_sentinel"}
 #: The sentinels of `redis.topology: sentinel` (quorum 2).
@@ -433,7 +461,8 @@ class RedisSpec(_Model):
     )
     down_after_ms: int = Field(
         default=2000,
-        ge=1500,  # below, a new primary looks down before its first ping (chaos.sentinel)
+        # below, a new primary looks down before its first ping (redis_rabbitmq/sentinel.py)
+        ge=1500,
         le=60_000,
         description="sentinel: how long the primary stays silent before the sentinels "
         "declare it down (their down-after-milliseconds); real time, not scaled; at least "
@@ -627,6 +656,12 @@ class RunnerFault(_Model):
     count: int = Field(default=1, ge=1, le=100)
     every_s: float | None = Field(default=None, gt=0, le=MAX_RUN_S)
     name: str | None = Field(default=None, pattern=ID_PATTERN)
+    service: str | None = Field(
+        default=None,
+        pattern=ID_PATTERN,
+        description="kill_service, stop_service, pause_service, restart_service: which of "
+        "the system's services (`python -m chaos list`)",
+    )
 
     @property
     def poison_kinds(self) -> tuple[str, ...]:
@@ -654,6 +689,17 @@ class RunnerFault(_Model):
                 "restart_after_s",
                 f"not with a network action (use for_s); action is {self.action}",
             )
+        generic = self.action in GENERIC_SERVICE_ACTIONS
+        if generic and self.service is None:
+            _fail("service", f"required field is missing (action is {self.action})")
+        if not generic and self.service is not None:
+            _fail(
+                "service",
+                "only with kill_service, stop_service, pause_service, restart_service; "
+                f"action is {self.action}",
+            )
+        if self.action == "restart_service" and "restart_after_s" in self.model_fields_set:
+            _fail("restart_after_s", "not with restart_service (it starts again at once)")
         return self
 
     @model_validator(mode="after")
@@ -738,6 +784,10 @@ class Scenario(_Model):
 
     name: str = Field(pattern=ID_PATTERN)
     description: str = ""
+    system: Literal[tuple(SYSTEMS)] = Field(  # type: ignore[valid-type]
+        default=DEFAULT_SYSTEM,
+        description="the durable design under test (`python -m chaos list`); --system overrides it",
+    )
     seed: int = Field(
         default=0,
         ge=0,

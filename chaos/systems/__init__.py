@@ -1,1 +1,136 @@
-"""Systems under test: each durable design behind one seam (see `chaos.systems.seam`)."""
+"""Systems under test: each durable design behind one seam.
+
+The conductor, the acts and the checker know no design. A design is a folder here holding
+what belongs to it alone (its services, how a worker of it starts, how the runner submits,
+cancels, watches and reads its final state), declared below with what it can take: the
+services a fault may stop, the links the proxy sits on, the scenario settings it reads,
+and the invariants that do not apply to it, each with the reason (`n/a`, never `pass`).
+The acts a system carries out are `chaos.acts.SYSTEM_ACTS`; its adapters implement
+`chaos.systems.seam.LiveSystem` and `SimSystem`.
+
+This module is light on purpose: the scenario loader and `chaos list` read it without
+importing a client library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chaos.scenario import LoadedScenario
+
+#: A run's design when the scenario names none.
+DEFAULT_SYSTEM = "redis-rabbitmq"
+
+
+@dataclass(frozen=True)
+class System:
+    """One design: what it is, what it can take, and where its adapters are
+    (`module:Class`, imported only when a run needs them; None: not in that mode)."""
+
+    name: str
+    summary: str
+    #: Services a fault may kill, stop, pause or restart, by name, each with what it is.
+    services: dict[str, str]
+    #: The workers' links the proxy sits on (a network fault names one).
+    links: tuple[str, ...]
+    #: Scenario sections of settings only this design reads (`redis:`, `broker:`).
+    settings: tuple[str, ...] = ()
+    #: Invariant -> why it does not apply to this design (its verdict is `n/a`).
+    not_applicable: dict[str, str] = field(default_factory=dict)
+    #: Service -> the fault actions that mode cannot carry out on it, with why.
+    not_simulated: dict[str, str] = field(default_factory=dict)
+    live: str | None = None
+    sim: str | None = None
+
+    def adapter(self, mode: str) -> Any:
+        """The adapter class of `mode` ("live" or "sim")."""
+        where = self.live if mode == "live" else self.sim
+        if where is None:
+            raise LookupError(f"system {self.name} does not run in {mode} mode")
+        module, _, name = where.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System(
+            name="redis-rabbitmq",
+            summary="the first document's engine: leases and results in Redis, work, "
+            "delayed retries and events on RabbitMQ (late ACK)",
+            services={
+                "redis": "the store (a private redis-server, AOF fsync always; behind "
+                "Sentinel: the primary)",
+                "broker": "the RabbitMQ node (work, delay and event queues)",
+            },
+            links=("redis", "broker", "replication"),
+            settings=("redis", "broker"),
+            not_simulated={
+                "broker.pause": "a frozen RabbitMQ node (connections held, nothing "
+                "delivered or confirmed) has no model in the simulator",
+            },
+            live="chaos.systems.redis_rabbitmq.live:RedisRabbitLive",
+            sim="chaos.systems.redis_rabbitmq.sim:RedisRabbitSim",
+        ),
+    )
+}
+
+
+def system(name: str) -> System:
+    try:
+        return SYSTEMS[name]
+    except KeyError:
+        known = ", ".join(sorted(SYSTEMS))
+        raise LookupError(f"unknown system {name!r}; expected one of {known}") from None
+
+
+def on_system(loaded: LoadedScenario, name: str | None) -> LoadedScenario:
+    """The scenario on system `name` (`--system`) instead of its own `system:` (None: as
+    it is). The name is one of `SYSTEMS`."""
+    import dataclasses
+
+    if name is None or name == loaded.spec.system:
+        return loaded
+    system(name)
+    return dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"system": name}))
+
+
+def refusal(loaded: LoadedScenario, name: str, mode: str) -> str | None:
+    """Why this scenario cannot run on system `name` in `mode` ("live", "sim"), in one line
+    naming the file, the field and the system (None: it can). Said before anything
+    starts: a fault on a service the design does not have, a link it has no proxy on, a
+    setting it does not read, a fault its simulator has no model of."""
+    from chaos.scenario.schema import LINK_ACTIONS, service_action
+
+    sut = system(name)
+    spec, path = loaded.spec, loaded.path
+    if (sut.live if mode == "live" else sut.sim) is None:
+        return f"{path}: system: {name} does not run in {mode} mode"
+    for i, fault in enumerate(spec.faults):
+        on = service_action(fault)
+        if on is not None:
+            service, how = on
+            field_name = "service" if getattr(fault, "service", None) else "action"
+            if service not in sut.services:
+                return (
+                    f"{path}: faults[{i}].{field_name}: {name} has no service {service!r} "
+                    f"(it has {', '.join(sut.services)})"
+                )
+            why = sut.not_simulated.get(f"{service}.{how}") if mode == "sim" else None
+            if why is not None:
+                return (
+                    f"{path}: faults[{i}].action: {fault.action} is not simulated on {name} "
+                    f"({why}); run it with --mode live or --mode containers"
+                )
+        if getattr(fault, "action", "") in LINK_ACTIONS and fault.link not in sut.links:
+            return (
+                f"{path}: faults[{i}].link: {name} has no link {fault.link!r} "
+                f"(it has {', '.join(sut.links)})"
+            )
+    for section in ("redis", "broker"):
+        if section not in sut.settings and getattr(spec, section).model_fields_set:
+            return f"{path}: {section}: {name} does not read it (a setting of another design)"
+    return None

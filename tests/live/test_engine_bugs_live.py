@@ -17,7 +17,7 @@ import pytest
 
 from chaos.runner import Outcome, ScenarioRun
 from chaos.scenario import load_scenario
-from chaos.services import Services
+from chaos.systems.redis_rabbitmq.services import Services
 from engine.core import RuleResult
 from engine.core.states import RuleState
 from engine.plan import Plan

@@ -1,6 +1,6 @@
 """The engine's store through Redis Sentinel (`redis+sentinel://`, `engine.runtime.sentinel`),
-on a private topology of real processes (`chaos.services.SentinelRedis`): it finds the
-primary, finds the new one after a SIGKILL and a failover (its scripts loaded anew), and
+on a private topology of real processes (`chaos.systems.redis_rabbitmq.services.SentinelRedis`): it
+finds the primary, finds the new one after a SIGKILL and a failover (its scripts loaded anew), and
 with `wait_replicas` a write counts only once the replica holds it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from chaos.services import SentinelRedis
+from chaos.systems.redis_rabbitmq.services import SentinelRedis
 from engine.config import EngineConfig
 from engine.core import RuleResult
 from engine.runtime.autopipeline import NotReplicated

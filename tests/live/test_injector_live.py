@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from chaos import cli, runner
+from chaos import cli
 from chaos.runner import ScenarioRun
 from chaos.scenario import load_scenario
-from chaos.services import Services
+from chaos.systems.redis_rabbitmq import live as runner
+from chaos.systems.redis_rabbitmq.services import Services
 from tests.live.conftest import ROOT
 
 SCENARIO = ROOT / "scenarios" / "dead_letter_loss_with_broker_kill.yaml"

@@ -1,5 +1,5 @@
-"""A live Sentinel topology (chaos.sentinel): failover, fail back, quorum, pause, and the
-acknowledged writes an asynchronous failover loses.
+"""A live Sentinel topology (chaos.systems.redis_rabbitmq.sentinel): failover, fail back, quorum,
+pause, and the acknowledged writes an asynchronous failover loses.
 
 Real processes and real signals; every wait is for an event (a sentinel's answer, a ROLE),
 with deadlines generous enough for a busy 2-core CI machine, and no duration is asserted.
@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from chaos.proxy.server import ProxyServer
-from chaos.sentinel import DataServer, SentinelTopology, redis_call
 from chaos.stack import find_redis_server, free_port, marked_pids
+from chaos.systems.redis_rabbitmq.sentinel import DataServer, SentinelTopology, redis_call
 
 pytestmark = [
     pytest.mark.live,

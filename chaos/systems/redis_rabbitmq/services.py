@@ -85,7 +85,7 @@ class Services:
     @classmethod
     def start(cls, containers: bool = False) -> Services:
         """The run's services; `containers`: its own Redis and RabbitMQ in containers
-        (`chaos.containers`), whatever REDIS_URL and AMQP_URL say."""
+        (`chaos.systems.redis_rabbitmq.containers`), whatever REDIS_URL and AMQP_URL say."""
         if containers:
             return cls._in_containers()
         redis_url = os.environ.get("REDIS_URL")
@@ -117,7 +117,7 @@ class Services:
 
     @classmethod
     def _in_containers(cls) -> Services:
-        from chaos.containers import RabbitContainer, RedisContainer
+        from chaos.systems.redis_rabbitmq.containers import RabbitContainer, RedisContainer
 
         redis = broker = None
         try:
@@ -153,7 +153,7 @@ class Services:
         """Cut the last `count` writes off the run's own (stopped) Redis; how many went."""
         if count <= 0 or self.redis is None or self.redis.dir is None:
             return 0
-        from chaos.aof import drop_last_writes
+        from chaos.systems.redis_rabbitmq.aof import drop_last_writes
 
         return drop_last_writes(self.redis.dir, count)
 
@@ -171,9 +171,9 @@ FAILOVER_PATIENCE_S = 15.0
 
 class SentinelRedis:
     """A scenario's Redis as the seed deploys it (`redis: {topology: sentinel}`): a primary,
-    a replica and three sentinels of its own (`chaos.sentinel`), whatever REDIS_URL says.
-    `kill` kills whichever server is the primary now; `restart` brings the killed one back
-    (Sentinel makes it a replica of the new primary, or, nobody promoted yet, it serves
+    a replica and three sentinels of its own (`chaos.systems.redis_rabbitmq.sentinel`), whatever
+    REDIS_URL says. `kill` kills whichever server is the primary now; `restart` brings the killed
+    one back (Sentinel makes it a replica of the new primary, or, nobody promoted yet, it serves
     again); `serving` says whether a primary answers again, and whether it is another."""
 
     def __init__(
@@ -182,7 +182,7 @@ class SentinelRedis:
         replication_via: Callable[[str, int], tuple[str, int]] | None = None,
         min_replicas: tuple[int, int] | None = None,
     ) -> None:
-        from chaos.sentinel import SentinelTopology
+        from chaos.systems.redis_rabbitmq.sentinel import SentinelTopology
 
         self.topology = SentinelTopology(
             down_after_ms=down_after_ms,
@@ -222,7 +222,7 @@ class SentinelRedis:
         """The killed server back on its port and data. A replica was promoted meanwhile:
         it is restarted as a replica of the new primary, as an operator (or a Kubernetes
         operator) would, rather than left to the sentinels' next look, up to 10 s away."""
-        from chaos.sentinel import redis_call
+        from chaos.systems.redis_rabbitmq.sentinel import redis_call
 
         server, self.killed = self.killed, None
         if server is None:
@@ -246,7 +246,7 @@ class SentinelRedis:
         """SIGCONT the paused server: it answers what waited in its buffers at once. If the
         replica was promoted meanwhile, it is then made a replica of the new primary (as
         after a kill, rather than left to the sentinels); whether that happened."""
-        from chaos.sentinel import RedisReplyError, redis_call
+        from chaos.systems.redis_rabbitmq.sentinel import RedisReplyError, redis_call
 
         server = self.topology.resume_primary()
         promoted = bool(self.serving())
@@ -272,7 +272,7 @@ class SentinelRedis:
 
     def serving(self) -> bool | None:
         """None while no primary answers; else whether it is another than the one killed."""
-        from chaos.sentinel import RedisReplyError, redis_call
+        from chaos.systems.redis_rabbitmq.sentinel import RedisReplyError, redis_call
 
         try:
             address = self.topology.primary_address()

@@ -19,8 +19,8 @@ them; `remove_owned` removes this process's containers by label, `remove_dead_ow
 those whose runner died.
 
 The images: the official `redis` and `rabbitmq` where they are here or can be pulled,
-else the ones `python -m chaos images build` made from the host's own (`chaos.images`).
-`CHAOS_REDIS_IMAGE` / `CHAOS_RABBITMQ_IMAGE` name others.
+else the ones `python -m chaos images build` made from the host's own
+(`chaos.systems.redis_rabbitmq.images`). `CHAOS_REDIS_IMAGE` / `CHAOS_RABBITMQ_IMAGE` name others.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import os
 import time
 from typing import Any
 
-from chaos.images import LOCAL_IMAGES
 from chaos.stack import (
     MARKER_ENV,
     OWNER_ENV,
@@ -40,6 +39,7 @@ from chaos.stack import (
     _owner_alive,
     owner_token,
 )
+from chaos.systems.redis_rabbitmq.images import LOCAL_IMAGES
 
 #: What testcontainers needs here: no Ryuk (its image cannot be pulled; we remove our
 #: containers by label ourselves), the engine on this machine, and no port mapping to

@@ -200,8 +200,8 @@ class DataServer(RedisServer):
     def _write_files(self) -> None:
         if not self._conf().exists():
             lines = [
-                "# chaos.sentinel: Sentinel rewrites this file (CONFIG REWRITE) when it",
-                "# changes the role; the command line overrides the rest.",
+                "# chaos/systems/redis_rabbitmq/sentinel.py: Sentinel rewrites this file",
+                "# (CONFIG REWRITE) when it changes the role; the command line overrides the rest.",
                 f"aclfile {self._acl()}",
                 # Through a proxy the primary sees the link come from the proxy: announce
                 # our own address, so Sentinel lists (and promotes) the right server.
@@ -363,7 +363,8 @@ class SentinelTopology:
     def _sentinel_config(self, primary: Address) -> str:
         name = self.master_name
         return (
-            "# chaos.sentinel; Sentinel rewrites this file as it learns the topology\n"
+            "# chaos/systems/redis_rabbitmq/sentinel.py; Sentinel rewrites this file as it learns\n"
+            "# the topology\n"
             "sentinel resolve-hostnames no\n"
             "sentinel announce-hostnames no\n"
             f"sentinel monitor {name} {primary[0]} {primary[1]} 2\n"

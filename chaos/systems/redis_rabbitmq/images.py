@@ -23,7 +23,7 @@ from pathlib import Path
 
 from chaos.stack import StackError, find_rabbitmq_server, find_redis_server
 
-#: The images built here, by service; `chaos.containers` falls back to them.
+#: The images built here, by service; `chaos.systems.redis_rabbitmq.containers` falls back to them.
 LOCAL_IMAGES = {"redis": "chaos-redis:local", "rabbitmq": "chaos-rabbitmq:local"}
 #: Marks what this module built, so that CI can remove exactly that.
 IMAGE_LABEL = "chaos.harness.image"

@@ -1,0 +1,317 @@
+"""Systems under test behind one seam (`chaos.systems`): the scenario's `system:` and
+`--system`, the generic service faults, the refusals said before anything starts, the `n/a`
+verdict of an invariant that does not apply to a design, and a harness that knows no design.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from chaos import acts
+from chaos.checker import CheckSpec, FinalState, check
+from chaos.insim import run_scenario
+from chaos.insim.run import SimRun
+from chaos.journal import junit_cases, summary_line
+from chaos.scenario import load_scenario
+from chaos.systems import DEFAULT_SYSTEM, SYSTEMS, System, refusal
+from chaos.systems.redis_rabbitmq.live import RedisRabbitLive
+from chaos.systems.redis_rabbitmq.sim import RedisRabbitSim
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _scenario(tmp_path: Path, name: str, **changes: Any) -> Path:
+    """A shipped scenario with `changes` to its document, written next to its plans' copy."""
+    src = ROOT / "scenarios" / f"{name}.yaml"
+    data = yaml.safe_load(src.read_text())
+    data.update(changes)
+    data["plan"] = str((src.parent / data["plan"]).resolve())
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _chaos(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "chaos", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+
+
+# --- the registry and the seam ---------------------------------------------------------------
+
+
+def test_a_scenario_runs_on_the_default_system_unless_it_names_one() -> None:
+    loaded = load_scenario(ROOT / "scenarios" / "redis_restart.yaml")
+    assert loaded.spec.system == DEFAULT_SYSTEM == "redis-rabbitmq"
+    assert set(SYSTEMS) >= {DEFAULT_SYSTEM}
+
+
+def test_each_adapter_carries_out_every_act_of_a_system() -> None:
+    """The interpreters carry out the rest; a missing one would fail at a run's first act."""
+    for adapter in (RedisRabbitLive, RedisRabbitSim):
+        missing = [a for a in acts.SYSTEM_ACTS if not hasattr(adapter, acts.handler_name(a))]
+        assert missing == [], adapter
+    assert SYSTEMS[DEFAULT_SYSTEM].adapter("live") is RedisRabbitLive
+    assert SYSTEMS[DEFAULT_SYSTEM].adapter("sim") is RedisRabbitSim
+
+
+#: The generic harness: what every design shares. None of it may import one design's code,
+#: a client library of a service, or the live runtime of the engine.
+GENERIC = (
+    "chaos/acts.py",
+    "chaos/conductor.py",
+    "chaos/runner.py",
+    "chaos/insim/run.py",
+    "chaos/supervision.py",
+    "chaos/journal.py",
+    "chaos/explore.py",
+    "chaos/scenario",
+    "chaos/checker",
+)
+DESIGN_SPECIFIC = (
+    "chaos.systems.redis_rabbitmq",
+    "chaos.systems.pg_store",
+    "engine.runtime",
+    "sim.redis",
+    "sim.broker",
+    "sim.sentinel",
+    "aio_pika",
+    "aiormq",
+    "redis",
+    "asyncpg",
+)
+
+
+def test_the_generic_harness_imports_no_design() -> None:
+    wrong = []
+    for place in GENERIC:
+        path = ROOT / place
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            for node in ast.walk(ast.parse(file.read_text(), str(file))):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
+                for name in names:
+                    if any(name == d or name.startswith(d + ".") for d in DESIGN_SPECIFIC):
+                        wrong.append(f"{file.relative_to(ROOT)}:{node.lineno}: imports {name}")
+    assert wrong == []
+
+
+# --- generic service faults ------------------------------------------------------------------
+
+
+def _without_fault_records(history: list[dict]) -> list[dict]:
+    """The run as the engine lived it: the fault's own record names it by its action."""
+    return [
+        {k: v for k, v in e.items() if k not in ("action", "service")}
+        if e["ev"] == "fault_fired"
+        else e
+        for e in history
+    ]
+
+
+def test_kill_service_is_kill_redis_by_its_generic_name(tmp_path: Path) -> None:
+    alias = load_scenario(ROOT / "scenarios" / "redis_restart.yaml")
+    generic_path = _scenario(
+        tmp_path,
+        "redis_restart",
+        faults=[
+            {"at_s": 0.3, "action": "kill_service", "service": "redis", "restart_after_s": 0.5}
+        ],
+    )
+    generic = load_scenario(generic_path)
+    a, b = run_scenario(alias), run_scenario(generic)
+    assert a.result.ok and b.result.ok
+    fired = [e for e in b.history if e["ev"] == "fault_fired"]
+    assert [(e["action"], e["service"]) for e in fired] == [("kill_service", "redis")]
+    assert _without_fault_records(a.history) == _without_fault_records(b.history)
+
+
+def test_restart_service_stops_cleanly_and_starts_again_at_once(tmp_path: Path) -> None:
+    path = _scenario(
+        tmp_path,
+        "redis_restart",
+        faults=[{"at_s": 0.3, "action": "restart_service", "service": "broker"}],
+        budgets={},
+        exercised={"all_terminal": 4},
+    )
+    outcome = run_scenario(load_scenario(path))
+    assert outcome.result.ok, outcome.result.violations[:2]
+    killed = [e for e in outcome.history if e["ev"] == "service_killed"]
+    back = [e for e in outcome.history if e["ev"] == "service_restarted"]
+    assert [(e["service"], e.get("signal")) for e in killed] == [("broker", "SIGTERM")]
+    assert [e["service"] for e in back] == ["broker"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        (
+            {"at_s": 0.3, "action": "kill_service"},
+            "faults[0].service: required field is missing (action is kill_service)",
+        ),
+        (
+            {"at_s": 0.3, "action": "kill_redis", "service": "redis"},
+            "faults[0].service: only with kill_service, stop_service, pause_service, "
+            "restart_service; action is kill_redis",
+        ),
+        (
+            {"at_s": 0.3, "action": "restart_service", "service": "redis", "restart_after_s": 1},
+            "faults[0].restart_after_s: not with restart_service (it starts again at once)",
+        ),
+    ],
+)
+def test_a_generic_service_fault_is_checked_when_loaded(
+    tmp_path: Path, fault: dict, message: str
+) -> None:
+    path = _scenario(tmp_path, "redis_restart", faults=[fault])
+    run = _chaos("validate", str(path))
+    assert run.returncode == 2
+    assert run.stderr == f"{path}: {message}\n"
+
+
+# --- refusals, before anything starts --------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sim", "live"])
+def test_a_service_the_system_does_not_have_is_refused_in_one_line(
+    tmp_path: Path, mode: str
+) -> None:
+    path = _scenario(
+        tmp_path,
+        "redis_restart",
+        faults=[{"at_s": 0.3, "action": "kill_service", "service": "postgres"}],
+    )
+    out = tmp_path / "out"
+    run = _chaos("run", str(path), "--mode", mode, "--quiet", "--out", str(out))
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr == (
+        f"{path}: faults[0].service: redis-rabbitmq has no service 'postgres' "
+        "(it has redis, broker)\n"
+    )
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_the_system_is_chosen_by_the_file_or_by_system(tmp_path: Path) -> None:
+    unknown = _scenario(tmp_path, "redis_restart", system="mongo")
+    run = _chaos("validate", str(unknown))
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"{unknown}: system: expected one of redis-rabbitmq")
+    assert run.stderr.count("\n") == 1
+    flag = _chaos("sim", "scenarios/redis_restart.yaml", "--system", "mongo", "--seeds", "1")
+    assert flag.returncode == 2 and flag.stderr.count("\n") == 1, flag.stderr
+    assert "--system" in flag.stderr and "mongo" in flag.stderr
+
+
+def test_a_fault_its_simulator_has_no_model_of_is_refused_by_the_system(tmp_path: Path) -> None:
+    loaded = load_scenario(ROOT / "scenarios" / "containers" / "broker_pause.yaml")
+    assert refusal(loaded, DEFAULT_SYSTEM, "live") is None
+    assert "pause_broker is not simulated on redis-rabbitmq" in (
+        refusal(loaded, DEFAULT_SYSTEM, "sim") or ""
+    )
+    with pytest.raises(ValueError, match="not simulated"):
+        SimRun(loaded)
+
+
+def _other_design(monkeypatch: pytest.MonkeyPatch, **fields: Any) -> System:
+    """A second design beside today's: its adapters today's, what it can take its own."""
+    sut = dataclasses.replace(SYSTEMS[DEFAULT_SYSTEM], name="other", **fields)
+    monkeypatch.setitem(SYSTEMS, "other", sut)
+    return sut
+
+
+def test_links_and_settings_of_another_design_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _other_design(monkeypatch, links=("broker",), settings=("broker",))
+    cut = load_scenario(ROOT / "scenarios" / "redis_partition.yaml")
+    assert refusal(cut, "other", "sim") == (
+        f"{cut.path}: faults[0].link: other has no link 'redis' (it has broker)"
+    )
+    lossy = load_scenario(ROOT / "scenarios" / "redis_data_loss.yaml")
+    assert (refusal(lossy, "other", "sim") or "").endswith(
+        ": redis: other does not read it (a setting of another design)"
+    )
+
+
+# --- n/a: an invariant that does not apply to the design -------------------------------------
+
+
+def test_an_invariant_that_does_not_apply_is_n_a_with_its_reason_never_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    why = "retention instead of TTLs"
+    _other_design(monkeypatch, not_applicable={"state_keys_expire": why})
+    loaded = load_scenario(ROOT / "scenarios" / "redis_restart.yaml")
+    outcome = SimRun(loaded, system="other").run()
+    result = outcome.result
+    assert result.ok
+    assert result.verdicts["state_keys_expire"] == "n/a"
+    assert result.not_applicable == {"state_keys_expire": why}
+    assert "state_keys_expire" not in result.cases  # never counted as judged
+    assert result.to_dict()["not_applicable"] == {"state_keys_expire": why}
+    case = next(c for c in junit_cases("s", result) if c.get("name") == "state_keys_expire")
+    skipped = case.find("skipped")
+    assert skipped is not None and skipped.get("message") == f"n/a: {why}"
+    line = summary_line("s", "sim", result, 4, "in 1 s").plain
+    assert f"n/a: state_keys_expire ({why})" in line
+    # today's design judges it, on the same run
+    today = run_scenario(loaded)
+    assert today.result.verdicts["state_keys_expire"] == "pass"
+    assert "not_applicable" not in today.result.to_dict()
+
+
+def test_a_violation_of_an_invariant_that_does_not_apply_fails_nothing() -> None:
+    """n/a is not a pass that hides a failure: the invariant is not judged at all, its
+    violations are not reported (the design has no such guarantee to break)."""
+    history = [{"ev": "run_started", "t": 0.0, "proc": "runner", "pid": 1}]
+    final = FinalState(key_ttls={"attempt:a:state": -1})  # a key without a TTL
+    judged = check(history, final, CheckSpec(invariants=("state_keys_expire",)))
+    assert judged.verdicts == {"state_keys_expire": "fail"}
+    spared = check(
+        history,
+        final,
+        CheckSpec(invariants=("state_keys_expire",), not_applicable={"state_keys_expire": "x"}),
+    )
+    assert spared.verdicts == {"state_keys_expire": "n/a"} and spared.violations == []
+    assert spared.cases == {} and spared.ok
+
+
+def test_chaos_list_shows_each_system_and_what_it_takes() -> None:
+    run = _chaos("list")
+    assert run.returncode == 0, run.stderr
+    assert "systems (system:, --system)" in run.stdout
+    assert "redis-rabbitmq (default)" in run.stdout
+    assert "sim: no broker.pause" in run.stdout
+
+
+def test_a_run_s_journal_names_its_system(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ("run", "scenarios/redis_restart.yaml", "--mode", "sim", "--quiet", "--out", str(out))
+    run = _chaos(*args)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (journal,) = out.glob("*/journal.json")
+    assert json.loads(journal.read_text())["extra"]["system"] == DEFAULT_SYSTEM
+    assert ET.parse(out / "junit.xml").getroot().tag == "testsuites"
