@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 import aio_pika  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
-from chaos.stack import RedisServer  # noqa: E402
+from chaos.systems.redis_rabbitmq.stack import RedisServer  # noqa: E402
 from chaos.workers import WorkerProcess  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.plan import load_plan  # noqa: E402

@@ -129,6 +129,8 @@ class ScenarioRun:
         ]  # fmt: skip
         if e.retry_grace_ms is not None:
             args += ["--retry-grace-ms", str(e.retry_grace_ms)]
+        if self.run_prefix:  # the agent draws what the seed's ids draw
+            args += ["--agent-id-prefix", self.run_prefix]
         if not e.sweeper:
             args.append("--no-sweeper")
         for fp in failpoints:

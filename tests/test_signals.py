@@ -34,16 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chaos.stack import (
-    MARKER_ENV,
-    OWNER_ENV,
-    _marked_processes,
-    find_epmd,
-    find_rabbitmq_server,
-    find_redis_server,
-    owner_token,
-    stop_owned,
-)
+from chaos.stack import MARKER_ENV, OWNER_ENV, _marked_processes, owner_token, stop_owned
+from chaos.systems.redis_rabbitmq.stack import find_epmd, find_rabbitmq_server, find_redis_server
 
 pytestmark = pytest.mark.slow  # live runs interrupted: their own redis-server and RabbitMQ
 

@@ -19,20 +19,15 @@ import pytest
 import redis
 
 from chaos import stack
-from chaos.stack import (
+from chaos.stack import StackError, free_port, free_ports, marked_pids, reap_orphans, stop_all
+from chaos.systems.redis_rabbitmq.stack import (
     RabbitNode,
     RedisServer,
-    StackError,
     amqp_handshake,
     find_epmd,
     find_rabbitmq_server,
     find_redis_server,
-    free_port,
-    free_ports,
-    marked_pids,
-    reap_orphans,
     redis_ping,
-    stop_all,
 )
 from tests.rabbit import dump_queue_records, wait_for_queue
 
@@ -186,7 +181,7 @@ def test_stop_all_kills_and_cleans_every_instance() -> None:
 
 _OWNER_SCRIPT = """
 import os, sys
-from chaos.stack import RedisServer
+from chaos.systems.redis_rabbitmq.stack import RedisServer
 server = RedisServer(persistence=True).start()
 print(server.marker, server.dir, flush=True)
 if sys.argv[1] == "sigkill":

@@ -28,9 +28,10 @@ from redis.exceptions import AuthenticationError, ResponseError
 from chaos.checker import EvaluationFinal, FinalState
 from chaos.runner import ScenarioRun
 from chaos.scenario import load_scenario
-from chaos.stack import RedisServer, free_port
+from chaos.stack import free_port
 from chaos.systems.redis_rabbitmq.live import run_prefix
 from chaos.systems.redis_rabbitmq.services import Services
+from chaos.systems.redis_rabbitmq.stack import RedisServer
 from engine.agent import AgentProfile, AgentService, FakeAgent
 from engine.config import DEFAULT_AMQP_URL, ServiceUnavailable, redacted
 from engine.plan import load_plan

@@ -19,8 +19,9 @@ import pytest
 import redis
 
 from chaos.proxy.server import ProxyServer
-from chaos.stack import find_redis_server, free_port, marked_pids
+from chaos.stack import free_port, marked_pids
 from chaos.systems.redis_rabbitmq.sentinel import DataServer, SentinelTopology, redis_call
+from chaos.systems.redis_rabbitmq.stack import find_redis_server
 
 pytestmark = [
     pytest.mark.live,

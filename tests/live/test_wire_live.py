@@ -16,7 +16,7 @@ import orjson
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from chaos.stack import RabbitNode, find_epmd, find_rabbitmq_server
+from chaos.systems.redis_rabbitmq.stack import RabbitNode, find_epmd, find_rabbitmq_server
 from engine.config import EngineConfig
 from engine.runtime.broker import Broker
 from engine.runtime.context import settle

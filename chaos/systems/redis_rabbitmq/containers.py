@@ -30,16 +30,9 @@ import os
 import time
 from typing import Any
 
-from chaos.stack import (
-    MARKER_ENV,
-    OWNER_ENV,
-    RabbitNode,
-    RedisServer,
-    StackError,
-    _owner_alive,
-    owner_token,
-)
+from chaos.stack import MARKER_ENV, OWNER_ENV, StackError, _owner_alive, owner_token
 from chaos.systems.redis_rabbitmq.images import LOCAL_IMAGES
+from chaos.systems.redis_rabbitmq.stack import RabbitNode, RedisServer
 
 #: What testcontainers needs here: no Ryuk (its image cannot be pulled; we remove our
 #: containers by label ourselves), the engine on this machine, and no port mapping to

@@ -21,7 +21,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from chaos.stack import StackError, find_rabbitmq_server, find_redis_server
+from chaos.stack import StackError
+from chaos.systems.redis_rabbitmq.stack import find_rabbitmq_server, find_redis_server
 
 #: The images built here, by service; `chaos.systems.redis_rabbitmq.containers` falls back to them.
 LOCAL_IMAGES = {"redis": "chaos-redis:local", "rabbitmq": "chaos-rabbitmq:local"}

@@ -183,11 +183,8 @@ class RedisRabbitLive:
     def worker(self, index: int, failpoints: list[str], mutant: str | None) -> WorkerProcess:
         """`python -m engine.worker` (or the mutant's module) through its own proxies."""
         module = ("chaos.mutants", mutant) if mutant else ("engine.worker",)
-        args = self.run.worker_args(failpoints)
-        if self.run_prefix:  # the agent draws what the seed's ids draw
-            args += ["--agent-id-prefix", self.run_prefix]
         return WorkerProcess(
-            args,
+            self.run.worker_args(failpoints),
             env={  # through the worker's own proxies (`chaos.links`)
                 "REDIS_URL": self._worker_redis_url(index),
                 "AMQP_URL": self.network.url(index, "broker"),

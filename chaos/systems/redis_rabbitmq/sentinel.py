@@ -48,7 +48,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from chaos.stack import RedisServer, StackError, _Service, _tail, find_redis_server
+from chaos.stack import StackError, _Service, _tail
+from chaos.systems.redis_rabbitmq.stack import RedisServer, find_redis_server
 
 __all__ = ["RedisReplyError", "SentinelServer", "SentinelTopology", "redis_call"]
 

@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chaos.stack import (
+from chaos.stack import StackError
+from chaos.systems.redis_rabbitmq.stack import (
     RabbitNode,
     RedisServer,
-    StackError,
     find_rabbitmq_server,
     find_redis_server,
 )
