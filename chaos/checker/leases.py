@@ -33,7 +33,7 @@ from typing import Any
 from chaos.checker.context import Context, Outcome, event_time, of, proc_of, timeline
 from chaos.checker.holding import deaths, sessions
 from chaos.checker.records import Violation
-from chaos.checker.touching import Touch, touches, touching
+from chaos.checker.touching import STORE, Touch, touches, touching
 
 #: `lease_renewed`'s `held`: lost to another worker; 1 still ours, 2 ours again.
 LOST = 0
@@ -60,11 +60,12 @@ def _worker_of(token: Any) -> str | None:
 
 
 def _redis_fault(windows: list[Touch], t0: float, t1: float, slack: float) -> Touch | None:
-    """A fault of Redis itself (not of one process's link) open at some moment of [t0, t1]."""
+    """A fault of the store itself (not of one process's link) open at some moment of
+    [t0, t1]."""
     for w in windows:
         if w.start > t1:
             break
-        if w.end + slack >= t0 and w.pids is None and w.service in (None, "redis"):
+        if w.end + slack >= t0 and w.pids is None and w.service in (None, STORE):
             return w
     return None
 
@@ -109,7 +110,7 @@ def check_leases_renewed(cx: Context) -> Outcome:
                 cases += 1
                 if t1 - t0 <= lease + _MS:
                     continue
-                if touching(windows, pid, t0, t1, slack, ("redis",)) is not None:
+                if touching(windows, pid, t0, t1, slack, (STORE,)) is not None:
                     continue
                 late = t1 - t0 - lease
                 what = (

@@ -28,7 +28,7 @@ from typing import Any
 from chaos.checker.context import Context, Outcome, event_time, of, proc_of, timeline
 from chaos.checker.holding import deaths
 from chaos.checker.records import Violation
-from chaos.checker.touching import touches
+from chaos.checker.touching import BROKER, touches
 from chaos.poison import DETAILS, expected_reason
 
 NAME = "poison_rejected"
@@ -47,7 +47,7 @@ def _repeat_owed(first: dict, second: dict, died: dict[Any, list[dict]], faults:
     for d in (*died.get(proc, ()), *died.get(pid, ())):
         if t0 <= event_time(d) <= t1:
             return True
-    return any(w.start <= t1 and w.end >= t0 and w.touches(pid, ("broker",)) for w in faults)
+    return any(w.start <= t1 and w.end >= t0 and w.touches(pid, (BROKER,)) for w in faults)
 
 
 def _repeats(rejections: list[dict], died: dict, faults: list, allowed: int) -> list[dict]:

@@ -20,15 +20,26 @@ from typing import Any
 from chaos.checker.context import event_time, proc_of
 from engine.failpoints import TIMED_ACTIONS
 
-#: Runner fault actions on a service: which one.
+#: What a service is to the engine, whatever the design names it: its store (Redis,
+#: PostgreSQL, the link a replica replicates over) or its broker.
+STORE, BROKER = "store", "broker"
+_ROLE = {"redis": STORE, "postgres": STORE, "replication": STORE, "broker": BROKER}
+
+
+def role(service: str) -> str:
+    """The role of a service or link named in a history (an unknown name stands for itself)."""
+    return _ROLE.get(service, service)
+
+
+#: Runner fault actions on a service: which one, by its role.
 _SERVICE_OF = {
-    "kill_redis": "redis",
-    "stop_redis": "redis",
-    "pause_redis": "redis",
-    "kill_sentinel": "redis",
-    "kill_broker": "broker",
-    "stop_broker": "broker",
-    "pause_broker": "broker",
+    "kill_redis": STORE,
+    "stop_redis": STORE,
+    "pause_redis": STORE,
+    "kill_sentinel": STORE,
+    "kill_broker": BROKER,
+    "stop_broker": BROKER,
+    "pause_broker": BROKER,
 }
 #: Runner fault actions on a service named by the record (`kill_service`...).
 _ON_A_SERVICE = frozenset({"kill_service", "stop_service", "pause_service", "restart_service"})
@@ -44,7 +55,8 @@ _NOT_A_FAULT = frozenset({"kill_worker", "restart_worker", "cancel", "publish_po
 @dataclass(frozen=True)
 class Touch:
     """A fault open from `start` to `end` (run seconds) that touched the processes `pids`
-    (None: every one) through `service` ("redis", "broker"; None: whatever they use)."""
+    (None: every one) through `service`, its role (`STORE`, `BROKER`; None: whatever they
+    use)."""
 
     start: float
     end: float
@@ -81,7 +93,7 @@ def touches(events: list[dict]) -> list[Touch]:
             if action in _SERVICE_OF:
                 out.append(Touch(t, end, None, _SERVICE_OF[action], label))
             elif action in _ON_A_SERVICE:  # any system's service, named
-                out.append(Touch(t, end, None, str(e.get("service")), label))
+                out.append(Touch(t, end, None, role(str(e.get("service"))), label))
             elif action in _LINK_ACTIONS:
                 pending["link"].append((t, end, label))
             elif action == "pause_worker":
@@ -93,8 +105,7 @@ def touches(events: list[dict]) -> list[Touch]:
             link = str(e.get("link"))
             pids = e.get("pids")
             scope = frozenset(pids) if isinstance(pids, list) and link != "replication" else None
-            service = "redis" if link == "replication" else link
-            out.append(Touch(t0, end, scope, service, label))
+            out.append(Touch(t0, end, scope, role(link), label))
         elif ev == "worker_paused" and pending["pause"]:
             t0, end, label = pending["pause"].pop(0)
             out.append(Touch(t0, end, frozenset({e.get("pid")}), None, label))
@@ -102,7 +113,7 @@ def touches(events: list[dict]) -> list[Touch]:
             down.setdefault(str(e.get("service")), t)
         elif ev == "service_restarted":
             service = str(e.get("service"))
-            out.append(Touch(down.pop(service, t), t, None, service, f"{service} down"))
+            out.append(Touch(down.pop(service, t), t, None, role(service), f"{service} down"))
         elif ev == "failpoint_fired" and e.get("action") in TIMED_ACTIONS:
             stalled = t + float(e.get("stall_ms") or 0) / 1000
             pid = proc_of(e)[1]
@@ -110,7 +121,7 @@ def touches(events: list[dict]) -> list[Touch]:
         elif ev in ("consumer_timeout", "channel_closed"):
             pid = proc_of(e)[1] if proc_of(e)[0] != "runner" else None
             scope = None if pid is None else frozenset({pid})
-            out.append(Touch(t, t, scope, "broker", str(ev)))
+            out.append(Touch(t, t, scope, BROKER, str(ev)))
     for t0, end, label in (*pending["link"], *pending["pause"]):  # where unknown: anywhere
         out.append(Touch(t0, end, None, None, label))
     for service, t0 in down.items():

@@ -20,6 +20,7 @@ from collections import Counter, defaultdict
 from chaos.checker.context import Context, Outcome, as_int, event_time, num, timeline
 from chaos.checker.history_complete import UNREADABLE
 from chaos.checker.records import Violation
+from chaos.checker.touching import STORE, role
 from chaos.checker.vocabulary import AGREES, COMMON, EVENTS, MESSAGES, describe, fits
 
 NAME = "history_well_formed"
@@ -107,7 +108,7 @@ def _executions_counted(events: list[dict]) -> list[tuple[dict, str, str]]:
     current: dict[tuple, int] = {}  # (process, attempt_id, rule_id, attempt) -> execution
     for e in events:
         ev = e.get("ev")
-        if ev in _FORGETTING and (ev == "redis_failover" or e.get("service") == "redis"):
+        if ev in _FORGETTING and (ev == "redis_failover" or role(str(e.get("service"))) == STORE):
             told.clear()
             continue
         if ev != "rule_started":
