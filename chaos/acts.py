@@ -112,9 +112,10 @@ class KillService:
 
 @dataclass(frozen=True, slots=True)
 class RestartService:
-    """Bring "redis" or "broker" back (Redis losing `redis.lose_last_writes` writes first);
-    the number of writes lost is sent back (None: none were to be lost), or for the
-    broker the messages it found on restart, where the runner can count them."""
+    """Bring a service back ("redis" losing `redis.lose_last_writes` writes first). Sent
+    back: what the restart's record carries besides the service, where the system can
+    count it (`lost_writes`: the acknowledged writes it lost; `messages`: what the broker
+    found on disk)."""
 
     name: str
 

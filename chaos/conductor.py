@@ -512,13 +512,8 @@ class Conductor:
 
     def _restart(self, name: str, fault_id: int | None) -> Step:
         """Bring a killed service back; it heals `fault_id` (None: a failover healed it)."""
-        lost = yield acts.RestartService(name)
-        extra = (
-            {"lost_writes": lost} if name == "redis" and self.spec.redis.lose_last_writes else {}
-        )
-        if name == "broker" and lost is not None:  # the messages the node found on disk
-            extra = {"messages": lost}
-        yield acts.Record("service_restarted", {"service": name, **extra})
+        found = yield acts.RestartService(name)  # what the system counted of the restart
+        yield acts.Record("service_restarted", {"service": name, **found})
         if fault_id is not None:
             yield from self._healed(fault_id)
 

@@ -207,16 +207,16 @@ class RedisRabbitLive:
         else:
             await asyncio.to_thread(svc.kill)
 
-    async def on_restart_service(self, a: acts.RestartService) -> int | None:
+    async def on_restart_service(self, a: acts.RestartService) -> dict[str, Any]:
         if a.name == "redis" and self.sentinel is not None:
             await asyncio.to_thread(self.sentinel.restart)
-            return None
-        lost = None
+            return {}
+        found = {}
         if a.name == "redis" and self.spec.redis.lose_last_writes:
-            lost = await self._lose_redis_writes()
+            found["lost_writes"] = await self._lose_redis_writes()
         await asyncio.to_thread(self.services.service(a.name).restart)
         self._stopped.discard(a.name)  # ready again: the restart waits for it
-        return lost
+        return found
 
     async def on_pause_service(self, a: acts.PauseService) -> None:
         if a.name == "redis" and self.sentinel is not None:

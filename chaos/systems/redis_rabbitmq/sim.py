@@ -137,15 +137,16 @@ class RedisRabbitSim:
             return None
         return self.broker.kill()
 
-    def on_restart_service(self, a: acts.RestartService) -> Generator[Any, Any, int | None]:
+    def on_restart_service(self, a: acts.RestartService) -> Generator[Any, Any, dict[str, Any]]:
         o = self.options
         if a.name == "redis" and self.sentinel is not None:
             yield from self.sentinel.restart_killed()
-            return None
+            return {}
         yield self.env.timeout(o.redis_boot_s if a.name == "redis" else o.broker_boot_s)
         if a.name == "redis":
-            return self.redis.restart()
-        return self.broker.restart()  # the messages it found
+            lost = self.redis.restart()
+            return {"lost_writes": lost} if self.run.spec.redis.lose_last_writes else {}
+        return {"messages": self.broker.restart()}  # what the node found on disk
 
     def on_pause_service(self, a: acts.PauseService) -> None:
         assert a.name == "redis", "only Redis is paused"
