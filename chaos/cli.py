@@ -748,7 +748,9 @@ def _list(console: Console, long: bool = False) -> int:
     table.add_column("description")
     from chaos.scenario import ScenarioError, load_scenario
 
-    for path in [*sorted(root.glob("*.yaml")), *sorted(root.glob("regressions/*.yaml"))]:
+    for path in [*sorted(root.glob("*.yaml")), *sorted(root.glob("*/*.yaml"))]:
+        if path.parent.name in ("refused", "examples"):
+            continue
         try:
             desc = load_scenario(path).spec.description
             desc = " ".join(desc.split()) if long else brief(desc)

@@ -60,6 +60,11 @@ def scenarios_page(root: Path = ROOT) -> str:
     groups = (
         ("Shipped scenarios", "scenarios/*.yaml", "the resilience gate runs each live"),
         (
+            "pg-store",
+            "scenarios/pg_store/*.yaml",
+            "PostgreSQL's own faults on the `pg-store` design (`system: pg-store`)",
+        ),
+        (
             "Containers mode",
             "scenarios/containers/*.yaml",
             "clean stops and pauses of the services (`--mode containers`, or live processes)",

@@ -77,7 +77,7 @@ class SimWorker:
             run.redis,
             run.net_rng,
             run.options.redis_latency_s,
-            link=run.network.link(index, "redis"),
+            link=run.network.link(index, run.store_link),
             read_timeout_s=config.read_timeout_s,
             wait_replicas=config.wait_replicas,
             wait_timeout_s=config.wait_timeout_ms / 1000,

@@ -40,7 +40,8 @@ class World(Protocol):
     env: simpy.Environment
     redis: SimRedis
     broker: SimBroker
-    network: Network  # each worker's proxies to Redis and to the broker
+    network: Network  # each worker's proxies to its store and to the broker
+    store_link: str  # the name of a worker's link to the store ("redis", "postgres")
     options: SimOptions
     events: list[dict[str, Any]]  # every history event, in the order they happened
     net_rng: random.Random  # network latencies

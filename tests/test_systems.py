@@ -24,7 +24,7 @@ from chaos.insim import run_scenario
 from chaos.insim.run import SimRun
 from chaos.journal import junit_cases, summary_line
 from chaos.scenario import load_scenario
-from chaos.systems import DEFAULT_SYSTEM, SYSTEMS, System, refusal
+from chaos.systems import DEFAULT_SYSTEM, SYSTEMS, System, on_system, refusal
 from chaos.systems.redis_rabbitmq.live import RedisRabbitLive
 from chaos.systems.redis_rabbitmq.sim import RedisRabbitSim
 
@@ -315,3 +315,58 @@ def test_a_run_s_journal_names_its_system(tmp_path: Path) -> None:
     (journal,) = out.glob("*/journal.json")
     assert json.loads(journal.read_text())["extra"]["system"] == DEFAULT_SYSTEM
     assert ET.parse(out / "junit.xml").getroot().tag == "testsuites"
+
+
+# --- pg-store in the simulator: the same references, PostgreSQL's names and timings --------
+
+
+def _shipped() -> list[Path]:
+    return sorted(ROOT.glob("scenarios/*.yaml")) + sorted(ROOT.glob("scenarios/regressions/*.yaml"))
+
+
+def test_every_shipped_scenario_whose_faults_apply_passes_on_pg_store_in_sim() -> None:
+    ran, refused = [], []
+    for path in _shipped():
+        loaded = on_system(load_scenario(path), "pg-store")
+        problem = refusal(loaded, "pg-store", "sim")
+        if problem is not None:  # a Redis fault or setting: said, never run
+            assert "redis" in problem or "replication" in problem, problem
+            refused.append(path.name)
+            continue
+        outcome = SimRun(loaded).run()
+        assert outcome.result.ok, (path.name, outcome.result.violations[:1])
+        assert outcome.result.verdicts["state_keys_expire"] == "n/a"
+        ran.append(path.name)
+    assert len(ran) > 2 * len(refused)  # most of the suite applies to this design
+
+
+def test_pg_store_s_own_faults_pass_in_sim_and_lost_commits_are_lost() -> None:
+    for path in sorted(ROOT.glob("scenarios/pg_store/*.yaml")):
+        outcome = run_scenario(load_scenario(path))
+        assert outcome.result.ok, (path.name, outcome.result.violations[:1])
+        assert outcome.extra["system"] == "pg-store"
+        restarted = [e for e in outcome.history if e["ev"] == "service_restarted"]
+        if path.stem == "postgres_lost_commits":  # acknowledged and gone: the analogue of
+            assert restarted[0]["lost_writes"] > 0  # redis.lose_last_writes, survived
+        else:
+            assert all("lost_writes" not in e for e in restarted)
+
+
+def test_a_redis_fault_is_refused_on_pg_store(tmp_path: Path) -> None:
+    loaded = load_scenario(ROOT / "scenarios" / "redis_restart.yaml")
+    assert refusal(loaded, "pg-store", "sim") == (
+        f"{loaded.path}: faults[0].action: pg-store has no service 'redis' "
+        "(it has postgres, broker)"
+    )
+    pg = load_scenario(ROOT / "scenarios" / "pg_store" / "postgres_restart.yaml")
+    assert refusal(pg, DEFAULT_SYSTEM, "sim") == (
+        f"{pg.path}: faults[0].service: redis-rabbitmq has no service 'postgres' "
+        "(it has redis, broker)"
+    )
+    lossy = load_scenario(
+        _scenario(tmp_path, "redis_restart", faults=[], postgres={"synchronous_commit": False})
+    )
+    assert refusal(lossy, "pg-store", "sim") is None
+    assert refusal(lossy, DEFAULT_SYSTEM, "sim") == (
+        f"{lossy.path}: postgres: redis-rabbitmq does not read it (a setting of another design)"
+    )

@@ -113,8 +113,9 @@ SENTINELS = 3
 #: Runner actions on the network between the workers and a service (`link`, `workers`).
 LINK_ACTIONS: frozenset[str] = frozenset({"add_toxic", "update_toxic", "remove_toxic", "cut_link"})
 _LINK_LIST = "add_toxic, update_toxic, remove_toxic, cut_link"
-#: The links a network fault acts on: each worker's connections to Redis and to RabbitMQ.
-LINKS: tuple[str, ...] = ("redis", "broker", "replication")
+#: The links a network fault acts on: each worker's connections to a service of its system
+#: (`chaos.systems`: Redis, RabbitMQ, PostgreSQL), and the link a Redis replica replicates over.
+LINKS: tuple[str, ...] = ("redis", "broker", "replication", "postgres")
 
 
 MAX_EVALUATIONS_PER_PLAN = 10_000
@@ -448,6 +449,24 @@ class BrokerSpec(_Model):
         return random.Random(f"{seed}:dead_letter:{message_id}").random() < self.dead_letter_loss
 
 
+class PostgresSpec(_Model):
+    """The scenario's PostgreSQL (`system: pg-store`): how durable a commit is."""
+
+    synchronous_commit: bool = Field(
+        default=True,
+        description="false: synchronous_commit = off, a commit acknowledged before its WAL "
+        "is flushed; a postgres kill then loses the commits of the last wal_writer_delay_ms "
+        "(lost commits, the analogue of redis.lose_last_writes)",
+    )
+    wal_writer_delay_ms: int = Field(
+        default=200,
+        ge=1,
+        le=10_000,
+        description="how often the WAL writer flushes (PostgreSQL's wal_writer_delay): what "
+        "a kill may lose with synchronous_commit false",
+    )
+
+
 class RedisSpec(_Model):
     """The scenario's Redis: one server, or the seed's Sentinel deployment; and how it
     fails beyond a kill (both modes)."""
@@ -629,8 +648,9 @@ class RunnerFault(_Model):
     link: Literal[LINKS] | None = Field(  # type: ignore[valid-type]
         default=None,
         description="add_toxic, update_toxic, remove_toxic, cut_link: the workers' link to "
-        "redis or to broker (each worker has its own proxy to each service); replication "
-        "(redis.topology sentinel, cut_link only): the replica's link to the primary",
+        "a service of the system (redis, broker, postgres: each worker has its own proxy to "
+        "each); replication (redis.topology sentinel, cut_link only): the replica's link to "
+        "the primary",
     )
     workers: Annotated[
         Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(min_length=1)] | Literal["all"],
@@ -816,6 +836,7 @@ class Scenario(_Model):
     engine: EngineSpec = EngineSpec()
     broker: BrokerSpec = BrokerSpec()
     redis: RedisSpec = RedisSpec()
+    postgres: PostgresSpec = PostgresSpec()
     workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     restart_crashed_workers: bool = True
     restart_delay_s: float = Field(default=0.2, ge=0, le=MAX_RUN_S)

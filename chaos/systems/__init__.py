@@ -75,6 +75,27 @@ SYSTEMS: dict[str, System] = {
             live="chaos.systems.redis_rabbitmq.live:RedisRabbitLive",
             sim="chaos.systems.redis_rabbitmq.sim:RedisRabbitSim",
         ),
+        System(
+            name="pg-store",
+            summary="the same shell and RabbitMQ, PostgreSQL as the store: one PL/pgSQL "
+            "function per store operation, proven equal to the same references",
+            services={
+                "postgres": "the store (a private PostgreSQL, fsync on; schema eai, row-level "
+                "security)",
+                "broker": "the RabbitMQ node (work, delay and event queues)",
+            },
+            links=("postgres", "broker"),
+            settings=("broker", "postgres"),
+            not_applicable={
+                "state_keys_expire": "PostgreSQL keeps a run's rows for 7 days by a "
+                "retention column, not by key TTLs",
+            },
+            not_simulated={
+                "broker.pause": "a frozen RabbitMQ node (connections held, nothing "
+                "delivered or confirmed) has no model in the simulator",
+            },
+            sim="chaos.systems.pg_store.sim:PgStoreSim",
+        ),
     )
 }
 
@@ -130,7 +151,7 @@ def refusal(loaded: LoadedScenario, name: str, mode: str) -> str | None:
                 f"{path}: faults[{i}].link: {name} has no link {fault.link!r} "
                 f"(it has {', '.join(sut.links)})"
             )
-    for section in ("redis", "broker"):
+    for section in ("redis", "broker", "postgres"):
         if section not in sut.settings and getattr(spec, section).model_fields_set:
             return f"{path}: {section}: {name} does not read it (a setting of another design)"
     return None

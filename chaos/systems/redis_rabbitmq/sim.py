@@ -27,6 +27,7 @@ from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker
 from sim.redis import RedisClient, SimRedis
 from sim.sentinel import SimSentinel
 from sim.worker import SimWorker
+from sim.world import SimOptions
 
 if TYPE_CHECKING:
     from chaos.insim.run import SimRun
@@ -41,6 +42,10 @@ class RedisRabbitSim:
     """The design's side of one simulated run (`chaos.systems.seam.SimSystem`), and the
     world of its workers (`sim.world.World`)."""
 
+    #: What the store is called, as a service a fault names and as a worker's link.
+    store_service = "redis"
+    store_link = "redis"
+
     def __init__(self, run: SimRun) -> None:
         self.run = run
         spec = run.spec
@@ -48,7 +53,7 @@ class RedisRabbitSim:
         self.env = run.env
         self.events = run.events
         self.runner = run.runner
-        self.options = run.options
+        self.options = self.sim_options(run.options)
         self.config = run.config
         self.net_rng = run.net_rng
         self.boot_rng = run.boot_rng
@@ -102,6 +107,11 @@ class RedisRabbitSim:
         self._client: BrokerClient | None = None  # the runner's, as `EngineClient`
         self._events: BrokerClient | None = None  # the consumer of evaluation.completed
 
+    @staticmethod
+    def sim_options(options: SimOptions) -> SimOptions:
+        """The simulated machines as this design has them."""
+        return options
+
     def _loses(self, message_id: str | None) -> bool:
         """`broker.dead_letter_loss`: the live runner's draw, on the same id."""
         return self.run.spec.broker.loses(self.run.seed, message_id)
@@ -129,27 +139,32 @@ class RedisRabbitSim:
         # a clean stop (`a.graceful`) is a kill here: the engine sees its connections go
         # either way, and neither an fsync-always Redis nor durable queues lose anything
         # (persistent messages: a transient one is lost either way)
-        if a.name == "redis" and self.sentinel is not None:
+        if a.name == self.store_service and self.sentinel is not None:
             self.sentinel.kill_primary()
             return None
-        if a.name == "redis":
+        if a.name == self.store_service:
             self.redis.kill()
             return None
         return self.broker.kill()
 
     def on_restart_service(self, a: acts.RestartService) -> Generator[Any, Any, dict[str, Any]]:
         o = self.options
-        if a.name == "redis" and self.sentinel is not None:
+        store = a.name == self.store_service
+        if store and self.sentinel is not None:
             yield from self.sentinel.restart_killed()
             return {}
-        yield self.env.timeout(o.redis_boot_s if a.name == "redis" else o.broker_boot_s)
-        if a.name == "redis":
-            lost = self.redis.restart()
-            return {"lost_writes": lost} if self.run.spec.redis.lose_last_writes else {}
+        yield self.env.timeout(o.redis_boot_s if store else o.broker_boot_s)
+        if store:
+            return self._store_back()
         return {"messages": self.broker.restart()}  # what the node found on disk
 
+    def _store_back(self) -> dict[str, Any]:
+        """The store restarted: what it lost, when the scenario counts it."""
+        lost = self.redis.restart()
+        return {"lost_writes": lost} if self.run.spec.redis.lose_last_writes else {}
+
     def on_pause_service(self, a: acts.PauseService) -> None:
-        assert a.name == "redis", "only Redis is paused"
+        assert a.name == self.store_service, "only the store is paused"
         if self.sentinel is not None:
             self.sentinel.pause_primary()
         else:
@@ -255,8 +270,8 @@ class RedisRabbitSim:
         return {i for i in a.attempt_ids if redis.up and redis.record(i)[2]}
 
     def on_read_final(self, a: acts.ReadFinal) -> FinalState:
-        if not self.redis.up:  # the final state needs Redis back
-            self.redis.restart()
+        if not self.redis.up:  # the final state needs the store back
+            self._store_back()
         return self._final_state()
 
     def _final_state(self) -> FinalState:
