@@ -1,6 +1,7 @@
-"""The workers' network, live: each worker reaches Redis and RabbitMQ through proxies of its
-own, driven through Toxiproxy's HTTP API, so that a scenario can slow, poison or cut one
-worker's link and leave the others' (and the runner's own clients) alone.
+"""The workers' network, live: each worker reaches each service of its system (Redis,
+RabbitMQ, PostgreSQL) through proxies of its own, driven through Toxiproxy's HTTP API, so
+that a scenario can slow, poison or cut one worker's link and leave the others' (and the
+runner's own clients) alone.
 
 The server is the project's own (`chaos.proxy`), in the runner's event loop and seeded by
 the run, so a run's toxicity and jitter draws replay. With `TOXIPROXY_URL` set, or
@@ -32,7 +33,10 @@ SERVER_START_S = 10.0
 def upstream_of(url: str) -> str:
     """`host:port` of a service URL (Toxiproxy's `upstream`)."""
     parts = urlsplit(url)
-    default = 6379 if parts.scheme.startswith("redis") else 5672
+    scheme = parts.scheme
+    default = (
+        6379 if scheme.startswith("redis") else 5432 if scheme.startswith("postgres") else 5672
+    )
     return f"{parts.hostname or '127.0.0.1'}:{parts.port or default}"
 
 
@@ -52,8 +56,9 @@ REPLICATION = "replication"
 
 
 class Network:
-    """One run's proxies: `{ns}w{i}.redis` and `{ns}w{i}.broker` for each worker `i`, and
-    behind Sentinel `{ns}replication`, the replica's link to the primary."""
+    """One run's proxies: `{ns}w{i}.{link}` for each worker `i` and each link of its system
+    (`redis`, `broker`, `postgres`), and behind Sentinel `{ns}replication`, the replica's
+    link to the primary."""
 
     def __init__(
         self,
@@ -64,7 +69,11 @@ class Network:
         amqp_url: str,
         amqp_heartbeat_s: int | None = None,
         replication_upstream: str | None = None,
+        *,
+        upstreams: dict[str, str] | None = None,
     ) -> None:
+        """`redis_url`, `amqp_url`: the services behind the links `redis` and `broker`;
+        `upstreams`: more links, by name (a design's own services)."""
         self.namespace = namespace
         self.replication_upstream = replication_upstream  # the primary's host:port
         self.replication_listen = ""  # where the replica replicates from, once started
@@ -72,7 +81,7 @@ class Network:
         self.workers = workers
         # None: that service is not proxied (Redis behind Sentinel: the workers are told
         # where the primary is, and a proxy in front of the sentinels would not be in the way)
-        ups = {"redis": redis_url, "broker": amqp_url}
+        ups = {"redis": redis_url, "broker": amqp_url, **(upstreams or {})}
         self.upstreams = {k: v for k, v in ups.items() if v is not None}
         self.amqp_heartbeat_s = amqp_heartbeat_s
         self.server: ProxyServer | None = None  # ours, in this event loop
