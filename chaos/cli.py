@@ -188,10 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     _system_option(cmp)
     cmp.add_argument(
         "--designs",
-        choices=["memories", "sentinel"],
+        choices=["memories", "sentinel", "durable"],
         default="memories",
         help="memories: both memories, RabbitMQ only, the source documents as written (default); "
-        "sentinel: the answers to lost writes behind Sentinel, alone, together and none",
+        "sentinel: the answers to lost writes behind Sentinel, alone, together and none; "
+        "durable: each durable design this machine can run (python -m chaos list)",
     )
     val = sub.add_parser("validate", help="check scenario files without running them")
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")
@@ -431,6 +432,7 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
     """`chaos compare`: each design's runs under OUT/<its key>, then the table. Exit 1 when
     the engine as shipped broke an invariant (the other designs are meant to)."""
     from chaos.explore import document, load_document
+    from chaos.systems import on_system
     from chaos.systems.redis_rabbitmq.services import Services
     from reports import find_runs
     from reports.compare import DESIGNS, compare, table_md, write_comparison
@@ -450,13 +452,17 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
     live = args.mode in ("live", "containers") or (
         args.mode == "auto" and Services.available() is None
     )
+    if args.designs == "durable":
+        designs = _runnable(designs, loaded, "live" if live else "sim", console)
+        if not designs:
+            return EXIT_INPUT
     runs = {}
     for design in designs:
         folder = out / design.key
-        variants = loaded
+        variants = [on_system(sc, design.system) for sc in loaded]
         if design.redis:  # the scenario itself changed: its servers' settings
             variants = []
-            for sc in loaded:
+            for sc in loaded:  # a design of redis-rabbitmq
                 data = document(sc)
                 data["redis"] = {**data.get("redis", {}), **dict(design.redis)}
                 variants.append(load_document(data, source=str(sc.path)))
@@ -478,11 +484,34 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
     title = {
         "memories": "The source documents' argument, measured",
         "sentinel": "Lost writes, answered",
+        "durable": "The durable designs on the same faults",
     }
-    write_comparison(rows, out, [sc.spec.name for sc in loaded], title[args.designs])
-    console.print(table_md(rows), markup=False)
+    durable = args.designs == "durable"
+    names = [sc.spec.name for sc in loaded]
+    write_comparison(rows, out, names, title[args.designs], durable)
+    console.print(table_md(rows, durable), markup=False)
     console.print(f"comparison: {out / 'compare.md'}, {out / 'compare.html'}", markup=False)
     return EXIT_VIOLATION if rows[0].failed else EXIT_OK
+
+
+def _runnable(designs: Any, loaded: list[Any], mode: str, console: Console) -> Any:
+    """The durable designs that run in `mode` on this machine (each one left out said in a
+    line); every scenario must apply to each of them (else one line, and none)."""
+    from chaos.systems import on_system, refusal, system
+
+    kept = []
+    for design in designs:
+        sut = system(design.system)
+        if (sut.live if mode == "live" else sut.sim) is None:
+            console.print(f"chaos compare: {sut.name} does not run {mode} yet: left out")
+            continue
+        for sc in loaded:
+            problem = refusal(on_system(sc, sut.name), sut.name, mode)
+            if problem is not None:
+                print(f"{problem} (--designs durable: every design takes it)", file=sys.stderr)
+                return ()
+        kept.append(design)
+    return tuple(kept)
 
 
 def _price(text: str) -> float:

@@ -3,7 +3,9 @@ the engine with both memories, with RabbitMQ only (`no_redis_results`: no stored
 to resume from) and as the seed's design was written (`no_sweeper`: nothing resumes an
 evaluation whose worker died after the ACK). `sentinel`, the answers to a Sentinel
 failover losing acknowledged writes: WAIT for a replica, the results written back before
-the announcement, the server's own min-replicas-to-write, each alone, all, and none. Read
+the announcement, the server's own min-replicas-to-write, each alone, all, and none.
+`durable`, the durable designs (`chaos.systems`) on the same faults: what each pays twice,
+leaves unfinished, and how fast it recovers and retries. Read
 from the runs' journals and histories, so every number can be checked against them; over
 many seeds in the simulator, as distributions."""
 
@@ -36,6 +38,7 @@ class Design:
     mutant: str | None
     what: str
     redis: tuple[tuple[str, Any], ...] = ()
+    system: str | None = None  # the system under test (`chaos.systems`; None: the scenario's)
 
 
 #: The design sets `chaos compare --designs` takes; the first design of each is the shipped
@@ -64,7 +67,25 @@ DESIGNS: dict[str, tuple[Design, ...]] = {
         ),
         Design("none", "unmitigated", "unmitigated", "neither WAIT nor restore"),
     ),
+    "durable": (
+        Design(
+            "Redis + RabbitMQ",
+            "redis-rabbitmq",
+            None,
+            "the first document's engine",
+            system="redis-rabbitmq",
+        ),
+        Design(
+            "PostgreSQL store + RabbitMQ",
+            "pg-store",
+            None,
+            "the same shell, PostgreSQL as the store",
+            system="pg-store",
+        ),
+    ),
 }
+#: The retry levels a comparison sets apart: immediate, delayed, after a permanent failure.
+LEVELS = (1, 2, 3)
 
 
 @dataclass
@@ -79,6 +100,10 @@ class Row:
     retry_scenario_seconds: list[float] = field(default_factory=list)  # as it happened
     retry_seconds: list[float] = field(default_factory=list)  # the production estimate
     recovery_seconds: list[float] = field(default_factory=list)
+    duplicated_usd: list[float] = field(default_factory=list)  # the checker's, per run
+    retry_by_level: dict[int, list[float]] = field(  # production estimates, by level
+        default_factory=lambda: {level: [] for level in LEVELS}
+    )
     failed: Counter[str] = field(default_factory=Counter)  # invariant -> runs it failed
     duplicated_by_cause: Counter[str] = field(default_factory=Counter)  # summed over runs
     reruns_by_cause: Counter[str] = field(default_factory=Counter)
@@ -98,6 +123,9 @@ class Row:
         self.unfinished.append(m["unfinished"])
         self.retry_scenario_seconds += [scenario for _, scenario, _, _ in m["retries"]]
         self.retry_seconds += [production for _, _, production, _ in m["retries"]]
+        for level, _, production, _ in m["retries"]:
+            self.retry_by_level.setdefault(int(level), []).append(production)
+        self.duplicated_usd.append(float(stats.get("duplicated_usd") or 0.0))
         self.recovery_seconds += m["recoveries"]
         verdicts = run.journal.get("verdicts") or {}
         self.failed.update(name for name, v in verdicts.items() if v == "fail")
@@ -137,6 +165,10 @@ class Row:
             "retry_latency_scenario_s": percentiles(self.retry_scenario_seconds),
             "retry_latency_production_estimate_s": percentiles(self.retry_seconds),
             "recovery_scenario_s": percentiles(self.recovery_seconds),
+            "duplicated_usd": percentiles(self.duplicated_usd),
+            "retry_latency_production_estimate_s_by_level": {
+                str(level): percentiles(values) for level, values in self.retry_by_level.items()
+            },
             "failed": dict(self.failed),
             "what_broke": self.sentence(),
         }
@@ -191,18 +223,54 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
     ]
 
 
-def table_md(rows: list[Row]) -> str:
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(rows)]
+#: The durable designs' table (`--designs durable`): cost, what never ended, and the
+#: recovery and retry latencies per level that a choice of design turns on.
+DURABLE_HEADERS = (
+    "design",
+    "runs",
+    "duplicated tokens (median / p95)",
+    "duplicated cost USD (median / p95)",
+    "unfinished evaluations",
+    "p99 recovery (scenario s)",
+    "p99 retry latency L1 / L2 / L3 (production estimate s)",
+    "what broke",
+)
+
+
+def durable_rows(rows: list[Row]) -> list[list[str]]:
+    return [
+        [
+            r.variant,
+            str(r.runs),
+            f"{_n(r.duplicated_tokens)} / {_n(r.duplicated_tokens, 'p95')}",
+            f"{_n(r.duplicated_usd)} / {_n(r.duplicated_usd, 'p95')}",
+            str(sum(r.unfinished)),
+            _n(r.recovery_seconds, "p99"),
+            " / ".join(_n(r.retry_by_level.get(level, []), "p99") for level in LEVELS),
+            r.sentence(),
+        ]
+        for r in rows
+    ]
+
+
+def _table(rows: list[Row], durable: bool) -> tuple[tuple[str, ...], list[list[str]]]:
+    return (DURABLE_HEADERS, durable_rows(rows)) if durable else (HEADERS, table_rows(rows))
+
+
+def table_md(rows: list[Row], durable: bool = False) -> str:
+    headers, cells_of = _table(rows, durable)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in cells_of]
     return "\n".join(lines) + "\n"
 
 
-def compare_html(rows: list[Row], title: str, plot: bytes) -> str:
+def compare_html(rows: list[Row], title: str, plot: bytes, durable: bool = False) -> str:
     """compare.html: self-contained (the plot embedded), what broke first, then the table."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
+    headers, cells_of = _table(rows, durable)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
-        for cells in table_rows(rows)
+        for cells in cells_of
     )
     broke = "".join(
         f"<li><b>{html.escape(r.variant)}</b>"
@@ -220,8 +288,13 @@ def compare_html(rows: list[Row], title: str, plot: bytes) -> str:
         f"<body><h1>{html.escape(title)}</h1><h2>What broke</h2><ul>{broke}</ul>"
         f"<h2>Side by side</h2><table><tr>{head}</tr>{body}</table>"
         f'<h2>Over the runs</h2><figure><img alt="compare.png" '
-        f'src="data:image/png;base64,{image}"><figcaption>duplicated tokens and unfinished '
-        "evaluations per run, over the runs (seeds)</figcaption></figure>"
+        f'src="data:image/png;base64,{image}"><figcaption>'
+        + (
+            "each measure per run, the designs side by side, over the runs (seeds)"
+            if durable
+            else "duplicated tokens and unfinished evaluations per run, over the runs (seeds)"
+        )
+        + "</figcaption></figure>"
         f"<p>Files: compare.md, compare.json, compare.png, each design's runs in its folder "
         f"(generated {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}).</p></body></html>\n"
     )
@@ -232,12 +305,13 @@ def write_comparison(
     out: Path,
     scenarios: list[str],
     title: str = "The source documents' argument, measured",
+    durable: bool = False,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     title = f"{title}: {', '.join(scenarios)}"
-    (out / "compare.md").write_text(f"# {title}\n\n" + table_md(rows))
+    (out / "compare.md").write_text(f"# {title}\n\n" + table_md(rows, durable))
     doc = {"scenarios": scenarios, "rows": [r.to_dict() for r in rows]}
     (out / "compare.json").write_text(json.dumps(doc, indent=2) + "\n")
-    plot = plots.compare_boxes(rows)
+    plot = plots.durable_boxes(rows) if durable else plots.compare_boxes(rows)
     (out / "compare.png").write_bytes(plot)
-    (out / "compare.html").write_text(compare_html(rows, title, plot))
+    (out / "compare.html").write_text(compare_html(rows, title, plot, durable))

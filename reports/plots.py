@@ -426,6 +426,29 @@ def _short(label: str, width: int = 38) -> str:
     return label if len(label) <= width else label[: width - 1] + "…"
 
 
+def durable_boxes(rows: list[Any]) -> bytes:
+    """The durable designs side by side, a panel per measure, each design a series: what
+    faults cost (tokens, USD), what never ended, how long recovery and each retry level
+    took, as distributions over the runs (seeds)."""
+    panels = (
+        ("duplicated tokens per run", lambda r: r.duplicated_tokens),
+        ("duplicated cost per run (USD)", lambda r: r.duplicated_usd),
+        ("evaluations left unfinished per run", lambda r: r.unfinished),
+        ("recovery (scenario s)", lambda r: r.recovery_seconds),
+        ("retry latency, level 1 (production s)", lambda r: r.retry_by_level.get(1, [])),
+        ("retry latency, level 2 (production s)", lambda r: r.retry_by_level.get(2, [])),
+    )
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    labels = [f"{textwrap.fill(r.variant, 16)}\n({r.runs} runs)" for r in rows]
+    for ax, (title, values) in zip(axes.flat, panels, strict=True):
+        ax.boxplot([values(r) or [0] for r in rows], tick_labels=labels)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    return png(fig)
+
+
 def compare_boxes(rows: list[Any]) -> bytes:
     """The three designs side by side: duplicated tokens and unfinished evaluations per
     run, as distributions over the runs (seeds)."""

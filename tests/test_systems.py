@@ -370,3 +370,43 @@ def test_a_redis_fault_is_refused_on_pg_store(tmp_path: Path) -> None:
     assert refusal(lossy, DEFAULT_SYSTEM, "sim") == (
         f"{lossy.path}: postgres: redis-rabbitmq does not read it (a setting of another design)"
     )
+
+
+# --- the durable designs compared ------------------------------------------------------------
+
+
+def test_compare_durable_sets_the_designs_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    names = ("crash_after_ack", "transient_llm_errors")
+    paths = [f"scenarios/{n}.yaml" for n in names]
+    args = ("compare", *paths, "--designs", "durable", "--mode", "sim", "--seeds", "2")
+    run = _chaos(*args, "--out", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    doc = json.loads((out / "compare.json").read_text())
+    assert [r["variant"] for r in doc["rows"]] == [
+        "Redis + RabbitMQ",
+        "PostgreSQL store + RabbitMQ",
+    ]
+    for row in doc["rows"]:
+        assert row["runs"] == 4 and row["unfinished_evaluations"] == 0
+        assert set(row["retry_latency_production_estimate_s_by_level"]) >= {"1", "2", "3"}
+        assert row["duplicated_usd"]["n"] == 4
+    table = (out / "compare.md").read_text()
+    assert "p99 retry latency L1 / L2 / L3" in table and "duplicated cost USD" in table
+    for design in ("redis-rabbitmq", "pg-store"):  # each design's runs, on its system
+        journals = sorted((out / design).glob("*/journal.json"))
+        assert len(journals) == 4
+        assert {json.loads(j.read_text())["extra"]["system"] for j in journals} == {design}
+    assert (out / "compare.png").stat().st_size > 0 and (out / "compare.html").exists()
+
+
+def test_compare_durable_refuses_a_scenario_one_design_cannot_take(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    args = ("compare", "scenarios/redis_restart.yaml", "--designs", "durable", "--mode", "sim")
+    run = _chaos(*args, "--out", str(out))
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr == (
+        "scenarios/redis_restart.yaml: faults[0].action: pg-store has no service 'redis' "
+        "(it has postgres, broker) (--designs durable: every design takes it)\n"
+    )
+    assert not out.exists()
