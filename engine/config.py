@@ -1,7 +1,8 @@
 """Worker settings: flags beat environment, environment beats defaults that work here.
 
-Credentials live in the URLs, which come from the environment (`REDIS_URL`, `AMQP_URL`)
-and are never printed: `redacted()` is what logs and errors show.
+Credentials live in the URLs, which come from the environment (`REDIS_URL`, `AMQP_URL`, and
+`EAI_DATABASE_URL` for the PostgreSQL store, which no flag takes) and are never printed:
+`redacted()` is what logs and errors show.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import errno
 import os
 import socket
+import uuid
 from dataclasses import dataclass, field
 from typing import NoReturn
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -24,6 +26,11 @@ from engine.sentinel_url import (
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+#: The PostgreSQL store (`store="postgres"`): the durable design's variable, its tenant.
+DEFAULT_DATABASE_URL = "postgresql://eai_engine@127.0.0.1:5432/eai"
+DEFAULT_TENANT_ID = "00000000-0000-0000-0000-000000000001"
+#: The engine's stores: Redis (the first design), PostgreSQL (`engine.runtime.pgstore`).
+STORES = ("redis", "postgres")
 
 #: Seven days, as the seed says: state keys expire on their own.
 STATE_TTL_SECONDS = 7 * 24 * 3600
@@ -55,6 +62,11 @@ class EngineConfig:
     # taken as done only once that many replicas hold it (`NotReplicated` otherwise).
     wait_replicas: int = 0
     wait_timeout_ms: int = 1000
+    # Which store keeps results, statuses, leases and indexes: "redis" or "postgres" (then
+    # `database_url`, from EAI_DATABASE_URL, and the rows of tenant `tenant_id`).
+    store: str = "redis"
+    database_url: str = DEFAULT_DATABASE_URL
+    tenant_id: str = DEFAULT_TENANT_ID
 
     def scaled(self, ms: int) -> float:
         """Policy milliseconds to real seconds."""
@@ -89,13 +101,19 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def env_config(**overrides: object) -> EngineConfig:
-    """Defaults, then `ENGINE_*` / `REDIS_URL` / `AMQP_URL` from the environment, then overrides."""
+    """Defaults, then `ENGINE_*` / `REDIS_URL` / `AMQP_URL` / `EAI_DATABASE_URL` /
+    `EAI_TENANT_ID` from the environment, then overrides."""
     env = os.environ
     values: dict[str, object] = {}
-    if "REDIS_URL" in env:
-        values["redis_url"] = env["REDIS_URL"]
-    if "AMQP_URL" in env:
-        values["amqp_url"] = env["AMQP_URL"]
+    for var, key in (
+        ("REDIS_URL", "redis_url"),
+        ("AMQP_URL", "amqp_url"),
+        ("EAI_DATABASE_URL", "database_url"),
+        ("EAI_TENANT_ID", "tenant_id"),
+        ("ENGINE_STORE", "store"),
+    ):
+        if var in env:
+            values[key] = env[var]
     for key, cast in (
         ("namespace", str),
         ("time_scale", float),
@@ -135,6 +153,20 @@ def check_urls(config: EngineConfig) -> None:
             raise ValueError(f"{name}: expected a URL starting {expected}; got {got}")
     if is_sentinel_url(config.redis_url):
         parse_sentinel_url(config.redis_url)  # the sentinels and the master's name
+    if config.store not in STORES:
+        raise ValueError(f"store: expected one of {', '.join(STORES)}; got {config.store!r}")
+    if config.store == "postgres":
+        url = config.database_url
+        scheme = url.partition("://")[0] if "://" in url else ""
+        if scheme not in ("postgresql", "postgres"):
+            got = redacted(url) if scheme else "a value without scheme://"  # never echo it
+            raise ValueError(
+                f"EAI_DATABASE_URL: expected a URL starting postgresql:// or postgres://; got {got}"
+            )
+        try:
+            uuid.UUID(config.tenant_id)
+        except ValueError:
+            raise ValueError(f"EAI_TENANT_ID: expected a UUID; got {config.tenant_id!r}") from None
     if config.wait_replicas < 0 or config.wait_timeout_ms < 1:
         raise ValueError(
             "wait_replicas: expected a count >= 0 with wait_timeout_ms >= 1; got "

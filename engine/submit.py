@@ -12,10 +12,15 @@ engine's own keys of those evaluations) and, with a namespace, the namespace's i
 the RabbitMQ queues and exchanges its workers and clients declared (they are noted in
 `{namespace}engine:topology`); it refuses, deleting nothing, while a worker still consumes.
 
-Exit codes: 0 done; 1 `--status`/`--cancel` of an attemptId the engine has never seen (Redis
-holds neither its state nor its plan), `--wait` ended before every evaluation was terminal,
-or `--purge` refused; 2 bad input; 3 Redis or RabbitMQ unreachable or refusing the
-credentials. Errors are one line on stderr, with passwords masked.
+`--store postgres` talks to the PostgreSQL store instead (`EAI_DATABASE_URL`, the tenant
+`EAI_TENANT_ID`), as `python -m engine.worker --store postgres` does: there `--purge`
+deletes the namespace's evaluations whose attemptId starts with PREFIX.
+
+Exit codes: 0 done; 1 `--status`/`--cancel` of an attemptId the engine has never seen (the
+store holds neither its state nor its plan), `--wait` ended before every evaluation was
+terminal, or `--purge` refused; 2 bad input; 3 the store (Redis or PostgreSQL) or RabbitMQ
+unreachable, refusing the credentials, or a PostgreSQL the store cannot use. Errors are one
+line on stderr, with passwords masked.
 
 `EngineClient` is the same thing as a library, used by the tests and the chaos runner.
 """
@@ -31,21 +36,27 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+import asyncpg
 from aio_pika.exceptions import AMQPError
 from redis.exceptions import RedisError
 
 from engine.config import (
+    STORES,
     EngineConfig,
     OneLineParser,
     ServiceUnavailable,
     env_config,
-    redacted,
 )
 from engine.core.messages import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.plan import Plan, PlanError, load_plan, plan_from_dict
 from engine.runtime.broker import Broker, QueueInUse, amqp_unavailable
-from engine.runtime.store import RedisStore, now_ms, redis_unavailable
+from engine.runtime.context import open_store, store_address, store_unavailable
+from engine.runtime.pgstore import PostgresStore
+from engine.runtime.store import now_ms
+
+#: What a store raises when it is lost (after its client's retries).
+STORE_ERRORS = (RedisError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
 
@@ -56,7 +67,7 @@ class EngineClient:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.store = RedisStore(config)
+        self.store = open_store(config)
         self.broker = Broker(config)
 
     async def __aenter__(self) -> EngineClient:
@@ -67,10 +78,8 @@ class EngineClient:
         except BaseException as exc:
             await self.broker.close()
             await self.store.close()
-            if isinstance(exc, RedisError):
-                raise redis_unavailable(
-                    exc, self.config.redis_url, self.config.connect_timeout_s
-                ) from None
+            if isinstance(exc, STORE_ERRORS):
+                raise store_unavailable(self.config, exc) from None
             raise
         return self
 
@@ -119,7 +128,10 @@ class EngineClient:
             pending = [a for a in ids if final[a] not in TERMINAL]
             if not pending:
                 return final
-            states = await self.store.redis.mget([f"attempt:{a}:state" for a in pending])
+            if isinstance(self.store, PostgresStore):
+                states = await self.store.states(pending)
+            else:
+                states = await self.store.redis.mget([f"attempt:{a}:state" for a in pending])
             for a, s in zip(pending, states, strict=True):
                 final[a] = s
             if all(final[a] in TERMINAL for a in pending) or time.monotonic() >= deadline:
@@ -152,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--namespace", help="prefix of queues, exchanges and index keys ($ENGINE_NAMESPACE)"
     )
+    p.add_argument(
+        "--store",
+        choices=STORES,
+        help="the workers' store (default $ENGINE_STORE or redis); postgres reads "
+        "$EAI_DATABASE_URL and $EAI_TENANT_ID",
+    )
     p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
     p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
     return p
@@ -181,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = env_config(
-            namespace=args.namespace, redis_url=args.redis_url, amqp_url=args.amqp_url
+            namespace=args.namespace,
+            redis_url=args.redis_url,
+            amqp_url=args.amqp_url,
+            store=args.store,
         )
     except ValueError as exc:
         print(f"engine.submit: {exc}", file=sys.stderr)
@@ -205,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceUnavailable as exc:
         print(f"engine.submit: {exc}", file=sys.stderr)
         return 3
-    except RedisError as exc:  # lost after the first contact (the store retried meanwhile)
-        lost = redis_unavailable(exc, config.redis_url, config.connect_timeout_s)
+    except STORE_ERRORS as exc:  # lost after the first contact (the store retried meanwhile)
+        lost = store_unavailable(config, exc)
         print(f"engine.submit: {lost}", file=sys.stderr)
         return 3
     except (AMQPError, OSError) as exc:
@@ -217,15 +238,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _unknown(config: EngineConfig, attempt_id: str) -> int:
     print(
-        f"engine.submit: no evaluation {attempt_id!r}: Redis at {redacted(config.redis_url)} "
-        "holds neither its state nor its plan (never submitted, not started yet, or expired)",
+        f"engine.submit: no evaluation {attempt_id!r}: {store_address(config)} holds "
+        "neither its state nor its plan (never submitted, not started yet, or expired)",
         file=sys.stderr,
     )
     return 1
 
 
 async def _known(config: EngineConfig, attempt_id: str) -> tuple[bool, str | None]:
-    """Whether the engine has seen `attempt_id`, and its state; Redis only."""
+    """Whether the engine has seen `attempt_id`, and its state; the store only."""
     known, state, _ = await _status(config, attempt_id, rules=False)
     return known, state
 
@@ -237,7 +258,7 @@ async def _status(
     of each rule of its stored plan, in the plan's order: the verdict, score and attempt of
     a result, or the status (`failed_attempt_N`, `permanently_failed`, `skipped`), or
     `pending` for a rule with neither."""
-    store = RedisStore(config)
+    store = open_store(config)
     try:
         await store.probe()
         record = await store.record(attempt_id)
@@ -264,7 +285,7 @@ async def purge(config: EngineConfig, prefixes: Iterable[str]) -> tuple[int, lis
     """Delete the keys of the attemptIds starting with `prefixes` and, with a namespace, the
     namespace's index keys, queues and exchanges; return (keys deleted, queues and
     exchanges deleted). `QueueInUse`, with nothing deleted, while a worker consumes."""
-    store = RedisStore(config)
+    store = open_store(config)
     try:
         await store.probe()
         deleted: list[str] = []

@@ -1,15 +1,21 @@
 """`python -m engine.worker`: one worker process of the live engine.
 
 Flags beat environment (`REDIS_URL`, `AMQP_URL`, `ENGINE_*`), which beat defaults that work
-on a machine with Redis and RabbitMQ on their usual loopback ports. SIGTERM and Ctrl-C stop
+on a machine with Redis and RabbitMQ on their usual loopback ports. `--store postgres` keeps
+the store in PostgreSQL instead of Redis (`engine.runtime.pgstore`): its URL comes from
+`EAI_DATABASE_URL` only (credentials never go on a command line), its tenant from
+`EAI_TENANT_ID`. SIGTERM and Ctrl-C stop
 it cleanly: consuming stops, in-memory evaluations are handed back (their deliveries are
 requeued, their leases released) and connections close.
 
 Once connected it prints one line, `engine.worker ID ready: ...` (services with their
 passwords masked, namespace, queues), to stderr. Exit codes: 0 stopped by a signal, 2 bad
-input (one line), 3 Redis or RabbitMQ unreachable, refusing the credentials or lost during
-start-up: one line naming the service, its address and what to do, within the connect
-timeout (`ENGINE_CONNECT_TIMEOUT_S`, default 5 s); once running, outages are ridden out.
+input (one line), 3 the store (Redis or PostgreSQL) or RabbitMQ unreachable, refusing the
+credentials or lost during start-up, or a PostgreSQL the store cannot use (no schema, one
+newer or older than this engine's, a superuser or BYPASSRLS role that row-level security
+would not hold): one line naming the service, its address and what to do, within the
+connect timeout (`ENGINE_CONNECT_TIMEOUT_S`, default 5 s); once running, outages are ridden
+out.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import AMQPError
 from redis.exceptions import RedisError
 
 from engine.agent import AgentProfile, AgentProfileError, AgentService, FakeAgent
 from engine.config import (
+    STORES,
     EngineConfig,
     OneLineParser,
     ServiceUnavailable,
@@ -46,9 +54,9 @@ from engine.history import History, open_history
 from engine.metrics import Metrics
 from engine.plan import Rule
 from engine.runtime.broker import Broker, amqp_unavailable
-from engine.runtime.context import Runtime
+from engine.runtime.context import Runtime, open_store, store_address, store_unavailable
 from engine.runtime.drive import LiveHost, detached, drive
-from engine.runtime.store import RedisStore, redis_unavailable
+from engine.runtime.pgstore import PostgresStore
 from engine.shell import heartbeat
 from engine.shell.controller import EvaluationController
 from engine.shell.sweeper import sweeper
@@ -105,7 +113,7 @@ class Worker:
         self.rt = Runtime(
             worker_id=self.worker_id,
             config=config,
-            store=RedisStore(config),
+            store=open_store(config),
             broker=Broker(config),
             agent=agent,
             failpoints=fps,
@@ -155,8 +163,8 @@ class Worker:
         await rt.broker.connect(prefetch=cfg.prefetch)
         try:
             await rt.store.remember_topology(rt.broker.declared)
-        except (RedisError, OSError) as exc:
-            raise redis_unavailable(exc, cfg.redis_url, cfg.connect_timeout_s) from None
+        except (RedisError, OSError, TimeoutError, asyncpg.PostgresError) as exc:
+            raise store_unavailable(cfg, exc) from None
         try:
             self.private_queue = await rt.broker.consume_private(self.worker_id, self.on_message)
             await rt.broker.consume_work(self.on_message)
@@ -167,6 +175,8 @@ class Worker:
         self._tasks.append(asyncio.create_task(drive(beating, rt)))
         if cfg.sweeper:
             self._tasks.append(asyncio.create_task(drive(sweeper(cfg, held), rt)))
+        if isinstance(rt.store, PostgresStore):
+            self._tasks.append(asyncio.create_task(_retention(rt.store)))
         rt.history.record("worker_started", sweeper=cfg.sweeper)
 
     def ready_line(self) -> str:
@@ -174,7 +184,7 @@ class Worker:
         cfg, broker = self.rt.config, self.rt.broker
         delay = len(broker.delay_queues)
         return (
-            f"engine.worker {self.worker_id} ready: redis {redacted(cfg.redis_url)}, "
+            f"engine.worker {self.worker_id} ready: {store_address(cfg)}, "
             f"amqp {redacted(cfg.amqp_url)}, namespace {cfg.namespace!r}, queues "
             f"{broker.work_queue_name}, {self.private_queue} and {delay} delay "
             f"queues {cfg.name('evaluation.retry.*')}"
@@ -209,6 +219,22 @@ class Worker:
         self.rt.history.close()
 
 
+#: How often a worker on PostgreSQL deletes what is past its retention (Redis expires keys
+#: on its own; lookups treat an expired run as gone meanwhile).
+RETENTION_EVERY_S = 600.0
+
+
+async def _retention(store: PostgresStore) -> None:
+    """Delete the evaluations past their 7 days, at start and every `RETENTION_EVERY_S`."""
+    while True:
+        try:
+            while await store.purge_expired() > 0:  # by the thousand, until none is left
+                pass
+        except Exception as exc:  # the database away: the next round tries again
+            log.warning("retention: %r", exc)
+        await asyncio.sleep(RETENTION_EVERY_S)
+
+
 def _agent_profile(raw: str | None) -> AgentProfile:
     """A JSON object, or a path to a JSON/YAML file; empty means the default profile."""
     if not raw:
@@ -223,6 +249,12 @@ def _agent_profile(raw: str | None) -> AgentProfile:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m engine.worker", description=OneLineParser.summary(__doc__))
+    p.add_argument(
+        "--store",
+        choices=STORES,
+        help="where results, statuses and leases live (default $ENGINE_STORE or redis); "
+        "postgres reads $EAI_DATABASE_URL and $EAI_TENANT_ID",
+    )
     p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
     p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
     p.add_argument("--namespace", help="prefix of queues, exchanges and index keys")
@@ -290,6 +322,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
     )
     return env_config(
+        store=args.store,
         redis_url=args.redis_url,
         amqp_url=args.amqp_url,
         namespace=args.namespace,

@@ -10,23 +10,47 @@ from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import MessageProcessError
 
 from engine.agent import AgentService
-from engine.config import EngineConfig
+from engine.config import EngineConfig, redacted
 from engine.failpoints import Failpoints
 from engine.history import History
 from engine.metrics import Metrics
 from engine.runtime.broker import Broker
-from engine.runtime.store import RedisStore
+from engine.runtime.pgstore import PostgresStore, pg_unavailable
+from engine.runtime.store import RedisStore, redis_unavailable
 from engine.runtime.wire import wire
 from engine.shell.window import DeliveryWindow
 
 log = logging.getLogger("engine")
+
+#: The stores the shell runs on, with the same methods and replies (`config.store`).
+Store = RedisStore | PostgresStore
+
+
+def open_store(config: EngineConfig) -> Store:
+    """The store `config.store` names (no connection yet: `probe()` makes the first)."""
+    return PostgresStore(config) if config.store == "postgres" else RedisStore(config)
+
+
+def store_unavailable(config: EngineConfig, exc: BaseException) -> ConnectionError:
+    """What a failed call to the store means during start-up, as one `ServiceUnavailable`
+    line naming the store in use."""
+    if config.store == "postgres":
+        return pg_unavailable(exc, config.database_url, config.connect_timeout_s)
+    return redis_unavailable(exc, config.redis_url, config.connect_timeout_s)
+
+
+def store_address(config: EngineConfig) -> str:
+    """The store, as a ready line or an error shows it (credentials masked)."""
+    if config.store == "postgres":
+        return f"postgres {redacted(config.database_url)} (tenant {config.tenant_id})"
+    return f"redis {redacted(config.redis_url)}"
 
 
 @dataclass
 class Runtime:
     worker_id: str
     config: EngineConfig
-    store: RedisStore
+    store: Store
     broker: Broker
     agent: AgentService
     failpoints: Failpoints

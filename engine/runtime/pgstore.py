@@ -40,6 +40,8 @@ import orjson
 from asyncpg import exceptions as pgerr
 
 from engine.config import (
+    DEFAULT_DATABASE_URL,
+    DEFAULT_TENANT_ID,
     EngineConfig,
     OneLineParser,
     ServiceUnavailable,
@@ -55,10 +57,6 @@ from engine.shell.replies import Begun, LeaseLost, Renewal, StatusWritten
 
 #: The durable design's variable: the store's URL and its only place for credentials.
 DATABASE_URL_ENV = "EAI_DATABASE_URL"
-TENANT_ENV = "EAI_TENANT_ID"
-DEFAULT_DATABASE_URL = "postgresql://eai_engine@127.0.0.1:5432/eai"
-#: The tenant of an engine not told one (any UUID works: RLS keeps tenants apart).
-DEFAULT_TENANT_ID = "00000000-0000-0000-0000-000000000001"
 #: The tables whose rows are a tenant's: row-level security must be enabled and forced.
 TENANT_TABLES = ("runs", "checkpoints", "run_steps", "run_events", "topology")
 
@@ -338,19 +336,11 @@ class GroupCommit:
 
 
 def database_url(config: EngineConfig | None = None) -> str:
-    """The store's URL: the config's (phase 2: `EngineConfig.database_url`), else
-    `EAI_DATABASE_URL`, else the local default."""
-    url = getattr(config, "database_url", None) if config is not None else None
-    return url or os.environ.get(DATABASE_URL_ENV) or DEFAULT_DATABASE_URL
-
-
-def tenant_of(config: EngineConfig | None = None) -> str:
-    raw = getattr(config, "tenant_id", None) if config is not None else None
-    raw = raw or os.environ.get(TENANT_ENV) or DEFAULT_TENANT_ID
-    try:
-        return str(uuid.UUID(raw))
-    except ValueError:
-        raise ValueError(f"{TENANT_ENV}: expected a UUID; got {raw!r}") from None
+    """The store's URL: the config's (`env_config` reads `EAI_DATABASE_URL`), or without a
+    config `EAI_DATABASE_URL` itself, else the local default."""
+    if config is not None:
+        return config.database_url
+    return os.environ.get(DATABASE_URL_ENV) or DEFAULT_DATABASE_URL
 
 
 class PostgresStore:
@@ -374,7 +364,7 @@ class PostgresStore:
         self.config = config
         self.ttl = config.state_ttl_s
         self.url = url or database_url(config)
-        self.tenant_id = tenant_of(config) if tenant_id is None else str(uuid.UUID(tenant_id))
+        self.tenant_id = str(uuid.UUID(tenant_id or config.tenant_id or DEFAULT_TENANT_ID))
         self.namespace = config.namespace
         # the Redis store's names, for callers that show them; here the indexes are columns
         self.running_index = config.name("engine:running")
@@ -430,7 +420,7 @@ class PostgresStore:
                     raise
                 failures += 1
                 if failures > self.retries:
-                    raise
+                    raise pg_unavailable(exc, self.url, self.config.connect_timeout_s) from exc
                 await asyncio.sleep(min(1.0, 0.02 * 2**failures))
 
     async def _read(self, name: str, attempt_id: str | None, *args: Any) -> Any:
@@ -608,6 +598,13 @@ class PostgresStore:
     async def record(self, attempt_id: str) -> EvaluationRecord:
         state, plan, published = await self._read("record", attempt_id)
         return EvaluationRecord(state=state, plan_json=plan, final_published=bool(published))
+
+    async def states(self, attempt_ids: Sequence[str]) -> list[str | None]:
+        """The states of many evaluations in one round trip (a client waiting for them)."""
+        if not attempt_ids:
+            return []
+        replies = await self._apply([["record", a] for a in attempt_ids])
+        return [state for state, _, _ in replies]
 
     async def set_state(self, attempt_id: str, state: str) -> str | None:
         return await self.batch.call(["set_state", attempt_id, state])

@@ -18,6 +18,7 @@ import sys
 import tomllib
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -482,3 +483,121 @@ def test_the_migration_command_applies_and_grants(pg: PgSandbox) -> None:
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["version"] == schema_version()
         _run(PostgresStore(_config(), url=bare.url, tenant_id=TENANT_A).probe())
+
+
+def test_the_topology_and_purge(pg: PgSandbox) -> None:
+    config = _config()
+
+    async def scenario() -> tuple[Any, ...]:
+        store = _store(pg, config=config)
+        try:
+            await store.remember_topology(["queue:a", "exchange:b"])
+            await store.remember_topology(["queue:a"])
+            names = await store.topology()
+            for a in ("cand-1", "cand-2", "other-1"):
+                await store.begin(a, "w1", TINY.order, TINY)
+            gone = await store.purge(["cand-"], namespace=False)
+            left = await store.stale_evaluations(0)
+            cleared = await store.purge([], namespace=True)
+            return names, gone, left, cleared, await store.topology(), await store.record("other-1")
+        finally:
+            await store.close()
+
+    names, gone, left, cleared, topology, other = _run(scenario())
+    assert names == {"queue:a", "exchange:b"}
+    assert gone == 2 and left == ["other-1"]
+    assert cleared == 3 and topology == set()  # its running entry and two names
+    assert other.state == "running"  # an evaluation is kept, only the indexes emptied
+
+
+# --- the worker and the client on PostgreSQL ---------------------------------------------------
+
+
+def _cli(module: str, *args: str, url: str, **env: str) -> subprocess.CompletedProcess[str]:
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("ENGINE_", "EAI_"))}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env={**keep, "EAI_DATABASE_URL": url, "EAI_TENANT_ID": TENANT_A, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_worker_refuses_a_database_it_cannot_use_in_one_line(pg: PgSandbox) -> None:
+    """Exit 3 and one line naming the problem, no traceback, the password never shown."""
+    cases = {
+        "postgresql://engine:s3cret@127.0.0.1:1/eai": "cannot reach PostgreSQL",
+        pg.owner_url: "is a superuser: row-level security would not hold",
+        _url(ADMIN_URL, f"nobody_{uuid.uuid4().hex[:6]}", pg.db): "cannot log in to PostgreSQL",
+    }
+    with sandbox(migrated=False) as bare:
+        cases[bare.url] = "no schema eai: the migrations were never applied"
+        for url, said in cases.items():
+            done = _cli("engine.worker", "--store", "postgres", url=url)
+            assert done.returncode == 3, (url, done.stderr)
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1 and said in lines[0], (url, done.stderr)
+            assert lines[0].startswith("engine.worker: ") and "s3cret" not in lines[0]
+    bad = _cli("engine.worker", "--store", "postgres", url="mysql://x@y/z")
+    assert bad.returncode == 2 and "EAI_DATABASE_URL: expected a URL" in bad.stderr
+
+
+def test_a_worker_on_postgres_runs_evaluations_to_their_end(
+    pg: PgSandbox, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from engine.submit import EngineClient
+    from tests.live.conftest import PATIENCE_S, Live
+
+    live = Live(tmp_path)
+    monkeypatch.setenv("EAI_DATABASE_URL", pg.url)
+    monkeypatch.setenv("EAI_TENANT_ID", TENANT_A)
+    config = replace(live.config(), store="postgres", database_url=pg.url, tenant_id=TENANT_A)
+    ids = live.ids(3, "pg")
+    try:
+        worker = live.worker("--store", "postgres")
+        ready = worker.log_path.read_text()
+        assert f"ready: postgres postgresql://{pg.role}@" in ready
+
+        async def go() -> tuple[dict[str, str | None], list[Any]]:
+            async with EngineClient(config) as client:
+                for a in ids:
+                    await client.submit(TINY, a)
+                final = await client.wait(ids, PATIENCE_S)
+                snaps = [await client.store.snapshot(a, TINY.order) for a in ids]
+                return final, snaps
+
+        final, snaps = _run(go())
+        assert final == dict.fromkeys(ids, "completed")
+        assert all(set(s.results) == set(TINY.order) for s in snaps)
+        assert not live.redis.keys(f"attempt:{live.prefix}*")  # nothing went to Redis
+        status = _cli(
+            "engine.submit",
+            "--store",
+            "postgres",
+            "--status",
+            ids[0],
+            url=pg.url,
+            ENGINE_NAMESPACE=live.ns,
+        )
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["state"] == "completed"
+
+        async def events() -> list[str]:
+            conn = await pg.owner()
+            try:
+                rows = await conn.fetch(
+                    "SELECT e.kind, e.data FROM eai.run_events e JOIN eai.runs r "
+                    "ON r.id = e.run_id WHERE r.attempt_id = $1 ORDER BY e.created_at, e.kind",
+                    ids[0],
+                )
+                return [r["kind"] for r in rows]
+            finally:
+                await conn.close()
+
+        kinds = _run(events())
+        assert {"run.transition", "lease.token", "run.announced"} <= set(kinds)
+    finally:
+        live.close()
