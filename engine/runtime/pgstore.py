@@ -375,6 +375,7 @@ class PostgresStore:
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
         self.batch = GroupCommit(self._apply)
+        self.rolled_back = 0  # transactions PostgreSQL rolled back (deadlocks), run again
 
     # --- connections --------------------------------------------------------------------
 
@@ -412,6 +413,7 @@ class PostgresStore:
                 )
                 return orjson.loads(raw)
             except pgerr.TransactionRollbackError:
+                self.rolled_back += 1
                 deadlocks += 1
                 if deadlocks > 20:
                     raise

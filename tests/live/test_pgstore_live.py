@@ -1,5 +1,7 @@
 """The PostgreSQL store on the machine's PostgreSQL: migrations, row-level security, group
-commit, the clock, retention and the one-line refusals.
+commit, the clock, retention, concurrency (racing begins, a deadlock), the one-line
+refusals, and workers on it (`python -m engine.worker --store postgres`) running, crashing
+and being resumed by the sweeper.
 
 Each module gets a database and a login role of its own (`PgSandbox`: neither superuser
 nor BYPASSRLS, as the engine must connect), migrated by the administrator, both dropped at
@@ -18,7 +20,7 @@ import sys
 import tomllib
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -545,59 +547,213 @@ def test_the_worker_refuses_a_database_it_cannot_use_in_one_line(pg: PgSandbox) 
     assert bad.returncode == 2 and "EAI_DATABASE_URL: expected a URL" in bad.stderr
 
 
-def test_a_worker_on_postgres_runs_evaluations_to_their_end(
-    pg: PgSandbox, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    from engine.submit import EngineClient
-    from tests.live.conftest import PATIENCE_S, Live
+@dataclass
+class OnPostgres:
+    """The live stack (`Live`: RabbitMQ, worker processes, the history) with the store on
+    the module's database: workers are started with `--store postgres` and the database's
+    URL in their environment, the client gets the same config."""
+
+    live: Any
+    config: EngineConfig
+
+    def worker(self, *flags: str, **opts: Any) -> Any:
+        return self.live.worker("--store", "postgres", *flags, **opts)
+
+    def submit(self, plan: Plan, ids: list[str]) -> None:
+        from engine.submit import EngineClient
+
+        async def go() -> None:
+            async with EngineClient(self.config) as client:
+                for a in ids:
+                    await client.submit(plan, a)
+
+        _run(go())
+
+    def wait(self, ids: list[str]) -> dict[str, str | None]:
+        from engine.submit import EngineClient
+        from tests.live.conftest import PATIENCE_S
+
+        async def go() -> dict[str, str | None]:
+            async with EngineClient(self.config) as client:
+                return await client.wait(ids, PATIENCE_S)
+
+        return _run(go())
+
+    def snapshot(self, a: str) -> Any:
+        async def go() -> Any:
+            store = PostgresStore(self.config)
+            try:
+                return await store.snapshot(a, TINY.order)
+            finally:
+                await store.close()
+
+        return _run(go())
+
+
+@pytest.fixture
+def on_pg(pg: PgSandbox, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[OnPostgres]:
+    from tests.live.conftest import Live
 
     live = Live(tmp_path)
     monkeypatch.setenv("EAI_DATABASE_URL", pg.url)
     monkeypatch.setenv("EAI_TENANT_ID", TENANT_A)
     config = replace(live.config(), store="postgres", database_url=pg.url, tenant_id=TENANT_A)
-    ids = live.ids(3, "pg")
     try:
-        worker = live.worker("--store", "postgres")
-        ready = worker.log_path.read_text()
-        assert f"ready: postgres postgresql://{pg.role}@" in ready
-
-        async def go() -> tuple[dict[str, str | None], list[Any]]:
-            async with EngineClient(config) as client:
-                for a in ids:
-                    await client.submit(TINY, a)
-                final = await client.wait(ids, PATIENCE_S)
-                snaps = [await client.store.snapshot(a, TINY.order) for a in ids]
-                return final, snaps
-
-        final, snaps = _run(go())
-        assert final == dict.fromkeys(ids, "completed")
-        assert all(set(s.results) == set(TINY.order) for s in snaps)
-        assert not live.redis.keys(f"attempt:{live.prefix}*")  # nothing went to Redis
-        status = _cli(
-            "engine.submit",
-            "--store",
-            "postgres",
-            "--status",
-            ids[0],
-            url=pg.url,
-            ENGINE_NAMESPACE=live.ns,
-        )
-        assert status.returncode == 0, status.stderr
-        assert json.loads(status.stdout)["state"] == "completed"
-
-        async def events() -> list[str]:
-            conn = await pg.owner()
-            try:
-                rows = await conn.fetch(
-                    "SELECT e.kind, e.data FROM eai.run_events e JOIN eai.runs r "
-                    "ON r.id = e.run_id WHERE r.attempt_id = $1 ORDER BY e.created_at, e.kind",
-                    ids[0],
-                )
-                return [r["kind"] for r in rows]
-            finally:
-                await conn.close()
-
-        kinds = _run(events())
-        assert {"run.transition", "lease.token", "run.announced"} <= set(kinds)
+        yield OnPostgres(live, config)
     finally:
         live.close()
+
+
+def test_a_worker_on_postgres_runs_evaluations_to_their_end(
+    pg: PgSandbox, on_pg: OnPostgres
+) -> None:
+    live = on_pg.live
+    ids = live.ids(3, "pg")
+    worker = on_pg.worker()
+    assert f"ready: postgres postgresql://{pg.role}@" in worker.log_path.read_text()
+    on_pg.submit(TINY, ids)
+    assert on_pg.wait(ids) == dict.fromkeys(ids, "completed")
+    assert all(set(on_pg.snapshot(a).results) == set(TINY.order) for a in ids)
+    assert not live.redis.keys(f"attempt:{live.prefix}*")  # nothing went to Redis
+    status = _cli(
+        "engine.submit",
+        "--store",
+        "postgres",
+        "--status",
+        ids[0],
+        url=pg.url,
+        ENGINE_NAMESPACE=live.ns,
+    )
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["state"] == "completed"
+
+    async def events() -> list[str]:
+        conn = await pg.owner()
+        try:
+            rows = await conn.fetch(
+                "SELECT e.kind FROM eai.run_events e JOIN eai.runs r ON r.id = e.run_id "
+                "WHERE r.namespace = $1 AND r.attempt_id = $2",
+                live.ns,
+                ids[0],
+            )
+            return [r["kind"] for r in rows]
+        finally:
+            await conn.close()
+
+    assert {"run.transition", "lease.token", "run.announced"} <= set(_run(events()))
+
+
+def test_a_worker_killed_after_the_ack_is_resumed_on_postgres(on_pg: OnPostgres) -> None:
+    """The seed's hole, closed on PostgreSQL as on Redis: the first worker dies after two
+    results, its lease lapses by the database's clock, a second worker's sweeper claims the
+    evaluation, and the resume loads the two results instead of running them again."""
+    from tests.live.conftest import PATIENCE_S
+
+    live = on_pg.live
+    [a] = live.ids(1, "kill")
+    first = on_pg.worker(failpoints=["rule_after_write=crash,hit=2"])
+    on_pg.submit(TINY, [a])
+    assert first.wait_exit(PATIENCE_S) == -9
+    finished = {
+        e["rule_id"]
+        for e in live.history(a)
+        if e["ev"] == "result_persisted" and e["pid"] == first.pid
+    }
+    assert len(finished) == 2
+    on_pg.worker()
+    assert on_pg.wait([a]) == {a: "completed"}
+    live.wait_for(lambda: live.events("sweeper_resumed", a), what="the sweeper's resume")
+    assert all(live.starts(a)[r] == 1 for r in finished), live.starts(a)
+    recovered = next(e for e in live.history(a) if e["ev"] == "recovered")
+    assert set(recovered["loaded"]) == finished
+
+
+def test_a_lost_retry_is_found_by_the_sweeper_on_postgres(on_pg: OnPostgres) -> None:
+    """A worker dies between writing `failed_attempt_1` (its retry indexed as due) and
+    publishing the retry: the next worker's sweeper finds it overdue, claims it and
+    publishes attempt 2."""
+    from tests.live.conftest import PATIENCE_S
+
+    live = on_pg.live
+    [a] = live.ids(1, "lost")
+    first = on_pg.worker(
+        agent={"fail_rules": {"unit_tests": 3}},
+        failpoints=["after_status_write_before_retry_publish=crash"],
+    )
+    on_pg.submit(TINY, [a])
+    assert first.wait_exit(PATIENCE_S) == -9
+    assert on_pg.snapshot(a).statuses == {"unit_tests": "failed_attempt_1"}
+    on_pg.worker()
+    assert on_pg.wait([a]) == {a: "completed"}
+    live.wait_for(lambda: live.events("sweeper_retried", a, attempt=2), what="the sweeper's retry")
+    assert on_pg.snapshot(a).results["unit_tests"].attempt == 2
+
+
+# --- concurrency ------------------------------------------------------------------------------
+
+
+def test_workers_racing_for_a_new_evaluation_get_one_lease(pg: PgSandbox) -> None:
+    """Eight workers (a pool each) begin the same new evaluation at once: its row is made
+    once, one of them holds the lease with token 1, the others are told who holds it."""
+    config = _config()
+
+    async def scenario() -> list[Any]:
+        stores = [_store(pg, config=config) for _ in range(8)]
+        try:
+            for s in stores:  # connected first, so that the begins meet in the database
+                await s.holder("warm-up")
+            return await asyncio.gather(
+                *(s.begin("att-race", f"w{i}", TINY.order, TINY) for i, s in enumerate(stores))
+            )
+        finally:
+            await asyncio.gather(*(s.close() for s in stores))
+
+    begun = _run(scenario())
+    winners = [b for b in begun if b.fence]
+    assert len(winners) == 1 and winners[0].fence.startswith("1:w")
+    holder = winners[0].fence.partition(":")[2]
+    assert [b.holder for b in begun if not b.fence] == [holder] * 7
+
+
+def test_a_deadlocked_batch_is_run_again(pg: PgSandbox) -> None:
+    """A batch that locks X then Y meets a transaction holding Y and wanting X: PostgreSQL
+    rolls the batch back (nothing of it lands), and the store runs it again, whole."""
+    config = _config()
+
+    async def scenario() -> tuple[Any, int, list[Any]]:
+        store = _store(pg, config=config)
+        admin = await pg.owner()
+        try:
+            for a in ("att-x", "att-y"):
+                await store.set_state(a, "running")
+            locked = "SELECT 1 FROM eai.runs WHERE namespace = $1 AND attempt_id = $2 FOR UPDATE"
+            tx = admin.transaction()
+            await tx.start()
+            await admin.execute(locked, config.namespace, "att-y")
+            batch = asyncio.ensure_future(
+                store._apply([["set_state", "att-x", "parked"], ["set_state", "att-y", "parked"]])
+            )
+            while True:  # until the batch waits for att-y's lock
+                waiting = await admin.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND application_name = 'engine' AND wait_event_type = 'Lock'"
+                )
+                if waiting:
+                    break
+                assert not batch.done(), batch
+                await asyncio.sleep(0.01)
+            # the batch waited first, so its deadlock check runs first (deadlock_timeout
+            # after it began to wait) and rolls it back: this side then gets att-x
+            await admin.execute(locked, config.namespace, "att-x")
+            await tx.rollback()
+            replies = await asyncio.wait_for(batch, 30)
+            states = [(await store.record(a)).state for a in ("att-x", "att-y")]
+            return replies, store.rolled_back, states
+        finally:
+            await admin.close()
+            await store.close()
+
+    replies, rolled_back, states = _run(scenario())
+    assert replies == [None, None]
+    assert states == ["parked", "parked"]
+    assert rolled_back == 1
