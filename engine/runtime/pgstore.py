@@ -89,8 +89,8 @@ def migrations() -> list[Migration]:
     return found
 
 
-#: The schema version this engine knows and needs.
 def schema_version() -> int:
+    """The schema version this engine knows and needs: its last migration's."""
     return len(migrations())
 
 
@@ -99,9 +99,10 @@ def quote_ident(name: str) -> str:
 
 
 async def migrate(conn: asyncpg.Connection, grant: Iterable[str] = ()) -> list[int]:
-    """Apply the migrations the database lacks, each in a transaction of its own, then grant
-    the engine's roles what they use; the versions applied. Run as the schema's owner (an
-    administrator); a concurrent run waits for this one (an advisory lock)."""
+    """Apply the migrations the database lacks, in order, then grant the engine's roles what
+    they use; the versions applied. One transaction: a migration that fails leaves the
+    schema as it was. Run as the schema's owner (an administrator); a concurrent run waits
+    for this one (an advisory lock). `SchemaTooNew` when the database is ahead."""
     known = migrations()
     applied: list[int] = []
     async with conn.transaction():
