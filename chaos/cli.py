@@ -804,10 +804,15 @@ def _list(console: Console, long: bool = False) -> int:
 
 
 def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Console) -> int:
-    from chaos.systems.redis_rabbitmq.services import Services, ServicesUnavailable
+    from chaos.systems import system
+    from chaos.systems.redis_rabbitmq.services import ServicesUnavailable
 
     containers = args.mode == "containers"
-    problem = _containers_problem() if containers else Services.available()
+    # each design's services, in the order the scenarios name them
+    designs = [system(name) for name in dict.fromkeys(sc.spec.system for sc in loaded)]
+    problem = _containers_problem() if containers else None
+    for sut in designs:
+        problem = problem or sut.stack_class().available()
     if args.mode == "sim" or (args.mode == "auto" and problem is not None):
         if args.mode == "auto":
             print(f"chaos run: live mode {problem}; running in the simulator instead")
@@ -820,15 +825,9 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
     if problem is not None:
         print(f"chaos run: {problem}", file=sys.stderr)
         return EXIT_STACK
-    from chaos.systems.redis_rabbitmq.live import refusal
-
-    killable = {  # containers mode: always the run's own
-        n
-        for n, var in (("redis", "REDIS_URL"), ("broker", "AMQP_URL"))
-        if containers or var not in os.environ
-    }
     for sc in loaded:
-        problem = refusal(sc, killable)
+        sut = system(sc.spec.system)
+        problem = sut.live_refusal(sc, sut.stack_class().own(containers))
         if problem:
             print(problem, file=sys.stderr)
             return EXIT_INPUT
@@ -843,20 +842,22 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
         console.print(f"chaos run: left by a killed run: {reaped.summary()}", markup=False)
     if containers:
         _remove_dead_containers(console)
-    services: Services | None = None
+    services: dict[str, Any] = {}
     try:
         where = " in containers" if containers else ""
-        with console.status(f"starting Redis and RabbitMQ{where}...", spinner="dots"):
-            try:
-                services = Services.start(containers=containers)
-            except ServicesUnavailable as exc:
-                print(f"chaos run: cannot start the stack: {exc}", file=sys.stderr)
-                return EXIT_STACK
+        for sut in designs:
+            what = " and ".join(sut.services)
+            with console.status(f"starting {what} ({sut.name}){where}...", spinner="dots"):
+                try:
+                    services[sut.name] = sut.stack_class().start(containers=containers)
+                except ServicesUnavailable as exc:
+                    print(f"chaos run: cannot start the stack: {exc}", file=sys.stderr)
+                    return EXIT_STACK
         return asyncio.run(_run_all(loaded, services, out, args, console))
     finally:
         # Also on an error or an interrupt (then `main` sweeps whatever this one missed).
-        if services is not None:
-            services.stop()
+        for started in services.values():
+            started.stop()
         from chaos.workers import stop_all as stop_workers
 
         stop_workers()
@@ -868,8 +869,13 @@ def _run(loaded: list[Any], out: Path, args: argparse.Namespace, console: Consol
 
 
 async def _run_all(
-    loaded: list[Any], services: Any, out: Path, args: argparse.Namespace, console: Console
+    loaded: list[Any],
+    services: dict[str, Any],
+    out: Path,
+    args: argparse.Namespace,
+    console: Console,
 ) -> int:
+    """Each scenario on the services of its system (`services`, by system name)."""
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as Bar
 
@@ -899,7 +905,9 @@ async def _run_all(
             transient=True,
         )
         try:
-            run = ScenarioRun(sc, services, run_dir, seed=args.seed, mutant=args.mutant)
+            run = ScenarioRun(
+                sc, services[sc.spec.system], run_dir, seed=args.seed, mutant=args.mutant
+            )
         except RunRefused as exc:
             print(str(exc), file=sys.stderr)
             return EXIT_INPUT
@@ -917,7 +925,7 @@ async def _run_all(
             with bar:
                 outcome = await run.run()
         except HarnessError as exc:  # no verdict for this one; the others still run
-            await _ensure_services(services)
+            await _ensure_services(services[sc.spec.system])
             run_dir.mkdir(parents=True, exist_ok=True)
             evidence = run_dir / "harness_error.txt"
             evidence.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
@@ -929,7 +937,7 @@ async def _run_all(
             worst = max(worst, EXIT_HARNESS)
             suites.append((suite_name(sc.spec.name, _live_mode(args), run.seed), str(exc), spent))
             continue
-        await _ensure_services(services)
+        await _ensure_services(services[sc.spec.system])
         result = outcome.result
         extra = {**outcome.extra, "mode": _live_mode(args)}
         write_outputs(run_dir, sc.spec.name, outcome.history, result, extra)
@@ -951,8 +959,9 @@ async def _run_all(
 
 async def _ensure_services(services: Any) -> None:
     """A scenario may leave a service killed; the next one needs it back."""
-    for svc in (services.redis, services.broker):
-        if svc is not None and not svc.alive:
+    for name in sorted(services.killable):
+        svc = services.service(name)
+        if not svc.alive:
             await asyncio.to_thread(svc.restart)
 
 

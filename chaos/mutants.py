@@ -937,6 +937,38 @@ def final_unfenced() -> None:
     _unfence("_FINISH", "final_unfenced")
 
 
+# --- pg-store: mutants of the database, not of the worker ----------------------------------
+# Each is a PL/pgSQL function of engine/runtime/migrations replaced, in the run's database,
+# by a broken one derived from the shipped definition (`chaos.systems.pg_store.mutants`,
+# installed by the pg-store adapter as the schema's owner and put back when the run ends).
+# The worker has nothing to patch: these patches do nothing. They only mean something with
+# `--system pg-store`: a Redis store never runs the broken functions.
+
+
+def pg_unfenced() -> None:
+    """writes_fenced: `eai.write_status` skips its fence. The function no longer refuses a
+    stale token, so an owner that lost its lease (paused past it while a call was failing)
+    still writes `failed_attempt_N` over its successor's state, as `status_unfenced` on
+    Redis. The breakage is the database's, installed by the pg-store adapter
+    (`chaos.systems.pg_store.mutants`); the worker is the engine's, unpatched."""
+
+
+def pg_overwrite_result() -> None:
+    """idempotent_results: `eai.write_result` keeps the last result, not the first, past its
+    fence, and reports every write as the winner, as `overwrite_result` on Redis: a late
+    write by an execution that lost its lease replaces the result the owner wrote and
+    announced first. The breakage is the database's, installed by the pg-store adapter
+    (`chaos.systems.pg_store.mutants`); the worker is the engine's, unpatched."""
+
+
+def pg_double_claim() -> None:
+    """leases_respected: `eai.begin` skips its lease check, so a second worker that gets a
+    delivery of a run another live worker holds (a retry, a redelivered copy) takes its
+    lease and a new token, and both run it, as `ignore_lease` on Redis. The breakage is the
+    database's, installed by the pg-store adapter (`chaos.systems.pg_store.mutants`); the
+    worker is the engine's, unpatched."""
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -1325,6 +1357,21 @@ MUTANTS: dict[str, Mutant] = {
             final_unfenced,
             "writes_fenced",
             "final-state writes are not fenced: an owner that lost its lease writes its end",
+        ),
+        _mutant(
+            pg_unfenced,
+            "writes_fenced",
+            "pg-store only: eai.write_status skips its fence: a stale owner's status lands",
+        ),
+        _mutant(
+            pg_overwrite_result,
+            "idempotent_results",
+            "pg-store only: eai.write_result keeps the last result, past its fence",
+        ),
+        _mutant(
+            pg_double_claim,
+            "leases_respected",
+            "pg-store only: eai.begin skips its lease check: two workers run one evaluation",
         ),
         _mutant(
             unlabelled_reruns,

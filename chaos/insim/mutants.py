@@ -354,6 +354,47 @@ def _final_unfenced() -> None:
     SimRedis.finish = unfenced  # type: ignore[method-assign]
 
 
+# --- pg-store: each the SQL mutant's counterpart (chaos/systems/pg_store/mutants.py) ------
+# pg-store's simulator runs the same references as Redis (`sim.redis.REFERENCES`), so the
+# counterpart of a broken PL/pgSQL function is the same patch of its `SimRedis` reference.
+# Only meaningful on `--system pg-store`: live, these mutants are in the database alone.
+
+
+def _pg_unfenced() -> None:
+    """`eai.write_status` without its refusal: a stale token's status lands; the lease runs
+    on only for a token the fence would have let through (`_fence_on` as before)."""
+    write_status = SimRedis.write_status
+
+    def unfenced(self: SimRedis, a: str, *args: Any) -> Any:
+        *rest, fence = args if len(args) == 4 else (*args, None)
+        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
+        return write_status(self, a, *rest, None)
+
+    SimRedis.write_status = unfenced  # type: ignore[method-assign]
+
+
+def _pg_overwrite_result() -> None:
+    """`eai.write_result` without its refusal and with `result = p_result` (not the first
+    kept): the last write wins, and every write reports that it won."""
+    write_result = SimRedis.write_result
+
+    def blind_write(self: SimRedis, a: str, result: Any, starts: Any, fence: Any = None) -> Any:
+        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
+        return write_result(self, a, result, starts, None)
+
+    def overwrite(self: SimRedis, key: str, result: Any) -> None:
+        self._set(key, result.to_json(), self.ttl)
+
+    SimRedis.write_result = blind_write  # type: ignore[method-assign]
+    SimRedis.set_result = overwrite  # type: ignore[method-assign]
+
+
+def _pg_double_claim() -> None:
+    """`eai.begin` without its lease check: a worker begins a run another holds, taking the
+    lease and a new token from its live owner (`ignore_lease`'s model, the same misstep)."""
+    _ignore_lease()
+
+
 #: Mutants of a Lua script, of the broker's topology or of the history writer, patched on
 #: their model in `SimRedis`, `SimBroker` or `Source` with `patched`, like the core's.
 def _old_close_order() -> None:
@@ -388,6 +429,9 @@ PATCHED: dict[str, Callable[[], None]] = {
     "sweeper_claims_early": _sweeper_claims_early,
     "status_unfenced": _status_unfenced,
     "final_unfenced": _final_unfenced,
+    "pg_unfenced": _pg_unfenced,
+    "pg_overwrite_result": _pg_overwrite_result,
+    "pg_double_claim": _pg_double_claim,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
 _SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source, SimWorker, BrokerClient)

@@ -44,14 +44,32 @@ class System:
     not_simulated: dict[str, str] = field(default_factory=dict)
     live: str | None = None
     sim: str | None = None
+    #: Its services' class (`module:Class`): `start(containers)`, `available()`, `own()`.
+    stack: str | None = None
 
     def adapter(self, mode: str) -> Any:
         """The adapter class of `mode` ("live" or "sim")."""
         where = self.live if mode == "live" else self.sim
         if where is None:
             raise LookupError(f"system {self.name} does not run in {mode} mode")
-        module, _, name = where.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(where)
+
+    def stack_class(self) -> Any:
+        """The class of its live services."""
+        if self.stack is None:
+            raise LookupError(f"system {self.name} does not run in live mode")
+        return _imported(self.stack)
+
+    def live_refusal(self, loaded: LoadedScenario, own: set[str]) -> str | None:
+        """Why its live adapter cannot run the scenario with these services of the run's
+        own (the others given, e.g. by AMQP_URL), in one line (None: it can)."""
+        module = importlib.import_module(self.adapter("live").__module__)
+        return module.refusal(loaded, own)
+
+
+def _imported(where: str) -> Any:
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 SYSTEMS: dict[str, System] = {
@@ -74,6 +92,7 @@ SYSTEMS: dict[str, System] = {
             },
             live="chaos.systems.redis_rabbitmq.live:RedisRabbitLive",
             sim="chaos.systems.redis_rabbitmq.sim:RedisRabbitSim",
+            stack="chaos.systems.redis_rabbitmq.services:Services",
         ),
         System(
             name="pg-store",
@@ -94,7 +113,9 @@ SYSTEMS: dict[str, System] = {
                 "broker.pause": "a frozen RabbitMQ node (connections held, nothing "
                 "delivered or confirmed) has no model in the simulator",
             },
+            live="chaos.systems.pg_store.live:PgStoreLive",
             sim="chaos.systems.pg_store.sim:PgStoreSim",
+            stack="chaos.systems.pg_store.services:PgServices",
         ),
     )
 }

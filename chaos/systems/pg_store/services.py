@@ -41,6 +41,11 @@ class PgServices:
     def killable(self) -> set[str]:
         return {n for n, s in (("postgres", self.postgres), ("broker", self.broker)) if s}
 
+    @staticmethod
+    def own(containers: bool = False) -> set[str]:
+        """The services a run starts itself here (the broker: unless AMQP_URL names one)."""
+        return {"postgres"} | ({"broker"} if containers or "AMQP_URL" not in os.environ else set())
+
     @classmethod
     def available(cls) -> str | None:
         """None when a live run can start here, else what is missing (one line)."""

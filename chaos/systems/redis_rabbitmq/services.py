@@ -75,6 +75,12 @@ class Services:
             out.add("broker")
         return out
 
+    @staticmethod
+    def own(containers: bool = False) -> set[str]:
+        """The services a run starts itself here (the others: REDIS_URL, AMQP_URL)."""
+        pairs = (("redis", "REDIS_URL"), ("broker", "AMQP_URL"))
+        return {n for n, var in pairs if containers or var not in os.environ}
+
     @classmethod
     def available(cls) -> str | None:
         """None when a live run can start here, else what is missing (one line)."""
