@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import subprocess
 import time
 import uuid
@@ -38,7 +39,8 @@ PATIENCE_S = 120.0
 
 #: What to do when the services are not there, after the line that says which one.
 START_THEM = (
-    "install and start redis-server and rabbitmq-server on 127.0.0.1 (.ci/run does both), "
+    "install and start redis-server, rabbitmq-server and PostgreSQL on 127.0.0.1 (.ci/run does "
+    "all three), "
     'or leave the live tests out: python3 -m pytest -q -m "not slow"'
 )
 
@@ -57,6 +59,10 @@ def _services_up() -> str | None:
         asyncio.run(amqp())
     except Exception as exc:
         return f"RabbitMQ on 127.0.0.1:5672 is not reachable: {type(exc).__name__}"
+    try:  # the PostgreSQL store's tests make their own database there
+        socket.create_connection(("127.0.0.1", 5432), timeout=2).close()
+    except OSError as exc:
+        return f"PostgreSQL on 127.0.0.1:5432 is not reachable: {exc}"
     return None
 
 
