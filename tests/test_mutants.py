@@ -1462,3 +1462,76 @@ def test_final_unfenced() -> None:
     before, after = _probe("probe_stale_writes", "final_unfenced")
     assert before == {"status": "refused", "final": "refused"}
     assert after == {"status": "refused", "final": "landed"}  # the final state alone
+
+
+# --- pg-store: broken PL/pgSQL functions (chaos.systems.pg_store.mutants) ----------------------
+# Live, each is a function of the run's database replaced by the pg-store adapter (shown to
+# misbehave on a real PostgreSQL by tests/live/test_pg_mutants_live.py); in the simulator,
+# the same misstep of its Python reference. Each is caught on its pg-store scenario.
+
+
+def _pg_caught(name: str, mutant: str, seeds: tuple[int | None, ...] = (None,)) -> None:
+    """`scenarios/pg_store/<name>.yaml` (`system: pg-store`) passes on the engine and fails
+    on `mutant`'s invariant with it, for each seed (None: the file's)."""
+    from chaos.insim import run_scenario
+    from chaos.scenario import load_scenario
+
+    loaded = load_scenario(ROOT / "scenarios" / "pg_store" / f"{name}.yaml")
+    assert loaded.spec.system == "pg-store"
+    breaks = MUTANTS[mutant].breaks
+    for seed in seeds:
+        clean = run_scenario(loaded, seed)
+        assert clean.result.ok, (seed, clean.result.violations[:1], clean.result.budget_failures)
+        assert clean.result.verdicts[breaks] == "pass"
+        broken = run_scenario(loaded, seed, mutant)
+        assert broken.extra["system"] == "pg-store" and broken.extra["mutant"] == mutant
+        assert broken.result.verdicts[breaks] == "fail", (seed, broken.result.verdicts)
+        assert any(v.invariant == breaks for v in broken.result.violations)
+
+
+def test_pg_unfenced() -> None:
+    # The frozen owner's failed_attempt_1 lands with its old token (as status_unfenced).
+    _pg_caught("postgres_stale_owner_status", "pg_unfenced", (None, 1, 2))
+
+
+def test_pg_overwrite_result() -> None:
+    # The frozen worker's late result replaces the first (as overwrite_result); the seed is
+    # one whose rerun drifts, so the two results differ.
+    _pg_caught("postgres_write_window", "pg_overwrite_result")
+
+
+def test_pg_double_claim() -> None:
+    # A retry delivered to the worker not holding its evaluation is begun there, beside the
+    # owner (as ignore_lease).
+    _pg_caught("postgres_calls_outlast_lease", "pg_double_claim", (None, 2, 3))
+
+
+def _shipped_function(function: str) -> str:
+    """`function`'s definition as the migration ships it (the text from its CREATE to its
+    closing `END $$;`: what `pg_get_functiondef` gives back, the header aside)."""
+    import re
+
+    from engine.runtime.pgstore import migrations
+
+    sql = "".join(m.sql for m in migrations())
+    found = re.findall(rf"CREATE FUNCTION {re.escape(function)}\(.*?\nEND \$\$;", sql, re.S)
+    assert len(found) == 1, function
+    return found[0]
+
+
+def test_pg_mutants_are_the_database_s_and_find_their_seams() -> None:
+    """Every SQL mutant is a mutant of the registry (its worker patch does nothing) and its
+    edits each apply exactly once to the function the migration ships; applied again, to
+    the broken text, they fail loudly."""
+    from chaos.systems.pg_store.mutants import SQL_MUTANTS, SeamGone, broken
+
+    assert set(SQL_MUTANTS) == {m for m in MUTANTS if m.startswith("pg_")}
+    for name, m in SQL_MUTANTS.items():
+        assert name in sim_mutants.PATCHED
+        assert "pg-store" in MUTANTS[name].description
+        for fe in m.functions:
+            shipped = _shipped_function(fe.function)
+            twin = broken(name, fe.function, shipped)
+            assert twin != shipped and twin.count("mutant") == len(fe.edits)
+            with pytest.raises(SeamGone, match=f"^{name}: {fe.function} changed: "):
+                broken(name, fe.function, twin)
