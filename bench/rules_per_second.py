@@ -1,8 +1,9 @@
-"""Rules per second of one live worker, as a ratio to the raw Redis SET rate of this run.
+"""Rules per second of one live worker, as a ratio to the raw SET (or durable INSERT) rate.
 
     python bench/rules_per_second.py [--rounds 7] [--evaluations 200]
     python bench/rules_per_second.py --against /tmp/before [--rounds 5]
     python bench/rules_per_second.py --against . --worker-arg=--event-loop=asyncio
+    python bench/rules_per_second.py --store postgres [--rounds 3] [--evaluations 100]
 
 The baseline is measured in the same run, on the same Redis, because these machines are
 noisy: one client doing sequential `SET`s is one round trip each. Each round measures the
@@ -11,6 +12,57 @@ two; the median ratio of the rounds is printed with its spread (median absolute
 deviation), and what one rule costs the worker: CPU time and the Redis scripts it runs.
 Target: a ratio of at least 1.0 (with group commit, a rule's durable bookkeeping should
 cost no more than one amortised round trip), within +-15 %.
+
+On PostgreSQL (`--store postgres`): the engine's durable design, `python -m engine.worker
+--store postgres`, against the raw rate of durable commits on the same server. The run
+starts a private PostgreSQL (`chaos.systems.pg_store.postgres.PostgresServer`: its own
+loopback port and temp dir, fsync on, `synchronous_commit=on`, pg_stat_statements loaded),
+migrates the engine's schema as its superuser and grants it to `eai_engine`, a role that
+is neither superuser nor BYPASSRLS, as a live pg-store run does; RabbitMQ is the machine's,
+as in the Redis mode. Each round measures the raw INSERT rate (one client, as
+`eai_engine` over TCP, sequential single-row `INSERT`s into a scratch table, each its own
+transaction and so its own WAL flush), the engine on PostgreSQL (the same workload as the
+Redis mode: code_review.yaml, zero-latency agent, one worker), the INSERT rate again, then
+the Redis design's round as above (SET, engine, SET). It prints each round, the Redis
+design's lines as the default mode does, the median ratio rules/INSERT with its spread,
+the PostgreSQL worker's CPU a rule, the engine's transactions a rule (`eai.apply`
+statements, from pg_stat_statements) and the time each spent executing inside PostgreSQL,
+and the median rules/s of both designs. Target (the issue's): a ratio of at least 1.0,
+which only batching can give, since a rule makes about 1.6 store operations. The server
+is stopped and its temp dir deleted, and each round's namespace (queues, exchanges, rows)
+deleted, also on a failure, Ctrl-C or SIGTERM; a worker that exits fails the round at once
+(either mode). Only the template data dir that `PostgresServer` caches stays.
+
+Where it stands on PostgreSQL (2026-12-05, 02:12 to 02:14 UTC, at 0fc1dd8 with this mode
+added; a busy 2-core machine shared with other engineers' runs, among them live pg-store
+chaos runs with PostgreSQL servers of their own on the same disk; load average 3.0 to 3.6):
+three runs of `--store postgres --rounds 3 --evaluations 100`, median ratio rules/INSERT
+0.94 +- 27 % (rounds 0.52, 1.19, 0.94; INSERT 780 to 3,200/s, rules 940 to 1,220/s), 1.83 +-
+8 % (1.83, 1.68, 4.63; INSERT 360 to 2,330/s, rules 1,560 to 2,520/s) and 0.75 +- 1 % (0.68,
+0.76, 0.75; INSERT 3,450 to 4,020/s, rules 2,560 to 2,880/s). The Redis design in the same
+rounds: ratio rules/SET 0.67, 0.69 and 0.50 (rules 2,370, 5,940 and 6,210/s median),
+PostgreSQL/Redis rules/s 0.44, 0.30 and 0.46. So the goal is met in one run of three, and
+not for the engine's sake: the ratio follows the disk. A durable commit costs about 100 us
+here at a quiet moment (pg_test_fsync: fdatasync 8,900/s on this VM's disk), and a
+sequential INSERT about 250 us (3,500 to 4,500/s); when the disk is busy (presumably the
+other runs' servers syncing too) the INSERT rate falls to 360 to 1,200/s, and the engine,
+with 0.042 to 0.045 transactions a rule (22 to 24 rules, about 36 to 39 operations, a
+transaction), slows much less (with the machine, as the Redis design does). Batching works:
+the batches reaching the database are large. What holds the ratio below 1.0 when commits are
+cheap (the third run) is PostgreSQL executing the operations: 5.6 ms inside PostgreSQL a
+transaction (wall time, partly waiting for a core on this loaded machine), about 145 us an
+operation and 235 us a rule, on one backend, since the group commit keeps one batch in
+flight; that is nearly all of a raw INSERT's 265 us in that run, and 67 % of the engine's
+350 us a rule of wall time (2,870 rules/s), the rest being the commit, the round trip and
+the worker's turn between batches. Where it goes inside (one 200-evaluation round with
+`pg_stat_statements.track=all` and `track_functions=pl`, which inflate it: 4,264 operations,
+1.64 a rule, in 114 transactions): each operation reads its evaluation's row (`eai._run`, 22
+% of the time inside `eai.apply`, by self time) and writes it back (`eai._save`, an UPDATE
+of `eai.runs`, 27 %), whichever operation of the same evaluation came before it in the
+batch; `write_result` inserts a checkpoint and a run step (15 % itself, 2,600 calls). The
+worker's CPU a rule is the Redis design's (85 to 115 us against 92 to 123). Not changed here
+(engine code): an evaluation's row read and saved once a batch instead of once an operation,
+or a second batch in flight on another pooled connection, would be the next things to try.
 
 Where it stands (2026-12-02, third session, 13:00 UTC, a quiet machine): six plain runs of 7
 rounds, median ratio 1.05 +- 7 %, 1.00 +- 9 %, 1.08 +- 5 %, 1.05 +- 5 %, 1.02 +- 4 %, 0.96 +- 9
@@ -205,12 +257,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
+import signal
 import statistics
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,11 +275,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import aio_pika  # noqa: E402
+import asyncpg  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
 from chaos.workers import WorkerProcess  # noqa: E402
-from engine.config import DEFAULT_REDIS_URL, EngineConfig  # noqa: E402
-from engine.plan import load_plan  # noqa: E402
+from engine.config import DEFAULT_REDIS_URL, DEFAULT_TENANT_ID, EngineConfig  # noqa: E402
+from engine.plan import Plan, load_plan  # noqa: E402
+from engine.runtime.pgstore import PostgresStore, migrate  # noqa: E402
 from engine.submit import EngineClient  # noqa: E402
 
 
@@ -241,12 +299,118 @@ async def set_rate(n: int) -> float:
         await r.aclose()
 
 
+#: The engine's role and database on the private PostgreSQL (as in a live pg-store run).
+PG_ROLE = "eai_engine"
+PG_DATABASE = "eai"
+#: The statement the engine's PostgreSQL store runs, one a transaction (`_APPLY`).
+_APPLY_QUERY = "SELECT eai.apply(%"
+
+
+@dataclass
+class PrivatePostgres:
+    """The private PostgreSQL of a `--store postgres` run (`PostgresServer`: its own loopback
+    port and temp dir, fsync on, `synchronous_commit=on`): the engine's schema migrated by
+    the superuser, the engine connecting as a role that is neither superuser nor BYPASSRLS,
+    as in a live pg-store run, and a scratch table for the raw INSERT baseline."""
+
+    server: Any  # chaos.systems.pg_store.postgres.PostgresServer
+    url: str  # the engine role's: holds its password, never printed
+    statements: bool  # pg_stat_statements is loaded: the engine's transactions are counted
+    _ids: Iterator[int]
+
+    async def transactions(self) -> tuple[int, float]:
+        """How many `eai.apply` statements (each one transaction) the server has run, and
+        the milliseconds it spent executing them (their commits not included)."""
+        if not self.statements:
+            return 0, 0.0
+        conn = await self.server.admin(database=PG_DATABASE)
+        try:
+            row = await conn.fetchrow(
+                "SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time), 0)"
+                " FROM pg_stat_statements WHERE query LIKE $1",
+                _APPLY_QUERY,
+            )
+        finally:
+            await conn.close()
+        return int(row[0]), float(row[1])
+
+    async def insert_rate(self, n: int) -> float:
+        """One client, as the engine's role over TCP, doing `n` sequential single-row INSERTs,
+        each its own transaction and so its own durable commit (a WAL flush): INSERTs a
+        second."""
+        conn = await asyncpg.connect(self.url, server_settings={"synchronous_commit": "on"})
+        try:
+            sql = "INSERT INTO bench.raw_insert (id, body) VALUES ($1, $2)"
+            await conn.execute(sql, next(self._ids), "x")  # prepared: one round trip each
+            t0 = time.perf_counter()
+            for _ in range(n):
+                await conn.execute(sql, next(self._ids), "x")
+            return n / (time.perf_counter() - t0)
+        finally:
+            await conn.close()
+
+    async def settings(self) -> str:
+        """What makes a commit durable here, as the server says, for the header line."""
+        conn = await asyncpg.connect(self.url, server_settings={"synchronous_commit": "on"})
+        try:
+            names = ("server_version", "fsync", "synchronous_commit", "wal_sync_method")
+            values = [await conn.fetchval(f"SHOW {name}") for name in names]
+        finally:
+            await conn.close()
+        return ", ".join(f"{k} {v}" for k, v in zip(names, values, strict=True))
+
+
+@contextlib.contextmanager
+def private_postgres() -> Iterator[PrivatePostgres]:
+    """A private PostgreSQL for the run, stopped and its temp dir deleted on the way out
+    (also on a failure or Ctrl-C)."""
+    from chaos.systems.pg_store.postgres import PostgresServer, find_postgres_bin
+
+    bin_dir = find_postgres_bin()
+    if bin_dir is None:
+        raise SystemExit("--store postgres needs PostgreSQL (postgres, initdb) on this machine")
+    # Counting the engine's transactions needs pg_stat_statements (postgresql-contrib)
+    statements = (bin_dir.parent / "lib" / "pg_stat_statements.so").exists()
+    settings = {"shared_preload_libraries": "pg_stat_statements"} if statements else {}
+    server = PostgresServer(settings=settings)
+    try:
+        server.start()
+        password = server.create_role(PG_ROLE)
+        server.create_database(PG_DATABASE)
+
+        async def prepare() -> None:
+            conn = await server.admin(database=PG_DATABASE)
+            try:
+                await migrate(conn, grant=[PG_ROLE])
+                await conn.execute(
+                    "CREATE SCHEMA bench;"
+                    " CREATE TABLE bench.raw_insert (id bigint PRIMARY KEY, body text NOT NULL);"
+                    f" GRANT USAGE ON SCHEMA bench TO {PG_ROLE};"
+                    f" GRANT INSERT ON bench.raw_insert TO {PG_ROLE}"
+                )
+                if statements:
+                    await conn.execute("CREATE EXTENSION pg_stat_statements")
+            finally:
+                await conn.close()
+
+        asyncio.run(prepare())
+        yield PrivatePostgres(
+            server, server.url(PG_ROLE, password, PG_DATABASE), statements, itertools.count()
+        )
+    finally:
+        server.stop(graceful=False)
+
+
 @dataclass(frozen=True)
 class Rate:
     per_s: float  # rules per second, first evaluation.started to last evaluation.completed
     rules: int
     cpu_s: float  # the worker process's CPU time (user + system) over the same span
-    scripts: int  # Redis scripts the run ran (INFO commandstats)
+    # The store's calls over the same span, counted by the server: Redis scripts (INFO
+    # commandstats), or on PostgreSQL the engine's `eai.apply` statements, each one
+    # transaction (pg_stat_statements; 0 where that extension is missing).
+    scripts: int
+    store_ms: float = 0.0  # PostgreSQL: the time it spent executing those (pg_stat_statements)
 
 
 def _cpu_s(pid: int) -> float:
@@ -268,82 +432,132 @@ async def rule_rate(
     engine_root: Path | None = None,
     redis_url: str = DEFAULT_REDIS_URL,
     module: tuple[str, ...] = ("engine.worker",),
+    pg: PrivatePostgres | None = None,
 ) -> Rate:
+    """One round of the engine: `evaluations` of the plan through one worker, its store
+    Redis, or with `pg` that PostgreSQL (`--store postgres`)."""
     plan = load_plan(plan_path)
     ns = f"bench{uuid.uuid4().hex[:6]}."
-    config = EngineConfig(namespace=ns, redis_url=redis_url)
+    if pg is None:
+        config = EngineConfig(namespace=ns, redis_url=redis_url)
+        store_args: list[str] = []
+        env = {"REDIS_URL": redis_url}
+    else:
+        config = EngineConfig(namespace=ns, store="postgres", database_url=pg.url)
+        store_args = ["--store", "postgres"]
+        env = {"EAI_DATABASE_URL": pg.url, "EAI_TENANT_ID": DEFAULT_TENANT_ID}
     log = tmp / "worker.log"
     worker = WorkerProcess(
-        ["--namespace", ns, "--agent", json.dumps({"latency_ms": 0}), *worker_args],
-        env={"REDIS_URL": redis_url},
+        [*store_args, "--namespace", ns, "--agent", json.dumps({"latency_ms": 0}), *worker_args],
+        env=env,
         log_path=log,
         cwd=engine_root,
         module=module,
     )
     ids = [f"{ns}{i}" for i in range(evaluations)]
+
+    async def store_calls(client: EngineClient) -> tuple[int, float]:
+        return (await _scripts(client.store.redis), 0.0) if pg is None else await pg.transactions()
+
     try:
         async with EngineClient(config) as client:
-            # Listen to the events (polling Redis would load the Redis being measured),
-            # queue every evaluation, and only then start the worker: the clock runs from
-            # the first evaluation.started to the last evaluation.completed, so it measures
-            # the worker and neither its start-up nor the submitter.
-            ch = client.broker.channel
-            assert ch is not None and client.broker.events is not None
-            events = await ch.declare_queue(exclusive=True)
-            await events.bind(client.broker.events, "evaluation.completed")
-            await events.bind(client.broker.events, "evaluation.started")
-            pending = set(ids)
-            all_done = asyncio.Event()
-            first_start: list[float] = []
-            cpu_at_start: list[float] = []  # the worker's start-up is not the rules' cost
-
-            unbinding: list[asyncio.Task[Any]] = []
-
-            async def on_event(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-                if message.routing_key == "evaluation.started":
-                    if not first_start:
-                        first_start.append(time.perf_counter())
-                        cpu_at_start.append(_cpu_s(worker.pid))
-                        # Only the first is needed: the others would cost the broker and
-                        # this process, which share the worker's two cores, 199 deliveries.
-                        unbind = events.unbind(client.broker.events, "evaluation.started")
-                        unbinding.append(asyncio.ensure_future(unbind))
-                else:
-                    pending.discard(json.loads(message.body)["attempt_id"])
-                if not pending:
-                    all_done.set()
-
-            await events.consume(on_event, no_ack=True)
-            await asyncio.gather(*(client.submit(plan, a) for a in ids))
-            scripts = await _scripts(client.store.redis)
-            worker.start()
+            measured = False
             try:
-                await asyncio.wait_for(all_done.wait(), timeout=300)
-            except TimeoutError:
-                raise SystemExit(f"timed out; worker log: {log.read_text()[-500:]}") from None
-            elapsed = time.perf_counter() - first_start[0]
-            await asyncio.gather(*unbinding)
-            cpu_s = _cpu_s(worker.pid) - cpu_at_start[0]
-            scripts = await _scripts(client.store.redis) - scripts
-            final = await client.wait(ids, timeout_s=5)
+                elapsed, cpu_s, calls, ms = await _measure(
+                    client, plan, ids, worker, log, store_calls
+                )
+                final = await client.wait(ids, timeout_s=5)
+                measured = True
+            finally:  # also on a failure or Ctrl-C: the namespace's queues and state go
+                await asyncio.to_thread(worker.terminate)  # first: it would declare them again
+                try:
+                    await _cleanup(client, ns)
+                except Exception as exc:
+                    if measured:
+                        raise
+                    print(f"cleaning up namespace {ns} failed: {exc!r}", file=sys.stderr)
             bad = {a: s for a, s in final.items() if s != "completed"}
-            await asyncio.to_thread(worker.terminate)  # first: it would declare its queue again
-            await _cleanup(client, ns)
             if bad:
                 raise SystemExit(
                     f"{len(bad)} evaluations did not complete: {list(bad.items())[:3]}"
                 )
         rules = len(ids) * len(plan.order)
-        return Rate(rules / elapsed, rules, cpu_s, scripts)
+        return Rate(rules / elapsed, rules, cpu_s, calls, ms)
     finally:
         worker.terminate()
 
 
+async def _measure(
+    client: EngineClient,
+    plan: Plan,
+    ids: list[str],
+    worker: WorkerProcess,
+    log: Path,
+    store_calls: Callable[[EngineClient], Awaitable[tuple[int, float]]],
+) -> tuple[float, float, int, float]:
+    """The seconds from the first evaluation.started to the last evaluation.completed, the
+    worker's CPU seconds, the store's calls over them and the store's time in those."""
+    # Listen to the events (polling the store would load the store being measured), queue
+    # every evaluation, and only then start the worker: the clock runs from the first
+    # evaluation.started to the last evaluation.completed, so it measures the worker and
+    # neither its start-up nor the submitter.
+    ch = client.broker.channel
+    assert ch is not None and client.broker.events is not None
+    events = await ch.declare_queue(exclusive=True)
+    await events.bind(client.broker.events, "evaluation.completed")
+    await events.bind(client.broker.events, "evaluation.started")
+    pending = set(ids)
+    all_done = asyncio.Event()
+    first_start: list[float] = []
+    cpu_at_start: list[float] = []  # the worker's start-up is not the rules' cost
+
+    unbinding: list[asyncio.Task[Any]] = []
+
+    async def on_event(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        if message.routing_key == "evaluation.started":
+            if not first_start:
+                first_start.append(time.perf_counter())
+                cpu_at_start.append(_cpu_s(worker.pid))
+                # Only the first is needed: the others would cost the broker and this
+                # process, which share the worker's two cores, 199 deliveries.
+                unbind = events.unbind(client.broker.events, "evaluation.started")
+                unbinding.append(asyncio.ensure_future(unbind))
+        else:
+            pending.discard(json.loads(message.body)["attempt_id"])
+        if not pending:
+            all_done.set()
+
+    await events.consume(on_event, no_ack=True)
+    await asyncio.gather(*(client.submit(plan, a) for a in ids))
+    calls, ms = await store_calls(client)
+    worker.start()
+    deadline = time.monotonic() + 300
+    while not all_done.is_set():  # a worker that exits fails the round now, not in 300 s
+        if not worker.alive:
+            raise SystemExit(
+                f"the worker exited ({worker.returncode}); its log: {log.read_text()[-500:]}"
+            )
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out; worker log: {log.read_text()[-500:]}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(all_done.wait(), timeout=1.0)
+    elapsed = time.perf_counter() - first_start[0]
+    await asyncio.gather(*unbinding)
+    cpu_s = _cpu_s(worker.pid) - cpu_at_start[0]
+    calls_after, ms_after = await store_calls(client)
+    return elapsed, cpu_s, calls_after - calls, ms_after - ms
+
+
 async def _cleanup(client: EngineClient, ns: str) -> None:
-    r = client.store.redis
-    keys = [k async for k in r.scan_iter(match=f"attempt:{ns}*", count=1000)]
-    for i in range(0, len(keys), 1000):
-        await r.delete(*keys[i : i + 1000])
+    """The namespace's queues and exchanges, and its state in the store."""
+    if isinstance(client.store, PostgresStore):
+        # The next round's tables as small as this one's (the server goes at the end)
+        await client.store.purge([ns], namespace=True)
+    else:
+        r = client.store.redis
+        keys = [k async for k in r.scan_iter(match=f"attempt:{ns}*", count=1000)]
+        for i in range(0, len(keys), 1000):
+            await r.delete(*keys[i : i + 1000])
     ch = client.broker.channel
     assert ch is not None
     for name in [client.broker.work_queue_name, *client.broker.delay_queues.values()]:
@@ -413,11 +627,28 @@ def main() -> int:
         default=[],
         help="a flag for this engine's worker (repeat; e.g. --worker-arg=--event-loop=asyncio)",
     )
+    p.add_argument(
+        "--store",
+        choices=("redis", "postgres"),
+        default="redis",
+        help="postgres: the engine on a private PostgreSQL against its raw durable INSERT rate, "
+        "and the Redis design in the same rounds",
+    )
+    p.add_argument(
+        "--inserts",
+        type=int,
+        default=1000,
+        help="INSERTs per baseline measurement (--store postgres)",
+    )
     args = p.parse_args()
     import tempfile
 
     if args.against is not None:
+        if args.store != "redis":
+            p.error("--against compares engines on Redis only")
         return _compare(args)
+    if args.store == "postgres":
+        return _on_postgres(args)
 
     worker_args = ["--max-evaluations", str(args.max_evaluations), *args.worker_arg]
     ratios: list[float] = []
@@ -434,11 +665,16 @@ def main() -> int:
                 f"round {i + 1}: SET {before:7.0f} then {after:7.0f} /s, "
                 f"rules {rate.per_s:7.0f} /s ({rate.rules} rules), ratio {ratios[-1]:.2f}"
             )
+    _report_redis(ratios, costs, args.rounds)
+    return 0
+
+
+def _report_redis(ratios: list[float], costs: list[Rate], rounds: int) -> None:
     ratio, spread = _spread(ratios)
     print(
         f"ratio rules/SET: median {ratio:.2f} +- {spread * 100:.0f} % "
         f"(median absolute deviation; range {min(ratios):.2f}..{max(ratios):.2f}, "
-        f"{args.rounds} rounds)"
+        f"{rounds} rounds)"
     )
     cpu = statistics.median(_cpu_us(c) for c in costs)
     scripts = statistics.median(c.scripts / c.rules for c in costs)
@@ -446,6 +682,73 @@ def main() -> int:
     print(
         f"target >= 1.00: {'OK' if ratio >= 1.0 else 'BELOW TARGET'}; spread <= 15 %: "
         f"{'OK' if spread <= 0.15 else 'TOO NOISY'}"
+    )
+
+
+def _on_postgres(args: argparse.Namespace) -> int:
+    """Each round: the raw INSERT rate, the engine on PostgreSQL, the INSERT rate again; then
+    the SET rate, the engine on Redis, the SET rate again (the default mode's round)."""
+    import tempfile
+
+    # A kill cleans up as Ctrl-C does: the private server stopped, the queues deleted
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    worker_args = ["--max-evaluations", str(args.max_evaluations), *args.worker_arg]
+    pg_ratios: list[float] = []
+    pg_costs: list[Rate] = []
+    ratios: list[float] = []
+    costs: list[Rate] = []
+    with private_postgres() as pg, tempfile.TemporaryDirectory() as tmp:
+        print(f"private PostgreSQL: {asyncio.run(pg.settings())}")
+        for i in range(args.rounds):
+            before = asyncio.run(pg.insert_rate(args.inserts))
+            rate = asyncio.run(
+                rule_rate(args.plan, args.evaluations, Path(tmp), worker_args, pg=pg)
+            )
+            after = asyncio.run(pg.insert_rate(args.inserts))
+            pg_ratios.append(rate.per_s / ((before + after) / 2))
+            pg_costs.append(rate)
+            set_before = asyncio.run(set_rate(args.sets))
+            on_redis = asyncio.run(rule_rate(args.plan, args.evaluations, Path(tmp), worker_args))
+            set_after = asyncio.run(set_rate(args.sets))
+            ratios.append(on_redis.per_s / ((set_before + set_after) / 2))
+            costs.append(on_redis)
+            print(
+                f"round {i + 1}: INSERT {before:7.0f} then {after:7.0f} /s, rules on PostgreSQL "
+                f"{rate.per_s:7.0f} /s ({rate.rules} rules), ratio {pg_ratios[-1]:.2f}\n"
+                f"         SET    {set_before:7.0f} then {set_after:7.0f} /s, rules on Redis      "
+                f"{on_redis.per_s:7.0f} /s ({on_redis.rules} rules), ratio {ratios[-1]:.2f}"
+            )
+    print("The Redis design, against the raw SET rate:")
+    _report_redis(ratios, costs, args.rounds)
+    print("The PostgreSQL design, against the raw durable INSERT rate:")
+    ratio, spread = _spread(pg_ratios)
+    print(
+        f"ratio rules/INSERT: median {ratio:.2f} +- {spread * 100:.0f} % "
+        f"(median absolute deviation; range {min(pg_ratios):.2f}..{max(pg_ratios):.2f}, "
+        f"{args.rounds} rounds)"
+    )
+    cpu = statistics.median(_cpu_us(c) for c in pg_costs)
+    per_rule = statistics.median(c.scripts / c.rules for c in pg_costs)
+    if pg.statements and per_rule > 0:
+        scripts = statistics.median(c.scripts / c.rules for c in costs)
+        inside = statistics.median(c.store_ms / c.scripts for c in pg_costs if c.scripts)
+        print(
+            f"one rule costs the worker {cpu:.0f} us of CPU, and PostgreSQL {per_rule:.3f} "
+            f"transactions (eai.apply; {1 / per_rule:.1f} rules a transaction, about "
+            f"{scripts / per_rule:.1f} operations if a rule makes as many as Redis scripts), "
+            f"each executing {inside:.2f} ms inside PostgreSQL before its commit"
+        )
+    else:
+        print(f"one rule costs the worker {cpu:.0f} us of CPU (no pg_stat_statements here)")
+    print(
+        f"target >= 1.00: {'OK' if ratio >= 1.0 else 'BELOW TARGET'}; spread <= 15 %: "
+        f"{'OK' if spread <= 0.15 else 'TOO NOISY'}"
+    )
+    on_pg = statistics.median(r.per_s for r in pg_costs)
+    on_redis = statistics.median(r.per_s for r in costs)
+    print(
+        f"median rules per second: PostgreSQL {on_pg:.0f} /s, Redis {on_redis:.0f} /s "
+        f"(PostgreSQL/Redis {on_pg / on_redis:.2f})"
     )
     return 0
 
