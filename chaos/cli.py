@@ -92,8 +92,14 @@ def _with_system(loaded: list[Any], args: argparse.Namespace) -> tuple[list[Any]
 
     loaded = [on_system(sc, getattr(args, "system", None)) for sc in loaded]
     mode = "sim" if args.command == "sim" or getattr(args, "mode", "") == "sim" else "live"
+    mutant = getattr(args, "mutant", None)
     for sc in loaded:
         problem = refusal(sc, sc.spec.system, mode)
+        if problem is None and mutant is not None:
+            from chaos.mutants import refusal as mutant_refusal
+
+            problem = mutant_refusal(mutant, sc.spec.system)
+            problem = problem and f"{sc.path}: {problem}"
         if problem is not None:
             print(problem, file=sys.stderr)
             return loaded, False

@@ -67,6 +67,9 @@ class Mutant:
     description: str  # one line: the guarantee it removes
     breaks: str  # the invariant that should then fail
     patch: Callable[[], None]
+    #: The system under test whose part it breaks (`chaos.systems`; None: the shell or the
+    #: core, which every design runs): a store's script or function breaks its design only.
+    system: str | None = None
 
     def apply(self) -> None:
         """Patch the engine in this process (once: a second call does nothing)."""
@@ -1115,9 +1118,41 @@ def poison_requeued() -> None:
     EvaluationController.on_message = requeue  # type: ignore[method-assign]
 
 
-def _mutant(patch: Callable[[], None], breaks: str, description: str) -> Mutant:
+def _mutant(
+    patch: Callable[[], None], breaks: str, description: str, system: str | None = None
+) -> Mutant:
     assert breaks in INVARIANT_NAMES, breaks
-    return Mutant(patch.__name__, description, breaks, patch)
+    if system is None and patch.__name__ in _REDIS_STORE:
+        system = "redis-rabbitmq"
+    return Mutant(patch.__name__, description, breaks, patch, system)
+
+
+#: The mutants of the Redis store (a Lua script's source, a `RedisStore` method): they break
+#: `redis-rabbitmq` only (pg-store runs PL/pgSQL functions; its own are `pg_*`).
+_REDIS_STORE = frozenset(
+    {
+        "result_without_ttl",
+        "overwrite_result",
+        "done_keeps_lease",
+        "needless_rerun",
+        "ignore_lease",
+        "no_fencing",
+        "renew_never_extends",
+        "sweeper_claims_early",
+        "status_unfenced",
+        "final_unfenced",
+        "leak_running_index",
+    }
+)
+
+
+def refusal(name: str | None, system: str) -> str | None:
+    """Why mutant `name` cannot run on `system` (it breaks another design's part), in one
+    line (None: it can)."""
+    mutant = MUTANTS.get(name) if name is not None else None
+    if mutant is None or mutant.system in (None, system):
+        return None
+    return f"--mutant: {name} breaks {mutant.system} only; the scenario runs on {system}"
 
 
 MUTANTS: dict[str, Mutant] = {
@@ -1362,16 +1397,19 @@ MUTANTS: dict[str, Mutant] = {
             pg_unfenced,
             "writes_fenced",
             "pg-store only: eai.write_status skips its fence: a stale owner's status lands",
+            "pg-store",
         ),
         _mutant(
             pg_overwrite_result,
             "idempotent_results",
             "pg-store only: eai.write_result keeps the last result, past its fence",
+            "pg-store",
         ),
         _mutant(
             pg_double_claim,
             "leases_respected",
             "pg-store only: eai.begin skips its lease check: two workers run one evaluation",
+            "pg-store",
         ),
         _mutant(
             unlabelled_reruns,

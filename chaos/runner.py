@@ -101,6 +101,11 @@ class ScenarioRun:
         self.network = self.system.network
         if self.system.refused:
             raise RunRefused(self.system.refused)
+        if mutant is not None:
+            from chaos.mutants import refusal as mutant_refusal
+
+            if problem := mutant_refusal(mutant, self.system_name):
+                raise RunRefused(f"{loaded.path}: {problem}")
         self._now, self._later = _tables(type(self.system))
 
     def worker_args(self, failpoints: list[str]) -> list[str]:

@@ -15,7 +15,9 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +34,9 @@ SCENARIOS = ROOT / "scenarios"
 
 #: The scenario on which each mutant must be caught.
 CATCHES = {
+    "pg_unfenced": "pg_store/postgres_stale_owner_status",  # the frozen owner's status lands
+    "pg_overwrite_result": "pg_store/postgres_write_window",  # the frozen worker's late result
+    "pg_double_claim": "pg_store/postgres_calls_outlast_lease",  # a retry begun beside its owner
     "no_redis_results": "crash_after_ack",
     "no_sweeper": "crash_after_ack",
     "prune_everything": "permanent_failure_prunes",
@@ -102,11 +107,17 @@ def baseline(services: Services) -> dict:
     return {}
 
 
-def run(services: Services, name: str, out: Path, mutant: str | None = None) -> Outcome:
+def run(
+    services: Services | Callable[[str], Any], name: str, out: Path, mutant: str | None = None
+) -> Outcome:
+    """A live run of scenario `name` on the services of its system (`services`: today's
+    design's, or the `stacks` of each)."""
     loaded = load_scenario(SCENARIOS / f"{name}.yaml")
-    outcome = asyncio.run(ScenarioRun(loaded, services, out, mutant=mutant).run())
-    for svc in (services.redis, services.broker):  # a scenario may leave one down
-        if svc is not None and not svc.alive:
+    stack = services(loaded.spec.system) if callable(services) else services
+    outcome = asyncio.run(ScenarioRun(loaded, stack, out, mutant=mutant).run())
+    for service in sorted(stack.killable):  # a scenario may leave one down
+        svc = stack.service(service)
+        if not svc.alive:
             svc.restart()
     return outcome
 
@@ -119,17 +130,19 @@ LIVE_TRIES = {"sweeper_claims_early": 3}
 
 
 @pytest.mark.parametrize("mutant", sorted(CATCHES))
-def test_mutant_is_caught(mutant: str, services: Services, baseline: dict, tmp_path: Path) -> None:
+def test_mutant_is_caught(
+    mutant: str, stacks: Callable[[str], Any], baseline: dict, tmp_path: Path
+) -> None:
     name = CATCHES[mutant]
     if name not in baseline:
-        baseline[name] = run(services, name, tmp_path / "clean")
+        baseline[name] = run(stacks, name, tmp_path / "clean")
     clean = baseline[name]
     assert clean.result.ok, (name, clean.result.verdicts, clean.result.budget_failures)
-    broken = run(services, name, tmp_path / "mutant", mutant)
+    broken = run(stacks, name, tmp_path / "mutant", mutant)
     for again in range(2, LIVE_TRIES.get(mutant, 1) + 1):
         if not broken.result.ok:
             break
-        broken = run(services, name, tmp_path / f"mutant-{again}", mutant)
+        broken = run(stacks, name, tmp_path / f"mutant-{again}", mutant)
     breaks = MUTANTS[mutant].breaks
     assert not broken.result.ok
     assert broken.result.verdicts[breaks] == "fail", broken.result.verdicts

@@ -674,8 +674,8 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     ),
     (
         "unknown_link",
-        _net(action="cut_link", link="postgres"),
-        "faults[1].link: expected one of redis, broker, replication; got 'postgres'",
+        _net(action="cut_link", link="mysql"),
+        "faults[1].link: expected one of redis, broker, replication, postgres; got 'mysql'",
     ),
     (
         "toxic_missing",

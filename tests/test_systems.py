@@ -410,3 +410,20 @@ def test_compare_durable_refuses_a_scenario_one_design_cannot_take(tmp_path: Pat
         "(it has postgres, broker) (--designs durable: every design takes it)\n"
     )
     assert not out.exists()
+
+
+def test_a_mutant_of_another_design_s_store_is_refused(tmp_path: Path) -> None:
+    """A Lua script's mutant breaks nothing on PostgreSQL, a PL/pgSQL function's nothing on
+    Redis: either would pass for a missed catch. Refused before anything runs."""
+    run = _chaos(
+        "run", "scenarios/crash_after_ack.yaml", "--mode", "sim", "--mutant", "pg_unfenced"
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr == (
+        "scenarios/crash_after_ack.yaml: --mutant: pg_unfenced breaks pg-store only; "
+        "the scenario runs on redis-rabbitmq\n"
+    )
+    loaded = load_scenario(ROOT / "scenarios" / "crash_after_ack.yaml")
+    with pytest.raises(ValueError, match="overwrite_result breaks redis-rabbitmq only"):
+        SimRun(loaded, mutant="overwrite_result", system="pg-store")
+    assert SimRun(loaded, mutant="no_sweeper", system="pg-store").mutant == "no_sweeper"

@@ -113,6 +113,13 @@ def known() -> tuple[str, ...]:
     return tuple(MUTANTS)
 
 
+def refusal(name: str | None, system: str) -> str | None:
+    """`chaos.mutants.refusal`: a mutant of another design's part does not run here."""
+    from chaos.mutants import refusal as mutant_refusal
+
+    return mutant_refusal(name, system)
+
+
 @contextlib.contextmanager
 def patched(name: str | None) -> Iterator[None]:
     """Apply mutant `name` of `CORE` or `PATCHED` (nothing for None) for the duration."""

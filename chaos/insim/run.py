@@ -107,7 +107,9 @@ class SimRun:
         if mutant is not None and mutant not in mutants.known():
             raise ValueError(f"unknown mutant {mutant!r}; expected one of {mutants.known()}")
         loaded = on_system(loaded, system)
-        problem = refusal(loaded, loaded.spec.system, "sim")
+        problem = refusal(loaded, loaded.spec.system, "sim") or mutants.refusal(
+            mutant, loaded.spec.system
+        )
         if problem is not None:
             raise ValueError(problem)
         self.loaded = loaded

@@ -73,7 +73,7 @@ class PgStoreLive(RedisRabbitLive):
         self._events_queue = None
         self._stopped: set[str] = set()
         self._admin: asyncpg.Connection | None = None
-        self._restore_mutant: Callable[[], Awaitable[None]] | None = None
+        self._restore_mutant: Callable[..., Awaitable[None]] | None = None
         self.network = Network(
             run.ns,
             run.seed,
@@ -113,9 +113,9 @@ class PgStoreLive(RedisRabbitLive):
         await self.network.close()
         restore, self._restore_mutant = self._restore_mutant, None
         try:
-            if restore is not None:
+            if restore is not None:  # on a connection of its own: a kill closed the install's
                 await self._ensure_up()
-                await restore()
+                await restore(await self._connect())
         finally:
             admin, self._admin = self._admin, None
             if admin is not None:
