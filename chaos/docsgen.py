@@ -62,7 +62,8 @@ def scenarios_page(root: Path = ROOT) -> str:
         (
             "pg-store",
             "scenarios/pg_store/*.yaml",
-            "PostgreSQL's own faults on the `pg-store` design (`system: pg-store`)",
+            "the `pg-store` design's own (`system: pg-store`): PostgreSQL's faults, and the "
+            "scenarios its mutants are caught on",
         ),
         (
             "Containers mode",
