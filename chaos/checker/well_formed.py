@@ -143,9 +143,12 @@ def _executions_counted(events: list[dict]) -> list[tuple[dict, str, str]]:
     return out
 
 
-#: How far the history's wall clock (`t`) and the monotonic clock a `write_ms` is measured
-#: by may disagree over the second or so between a delivery and its start marker.
-CLOCKS_MS = 1.0
+#: How fast the history's wall clock (`t`, `time.time`) may run apart from the monotonic
+#: clock a `write_ms` is measured by: the most adjtime(3) slews it, 0.5 ms a second.
+CLOCK_SLEW = 500e-6
+#: What rounding may add: a `write_ms` is rounded to the microsecond, and each `t` is a
+#: double of Unix seconds, 2**-22 s apart today (two of them in a difference).
+ROUNDING_MS = 0.0005 + 2 * 2**-22 * 1000
 #: Events of a process between a delayed retry's first start and the write that carried
 #: its start marker: the marker rode on a result's write or on another rule's marker.
 _CARRIERS = frozenset({"result_persisted", "rule_started"})
@@ -180,7 +183,7 @@ def _markers_accounted(events: list[dict]) -> list[tuple[dict, str, str]]:
             wrote = e.get("write_ms")
             if delivered is not None and isinstance(wrote, int | float):
                 since_ms = 1000.0 * (event_time(e) - event_time(delivered))
-                if wrote > since_ms + CLOCKS_MS:
+                if wrote > since_ms * (1 + CLOCK_SLEW) + ROUNDING_MS:
                     out.append(
                         (
                             e,

@@ -211,7 +211,7 @@ class RedisRabbitLive:
         if a.name == "redis" and self.sentinel is not None:
             await asyncio.to_thread(self.sentinel.restart)
             return {}
-        found = {}
+        found: dict[str, Any] = {}
         if a.name == "redis" and self.spec.redis.lose_last_writes:
             found["lost_writes"] = await self._lose_redis_writes()
         await asyncio.to_thread(self.services.service(a.name).restart)
