@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,18 @@ PERMANENT = "permanent"  # a non-retryable error: straight to permanently_failed
 
 #: What a fake agent returns for one call: OK, TRANSIENT or PERMANENT.
 Agent = Callable[[RunRule], str]
+
+
+def imports_of(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, module) of each absolute import in a Python file."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield node.lineno, node.module or ""
 
 
 def example_plan(name: str) -> Plan:

@@ -5,7 +5,6 @@ verdict of an invariant that does not apply to a design, and a harness that know
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import os
@@ -27,6 +26,7 @@ from chaos.scenario import load_scenario
 from chaos.systems import DEFAULT_SYSTEM, SYSTEMS, System, on_system, refusal
 from chaos.systems.redis_rabbitmq.live import RedisRabbitLive
 from chaos.systems.redis_rabbitmq.sim import RedisRabbitSim
+from tests.helpers import imports_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,17 +105,9 @@ def test_the_generic_harness_imports_no_design() -> None:
     for place in GENERIC:
         path = ROOT / place
         for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            for node in ast.walk(ast.parse(file.read_text(), str(file))):
-                names = (
-                    [a.name for a in node.names]
-                    if isinstance(node, ast.Import)
-                    else [node.module or ""]
-                    if isinstance(node, ast.ImportFrom) and not node.level
-                    else []
-                )
-                for name in names:
-                    if any(name == d or name.startswith(d + ".") for d in DESIGN_SPECIFIC):
-                        wrong.append(f"{file.relative_to(ROOT)}:{node.lineno}: imports {name}")
+            for line, name in imports_of(file):
+                if any(name == d or name.startswith(d + ".") for d in DESIGN_SPECIFIC):
+                    wrong.append(f"{file.relative_to(ROOT)}:{line}: imports {name}")
     assert wrong == []
 
 

@@ -13,9 +13,13 @@ import asyncio
 import os
 from dataclasses import dataclass
 
-from chaos.stack import StackError
 from chaos.systems.pg_store.postgres import PostgresServer, find_postgres_bin
-from chaos.systems.redis_rabbitmq.services import ServicesUnavailable, probe_given
+from chaos.systems.redis_rabbitmq.services import (
+    ServicesUnavailable,
+    own_broker,
+    probe_given,
+    starting,
+)
 from chaos.systems.redis_rabbitmq.stack import RabbitNode, find_rabbitmq_server
 
 INSTALL_HINT = (
@@ -58,27 +62,12 @@ class PgServices:
             raise ServicesUnavailable("pg-store has no containers mode yet; use --mode live")
         amqp_url = os.environ.get("AMQP_URL")
         probe_given(None, amqp_url)  # before starting anything of our own
-        postgres = broker = None
-        try:
+        with starting() as started:
             if find_postgres_bin() is None:
                 raise ServicesUnavailable(INSTALL_HINT)
-            postgres = PostgresServer().start()
+            postgres = started(PostgresServer())
             url = _engine_database(postgres)
-            if amqp_url is None:
-                if find_rabbitmq_server() is None:
-                    raise ServicesUnavailable(INSTALL_HINT)
-                broker = RabbitNode().start()
-                amqp_url = broker.url
-        except StackError as exc:
-            for svc in (postgres, broker):
-                if svc is not None:
-                    svc.stop(graceful=False)
-            raise ServicesUnavailable(str(exc)) from None
-        except BaseException:
-            for svc in (postgres, broker):
-                if svc is not None:
-                    svc.stop(graceful=False)
-            raise
+            broker, amqp_url = own_broker(amqp_url, started, INSTALL_HINT)
         return cls(database_url=url, amqp_url=amqp_url, postgres=postgres, broker=broker)
 
     def service(self, name: str) -> PostgresServer | RabbitNode:

@@ -15,8 +15,9 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from chaos.stack import StackError
 from chaos.systems.redis_rabbitmq.stack import (
@@ -59,6 +60,43 @@ def probe_given(redis_url: str | None, amqp_url: str | None) -> None:
         raise ServicesUnavailable(str(exc)) from None
 
 
+_S = TypeVar("_S", bound=Any)
+
+
+@contextlib.contextmanager
+def starting() -> Iterator[Callable[[_S], _S]]:
+    """Start services one after the other (`started(service)` starts one and returns it);
+    should one fail, those already up are stopped, and a stack's failure is one line
+    (`ServicesUnavailable`)."""
+    up: list[Any] = []
+
+    def started(service: _S) -> _S:
+        service.start()
+        up.append(service)
+        return service
+
+    try:
+        yield started
+    except BaseException as exc:
+        for service in reversed(up):
+            service.stop(graceful=False)
+        if isinstance(exc, StackError):
+            raise ServicesUnavailable(str(exc)) from None
+        raise
+
+
+def own_broker(
+    amqp_url: str | None, started: Callable[[RabbitNode], RabbitNode], hint: str
+) -> tuple[RabbitNode | None, str]:
+    """The run's own RabbitMQ node, unless `amqp_url` (AMQP_URL) names one; its URL."""
+    if amqp_url is not None:
+        return None, amqp_url
+    if find_rabbitmq_server() is None:
+        raise ServicesUnavailable(hint)
+    broker = started(RabbitNode())
+    return broker, broker.url
+
+
 @dataclass
 class Services:
     redis_url: str
@@ -98,44 +136,22 @@ class Services:
         amqp_url = os.environ.get("AMQP_URL")
         probe_given(redis_url, amqp_url)  # before starting anything of our own
         redis = broker = None
-        try:
+        with starting() as started:
             if redis_url is None:
                 if find_redis_server() is None:
                     raise ServicesUnavailable(INSTALL_HINT)
-                redis = RedisServer(persistence=True).start()
+                redis = started(RedisServer(persistence=True))
                 redis_url = redis.url
-            if amqp_url is None:
-                if find_rabbitmq_server() is None:
-                    raise ServicesUnavailable(INSTALL_HINT)
-                broker = RabbitNode().start()
-                amqp_url = broker.url
-        except StackError as exc:
-            for svc in (redis, broker):
-                if svc is not None:
-                    svc.stop(graceful=False)
-            raise ServicesUnavailable(str(exc)) from None
-        except BaseException:
-            for svc in (redis, broker):
-                if svc is not None:
-                    svc.stop(graceful=False)
-            raise
+            broker, amqp_url = own_broker(amqp_url, started, INSTALL_HINT)
         return cls(redis_url=redis_url, amqp_url=amqp_url, redis=redis, broker=broker)
 
     @classmethod
     def _in_containers(cls) -> Services:
         from chaos.systems.redis_rabbitmq.containers import RabbitContainer, RedisContainer
 
-        redis = broker = None
-        try:
-            redis = RedisContainer(persistence=True).start()
-            broker = RabbitContainer().start()
-        except BaseException as exc:
-            for svc in (redis, broker):
-                if svc is not None:
-                    svc.stop(graceful=False)
-            if isinstance(exc, StackError):
-                raise ServicesUnavailable(str(exc)) from None
-            raise
+        with starting() as started:
+            redis = started(RedisContainer(persistence=True))
+            broker = started(RabbitContainer())
         return cls(redis_url=redis.url, amqp_url=broker.url, redis=redis, broker=broker)
 
     def service(self, name: str) -> RedisServer | RabbitNode:
