@@ -100,11 +100,17 @@ class ResumeWorker:
     slot: Slot[Any]
 
 
+#: The key of `KillService`'s answer that says the system fails over by itself.
+FAILS_OVER = "fails_over"
+
+
 @dataclass(frozen=True, slots=True)
 class KillService:
-    """SIGKILL "redis" or "broker" (`graceful`: stop it cleanly, SIGTERM or `docker stop`;
-    the simulator, where nothing acknowledged is lost either way, kills it). Sent back: how
-    many messages the broker held, where the runner can count them (None: not counted)."""
+    """SIGKILL a service of the system (`graceful`: stop it cleanly, SIGTERM or `docker
+    stop`; the simulator, where nothing acknowledged is lost either way, kills it). Sent
+    back: what the kill's record carries besides the service, where the system can count
+    it (`messages`: what the broker held), and `FAILS_OVER` when the system promotes a
+    replica by itself (Redis behind Sentinel): the fault heals once that is done."""
 
     name: str
     graceful: bool = False

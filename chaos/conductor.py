@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chaos import acts
-from chaos.acts import Step
+from chaos.acts import FAILS_OVER, Step
 from chaos.checker.holding import CLOSING
 from chaos.poison import NAMELESS, poison
 from chaos.scenario import (
@@ -352,14 +352,13 @@ class Conductor:
             case _ if fault.service is not None and fault.how != "pause":
                 name, how = fault.service, fault.how
                 graceful = how in ("stop", "restart")
-                held = yield acts.KillService(name, graceful=graceful)
+                killed = yield acts.KillService(name, graceful=graceful)
                 signal = {"signal": "SIGTERM"} if graceful else {}
-                # what the node held, when the runner can count it (the simulator's model)
-                counted = {"messages": held} if held is not None else {}
+                counted = {k: v for k, v in killed.items() if k != FAILS_OVER}
                 yield acts.Record("service_killed", {"service": name, **signal, **counted})
-                if name == "redis" and self.spec.redis.topology == "sentinel":
-                    # Sentinel promotes the replica by itself: the fault heals then; the
-                    # killed primary, restarted later, rejoins as a replica
+                if killed.get(FAILS_OVER):
+                    # the system promotes a replica by itself (Sentinel): the fault heals
+                    # then; the killed primary, restarted later, rejoins as a replica
                     yield from self._after(0.0, self._failover(fault_id))
                     if fault.restart_after_s is not None:
                         yield from self._after(fault.restart_after_s, self._restart(name, None))

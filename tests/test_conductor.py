@@ -82,8 +82,8 @@ class Toy:
                 slot.proc.alive, slot.proc.returncode = False, -9
             case acts.Cancel():
                 return "cancelled"
-            case acts.RestartService():
-                return {}  # what the restart's record carries: nothing counted here
+            case acts.RestartService() | acts.KillService():
+                return {}  # what the record carries: nothing counted here
             case acts.Settled():
                 return len(ids) if settled else 0
             case acts.Announced() | acts.Received():

@@ -141,7 +141,7 @@ class PgStoreLive(RedisRabbitLive):
 
     # --- its services ---------------------------------------------------------------------
 
-    async def on_kill_service(self, a: acts.KillService) -> None:
+    async def on_kill_service(self, a: acts.KillService) -> dict[str, Any]:
         svc = self.pg.service(a.name)
         self._stopped.add(a.name)
         await self._drop_admin()
@@ -149,6 +149,7 @@ class PgStoreLive(RedisRabbitLive):
             await asyncio.to_thread(svc.terminate, SERVICE_STOP_TIMEOUT_S)
         else:
             await asyncio.to_thread(svc.kill)
+        return {}
 
     async def on_restart_service(self, a: acts.RestartService) -> dict[str, Any]:
         await asyncio.to_thread(self.pg.service(a.name).restart)

@@ -43,7 +43,7 @@ class PgStoreSim(RedisRabbitSim):
     def sim_options(options: SimOptions) -> SimOptions:
         return dataclasses.replace(options, redis_latency_s=PG_LATENCY_S, redis_boot_s=PG_BOOT_S)
 
-    def on_kill_service(self, a: acts.KillService) -> int | None:
+    def on_kill_service(self, a: acts.KillService) -> dict[str, Any]:
         if a.name == self.store_service:
             self._died_at = self.env.now
         return super().on_kill_service(a)

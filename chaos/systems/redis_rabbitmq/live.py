@@ -196,16 +196,17 @@ class RedisRabbitLive:
 
     # --- the acts of `chaos.conductor` that are this design's --------------------------
 
-    async def on_kill_service(self, a: acts.KillService) -> None:
+    async def on_kill_service(self, a: acts.KillService) -> dict[str, Any]:
         if a.name == "redis" and self.sentinel is not None:
             await asyncio.to_thread(self.sentinel.kill)
-            return
+            return {acts.FAILS_OVER: True}
         svc = self.services.service(a.name)
         self._stopped.add(a.name)
         if a.graceful:
             await asyncio.to_thread(svc.terminate, SERVICE_STOP_TIMEOUT_S)
         else:
             await asyncio.to_thread(svc.kill)
+        return {}
 
     async def on_restart_service(self, a: acts.RestartService) -> dict[str, Any]:
         if a.name == "redis" and self.sentinel is not None:

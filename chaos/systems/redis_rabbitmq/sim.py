@@ -134,18 +134,18 @@ class RedisRabbitSim:
 
     # --- the acts of `chaos.conductor` that are this design's --------------------------
 
-    def on_kill_service(self, a: acts.KillService) -> int | None:
+    def on_kill_service(self, a: acts.KillService) -> dict[str, Any]:
         """The broker says how many messages it held (the model counts them)."""
         # a clean stop (`a.graceful`) is a kill here: the engine sees its connections go
         # either way, and neither an fsync-always Redis nor durable queues lose anything
         # (persistent messages: a transient one is lost either way)
         if a.name == self.store_service and self.sentinel is not None:
             self.sentinel.kill_primary()
-            return None
+            return {acts.FAILS_OVER: True}
         if a.name == self.store_service:
             self.redis.kill()
-            return None
-        return self.broker.kill()
+            return {}
+        return {"messages": self.broker.kill()}
 
     def on_restart_service(self, a: acts.RestartService) -> Generator[Any, Any, dict[str, Any]]:
         o = self.options
