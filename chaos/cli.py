@@ -756,7 +756,8 @@ def _systems_table(console: Console, long: bool) -> Table:
     from chaos.systems import DEFAULT_SYSTEM, SYSTEMS
 
     table = Table(title="systems (system:, --system)", **_table_style(console))
-    for column in ("name", "services (kill/stop/pause/restart_service)", "links", "modes", "n/a"):
+    columns = ("name", "services (kill/stop/pause/restart_service)", "links", "settings")
+    for column in (*columns, "modes", "n/a"):
         table.add_column(column)
     for sut in SYSTEMS.values():
         services = "\n".join(f"{n}: {what}" if long else n for n, what in sut.services.items())
@@ -766,8 +767,14 @@ def _systems_table(console: Console, long: bool) -> Table:
         name = sut.name + (" (default)" if sut.name == DEFAULT_SYSTEM else "")
         if long:
             name += f"\n{sut.summary}"
+        settings = ", ".join(f"{section}:" for section in sut.settings) or "none"
         table.add_row(
-            name, services, ", ".join(sut.links), "; ".join([modes, *cannot]), na or "none"
+            name,
+            services,
+            ", ".join(sut.links),
+            settings,
+            "; ".join([modes, *cannot]),
+            na or "none",
         )
     return table
 
