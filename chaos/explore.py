@@ -36,10 +36,10 @@ from typing import Any
 
 import yaml
 
-from chaos.checker.budgets import measure as measure_cost
 from chaos.scenario import LoadedScenario, ScenarioError, fault_schedule, scenario_from_dict
 from chaos.scenario.schema import TARGETED_ACTIONS
 from engine.policy import MAX_SEED
+from reports.measure import measure as measure_cost
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ one.
 
 `summary_line` is the line a run prints per scenario: mode, faults fired, reruns and
 duplicated tokens by cause, under the names the journal and the report use (the figures
-of `chaos.checker.cost`, as the checker recorded them). `Ticker` prints a progress line
+of `reports.cost`, as the checker recorded them). `Ticker` prints a progress line
 every few seconds where no progress bar can be drawn (a pipe, a CI log), so a long run is
 never silent.
 """
@@ -214,13 +214,13 @@ def append_junit_suite(path: str | Path, name: str, cases: list[tuple[str, str |
 
 def rerun_split(stats: Mapping[str, Any]) -> str:
     """`reruns 9 (write_window 4, sweeper_resume 5)`: every rerun, then each cause that
-    had one, named as in the journal and the report (`chaos.checker.cost.CAUSE_TEXT`)."""
+    had one, named as in the journal and the report (`reports.cost.CAUSE_TEXT`)."""
     return f"reruns {stats.get('reruns', 0)}" + _by_cause(stats.get("reruns_by_cause"))
 
 
 def cost_text(stats: Mapping[str, Any]) -> str:
     """`duplicated tokens 4826 (write_window 4826) = 10.3% of the fault-free bill 46765`:
-    the checker's figures (`chaos.checker.cost.Figures`), as the report shows them; and
+    the checker's figures (`reports.cost.Figures`), as the report shows them; and
     the reference's calls this run never made (`not_run`), when there are any."""
     text = f"duplicated tokens {stats.get('duplicated_tokens', 0)}"
     text += _by_cause(stats.get("duplicated_by_cause"))

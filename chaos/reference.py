@@ -82,7 +82,7 @@ class Outcome:
     #: What its calls cost without faults (tokens); not part of the outcome compared.
     tokens: int = field(default=0, compare=False)
     #: Each call it makes, (ruleId, attempt, try) -> tokens: the bill call by call, which
-    #: `chaos.checker.cost.figures` splits a run's cost against; not compared either.
+    #: `reports.cost.figures` splits a run's cost against; not compared either.
     calls: dict[tuple[str, int, int], int] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:

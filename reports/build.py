@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from chaos.checker.budgets import figures_of
-from chaos.checker.cost import (
+from reports import baseline, plots
+from reports.cost import (
     CAUSE_TEXT,
     CAUSES,
     NOT_RUN_TEXT,
@@ -24,9 +24,8 @@ from chaos.checker.cost import (
     Cost,
     duplicated_cost,
 )
-from chaos.checker.latency import RetryLatency, percentiles, recoveries, retry_latencies
-from chaos.checker.records import BUDGETS
-from reports import baseline, plots
+from reports.latency import RetryLatency, percentiles, recoveries, retry_latencies
+from reports.measure import BUDGETS, figures_of
 from reports.runs import Run, written_whole
 
 #: Money per 1,000 tokens when neither the command line nor the run says (USD).

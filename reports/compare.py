@@ -21,10 +21,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from chaos.checker.budgets import measure
-from chaos.checker.cost import CAUSES, RERUN_CAUSES
-from chaos.checker.latency import percentiles
 from reports import plots
+from reports.cost import CAUSES, RERUN_CAUSES
+from reports.latency import percentiles
+from reports.measure import measure
 from reports.runs import Run
 
 

@@ -24,11 +24,10 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, PercentFormatter
 
-from chaos.checker.context import event_time
-from chaos.checker.cost import CAUSES, Cost
-from chaos.checker.latency import RetryLatency, percentiles
-from chaos.scenario.schema import LINK_ACTIONS, TARGETED_ACTIONS, WORKER_ACTIONS
 from engine.failpoints import TIMED_ACTIONS
+from reports.cost import CAUSES, Cost
+from reports.history import LINK_ACTIONS, TARGETED_ACTIONS, WORKER_ACTIONS, event_time
+from reports.latency import RetryLatency, percentiles
 
 if TYPE_CHECKING:
     from reports.runs import Run

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos.checker.context import sort_key
 from engine.history import read_history
+from reports.history import sort_key
 
 
 class ReportError(ValueError):

@@ -11,10 +11,10 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from chaos.checker.cost import CAUSE_TEXT, CAUSES, NOT_RUN_TEXT, RERUN_CAUSES
-from chaos.checker.latency import RetryLatency, percentiles
 from reports import plots
 from reports.build import UNITS_TEXT
+from reports.cost import CAUSE_TEXT, CAUSES, NOT_RUN_TEXT, RERUN_CAUSES
+from reports.latency import RetryLatency, percentiles
 from reports.runs import written_whole
 
 #: The measures carry each retry's production estimate already (`RetryLatency.estimate`):

@@ -1,5 +1,5 @@
-"""One truth for every figure: what faults cost is defined once (`chaos.checker.cost`,
-`chaos.checker.latency`) and every output shows the same numbers under the same names.
+"""One truth for every figure: what faults cost is defined once (`reports.cost`,
+`reports.latency`) and every output shows the same numbers under the same names.
 
 Several shipped scenarios run in the simulator with `--report`, as a user runs them, with
 every budget set (loose, so each is measured and passes); then the summary line, the
@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import yaml
 
-from chaos.checker.cost import CAUSE_TEXT, CAUSES, RERUN_CAUSES
 from chaos.reference import reference_for
 from chaos.scenario import load_scenario
 from reports import find_runs
 from reports.compare import DESIGNS, compare, write_comparison
+from reports.cost import CAUSE_TEXT, CAUSES, RERUN_CAUSES
 from reports.sweep import build_sweep_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +286,7 @@ def test_latency_is_in_scenario_seconds_and_an_honest_production_estimate(
 
 def test_a_sweep_reads_the_same_figures(ran: tuple[Path, dict[str, str]]) -> None:
     """A sweep's report gathers `measure`s, which read the figures the checker recorded."""
-    from chaos.checker.budgets import measure
+    from reports.measure import measure
 
     out, _ = ran
     runs = find_runs([out / name for name in SCENARIOS])
@@ -305,7 +305,7 @@ def test_the_production_estimate_scales_only_what_scales() -> None:
     `time_scale` 0.01), a 2-second fault from 1.1 s to 3.1 s that swallows most of the
     wait, the rest of the 2.6 s spent in hops. Only the 0.1 s of wait outside the fault
     and the call scale back (20 s); the fault and the hops stay as they happened."""
-    from chaos.checker.latency import retry_latencies
+    from reports.latency import retry_latencies
 
     def ev(t: float, name: str, src: str = "w1", **fields: Any) -> dict[str, Any]:
         return {"t": t, "src": src, "pid": 11, "ev": name, **fields}

@@ -21,12 +21,12 @@ from typing import Any
 import matplotlib.image
 import pytest
 
-from chaos.checker.cost import duplicated_cost, figures
-from chaos.checker.latency import percentiles, recoveries, retry_latencies
 from chaos.cli import main
 from chaos.insim import outputs, run_scenario
 from chaos.scenario import load_scenario
 from reports import build_report, find_runs, plots
+from reports.cost import duplicated_cost, figures
+from reports.latency import percentiles, recoveries, retry_latencies
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,11 +30,13 @@ def test_ruff(args: tuple[str, ...]) -> None:
 #: `chaos` (scenarios and checks drive the simulator, never the other way round), and
 #: neither `sim` nor the engine's configuration knows the live runtime (the store's
 #: replies are the shell's, `engine.shell.replies`; a Sentinel URL is parsed apart from
-#: its client, `engine.sentinel_url`).
+#: its client, `engine.sentinel_url`); `reports` define the figures (cost, latency) and read
+#: the runs, the harness judges and shows them: `chaos` imports `reports`, never the reverse.
 FORBIDDEN = {
     "engine": ("sim", "chaos"),
     "engine/config.py": ("engine.runtime",),
     "sim": ("chaos", "engine.runtime"),
+    "reports": ("chaos",),
 }
 
 

@@ -153,7 +153,7 @@ def check(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckResul
     limits = {b: limit for b, limit in spec.budgets.items() if limit is not None}
     if limits:
         cx.stats["budgets"] = limits
-    # the figures of what faults cost: one definition (chaos.checker.cost), read by the
+    # the figures of what faults cost: one definition (reports.cost), read by the
     # summary line, the journal, the reports and the budgets alike
     cx.stats.update(run_figures(cx.events, spec, cx.evaluations).to_stats(spec.price_per_1k_tokens))
     if any(COST_BUDGETS.get(b) in LATENCY_STATS for b in limits):

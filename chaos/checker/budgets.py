@@ -1,8 +1,8 @@
 """The figures of a run's faults, computed once here from the history and the fault-free
 reference, and read by everything that shows or bounds them: the checker's stats (so
-the journal, the summary line and the budgets, `records.BUDGETS`), the reports,
-`compare` and sweeps (`measure`). Cost: `chaos.checker.cost` (the one definition of
-duplicated tokens and its causes); latency: `chaos.checker.latency` (scenario time as it
+the journal, the summary line and the budgets, `reports.measure.BUDGETS`), the reports,
+`compare` and sweeps (`reports.measure.measure`). Cost: `reports.cost` (the one definition of
+duplicated tokens and its causes); latency: `reports.latency` (scenario time as it
 happened, and a production estimate that scales back only what scales)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from chaos.checker.cost import CallKey, Cost, Figures, figures
-from chaos.checker.latency import percentiles, recoveries, retry_latencies
 from chaos.checker.records import CheckSpec
+from reports.cost import CallKey, Cost, Figures, figures
+from reports.latency import percentiles, recoveries, retry_latencies
 
 #: The latency budgets (`records.COST_BUDGETS`), measured only when one is set.
 LATENCY_STATS = ("retry_p99_l1_s", "retry_p99_l2_s", "retry_p99_l3_s", "recovery_p99_s")
@@ -60,51 +60,6 @@ def run_figures(
         reference_tokens=reference_bill(spec, evaluations),
         cost=cost,
     )
-
-
-def figures_of(
-    stats: Mapping[str, Any] | None, history: list[dict[str, Any]], mutant: str | None = None
-) -> Figures:
-    """A finished run's figures: the ones its checker recorded (`stats`, its journal's),
-    else (a journal from before them) worked out from its history against the bill it
-    recorded, if any."""
-    stats = stats or {}
-    recorded = Figures.from_stats(stats)
-    if recorded is not None:
-        return recorded
-    bill = stats.get("reference_tokens")
-    return figures(history, mutant, reference_tokens=bill if isinstance(bill, int) else None)
-
-
-def measure(
-    history: list[dict[str, Any]],
-    time_scale: float | None,
-    stats: Mapping[str, Any] | None = None,
-    mutant: str | None = None,
-) -> dict[str, Any]:
-    """What one run's faults cost, as plain data (small enough to send back from an
-    explorer's worker process): its figures (`figures_of`: the checker's, from `stats`),
-    each retry's level, scenario seconds, production estimate and seconds inside fault
-    windows, each recovery's time to the next rule start (scenario seconds), and how many
-    evaluations never ended. The reports, comparisons and sweeps read it."""
-    f = figures_of(stats, history, mutant)
-    submitted = {e.get("attempt_id") for e in history if e.get("ev") == "submitted"}
-    ended = {e.get("attempt_id") for e in history if e.get("ev") == "evaluation_terminal"}
-    return {
-        "tokens_total": f.tokens_total,
-        "reference_tokens": f.reference_tokens,
-        "not_run_tokens": f.not_run_tokens,
-        "duplicated_tokens": f.duplicated_tokens,
-        "duplicated_ratio": f.duplicated_ratio,
-        "duplicated_by_cause": dict(f.duplicated_by_cause),
-        "reruns_by_cause": dict(f.reruns_by_cause),
-        "retries": [
-            [x.level, x.seconds, x.production_s(time_scale), x.fault_s]
-            for x in retry_latencies(history)
-        ],
-        "recoveries": [r.next_start_s for r in recoveries(history) if r.next_start_s is not None],
-        "unfinished": len(submitted - ended),
-    }
 
 
 def latency_stats(events: list[dict[str, Any]], spec: CheckSpec) -> dict[str, Any]:

@@ -7,14 +7,17 @@ import contextlib
 import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from chaos.checker.oracle import max_attempts_of
 from chaos.checker.records import CheckSpec, EvaluationFinal, FinalState, Violation
 from engine.core.results import RuleResult
-from engine.failpoints import TIMED_ACTIONS
 from engine.plan import Plan, PlanError, plan_from_dict
+from reports.history import FaultWindow as FaultWindow
+from reports.history import as_int as as_int
+from reports.history import event_time as event_time
+from reports.history import fault_windows as fault_windows
+from reports.history import sort_key as sort_key
 
 if TYPE_CHECKING:
     from chaos.checker.rounds import Round
@@ -42,50 +45,8 @@ FAULT_EVENTS = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class FaultWindow:
-    """When something was broken, from the runner's own records: a `fault_fired` (or the
-    runner's `worker_exited` after a crash, from the `crash` itself) opens it, the
-    `fault_healed` with the same `fault_id` closes it; a `freeze` or `stall` failpoint is
-    broken for its `stall_ms`. Never healed: open until the last
-    event of the run. A record without a `fault_id` (a history from before the ids) is an
-    instant."""
-
-    start: float
-    end: float
-    label: str
-
-    def overlaps(self, t0: float, t1: float, recovery_s: float = 0.0) -> bool:
-        return self.start <= t1 and self.end + recovery_s >= t0
-
-
-def event_time(e: Mapping[str, Any]) -> float:
-    t = e.get("t")
-    if type(t) is float:  # nearly always: the checks ask hundreds of times a run
-        return t
-    return float(t) if isinstance(t, int | float) else 0.0
-
-
-def sort_key(e: Mapping[str, Any]) -> tuple[float, str, int]:
-    """Wall time, then source and per-source sequence (exact order within a process)."""
-    t, src, seq = e.get("t"), e.get("src", ""), e.get("seq")
-    if type(t) is not float:
-        t = float(t) if isinstance(t, int | float) else 0.0
-    return (
-        t,
-        src if type(src) is str else str(src),
-        seq if type(seq) is int or isinstance(seq, int) else 0,
-    )
-
-
 def proc_of(e: Mapping[str, Any]) -> tuple[str, Any]:
     return (str(e.get("src", "")), e.get("pid"))
-
-
-def as_int(value: Any, default: int = 0) -> int:
-    if type(value) is int:
-        return value
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 class Context:
@@ -198,45 +159,6 @@ def faults_fired(events: Iterable[Mapping[str, Any]]) -> dict[str, int]:
             continue
         out[kind] = out.get(kind, 0) + 1
     return dict(sorted(out.items()))
-
-
-#: The events `fault_windows` reads (every other one is passed over at once).
-_WINDOW_EVENTS = frozenset({"crash", "fault_fired", "failpoint_fired", "worker_exited"})
-
-
-def fault_windows(events: list[dict]) -> list[FaultWindow]:
-    """The fault windows of a history sorted by time (see `FaultWindow`)."""
-    end_of_run = max(map(event_time, events), default=0.0)
-    healed: dict[Any, float] = {}
-    crashes: dict[Any, float] = {}
-    for e in events:
-        if e.get("ev") == "fault_healed" and e.get("fault_id") is not None:
-            healed.setdefault(e["fault_id"], event_time(e))
-    out: list[FaultWindow] = []
-    for e in events:
-        ev = e.get("ev")
-        if ev not in _WINDOW_EVENTS:
-            continue
-        t, fid = event_time(e), e.get("fault_id")
-        if ev == "crash":
-            crashes[e.get("pid")] = e
-        elif ev == "fault_fired":
-            label = str(e.get("fault") or e.get("action") or "fault")
-            end = t if fid is None else healed.get(fid, end_of_run)
-            out.append(FaultWindow(t, max(end, t), label))
-        elif ev == "failpoint_fired" and e.get("action") in TIMED_ACTIONS:
-            # a freeze stops the whole worker, a stall one task: either delays its steps
-            end = t + float(e.get("stall_ms") or 0) / 1000
-            out.append(FaultWindow(t, end, f"{e['action']}@{e.get('failpoint')}"))
-        elif ev == "worker_exited":
-            crash = crashes.pop(e.get("pid"), None)
-            start = event_time(crash) if crash is not None else t
-            end = t if fid is None else healed.get(fid, end_of_run)
-            out.append(FaultWindow(start, max(end, t), f"worker {e.get('worker')} exited"))
-    for crash in crashes.values():  # no supervisor noted the exit: an instant
-        t = event_time(crash)
-        out.append(FaultWindow(t, t, f"crash@{crash.get('failpoint')}"))
-    return sorted(out, key=lambda w: (w.start, w.end))
 
 
 def timeline(

@@ -22,7 +22,7 @@ def check_no_completed_rerun(cx: Context) -> Outcome:
     """For each (attemptId, ruleId), T = the first `result_persisted` with `won: true`.
     A `rule_started` after T is a violation (`completed_reruns` counts them). A second start
     of the same attempt before T is a rerun: allowed. What reruns cost, and why each ran, is
-    not counted here but in `chaos.checker.cost` (the one definition of every figure:
+    not counted here but in `reports.cost` (the one definition of every figure:
     `reruns_by_cause`, `duplicated_by_cause`), which the checker adds to the stats."""
     out: list[Violation] = []
     calls = judged = completed_reruns = 0

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from engine.agent import AgentProfile
 from engine.core.results import RuleResult
 from engine.plan import Plan
+from reports.measure import BUDGETS as BUDGETS
+from reports.measure import COST_BUDGETS as COST_BUDGETS
 
 if TYPE_CHECKING:
     from chaos.reference import Reference
@@ -22,24 +24,6 @@ Verdict = Literal["pass", "fail", "unknown", "n/a"]
 #: How long after a fault heals a client may take to notice: aio-pika's (and the
 #: simulator's) reconnect interval is 0.5 s; twice that.
 DEFAULT_FAULT_RECOVERY_S = 1.0
-#: Budget name -> the stat it bounds.
-BUDGETS: dict[str, str] = {
-    "max_duplicated_tokens": "duplicated_tokens",
-    "max_reruns": "reruns",
-    "max_retry_latency_s": "retry_latency_max_s",
-}
-#: Budgets on what faults cost: budget name -> the stat it bounds. The cost figures
-#: (`chaos.checker.cost`) are in every run's stats; the latency ones
-#: (`chaos.checker.latency`) are measured only when one of their budgets is set.
-COST_BUDGETS: dict[str, str] = {
-    "max_duplicated_ratio": "duplicated_ratio",
-    "max_duplicated_usd": "duplicated_usd",
-    "max_p99_retry_l1_s": "retry_p99_l1_s",
-    "max_p99_retry_l2_s": "retry_p99_l2_s",
-    "max_p99_retry_l3_s": "retry_p99_l3_s",
-    "max_p99_recovery_s": "recovery_p99_s",
-}
-BUDGETS.update(COST_BUDGETS)
 
 
 def _is_int(value: Any) -> bool:

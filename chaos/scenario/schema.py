@@ -43,6 +43,7 @@ from engine.policy import (
 )
 from engine.validation import got as _got
 from engine.validation import is_finite_number
+from reports.history import LINK_ACTIONS, TARGETED_ACTIONS, WORKER_ACTIONS
 
 #: The invariants the checker knows; a scenario checks all of them unless it lists some.
 INVARIANT_NAMES: tuple[str, ...] = tuple(INVARIANTS)
@@ -70,7 +71,6 @@ RUNNER_ACTIONS: tuple[str, ...] = (
     "pause_service",  # stop it for pause_s (SIGSTOP of its process group), its sockets open
     "restart_service",  # stop it cleanly and start it again at once
 )
-WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pause_worker"})
 #: Runner actions that stop something for `pause_s`.
 PAUSE_ACTIONS: frozenset[str] = frozenset(
     {"pause_worker", "pause_redis", "pause_broker", "pause_service"}
@@ -107,11 +107,9 @@ def service_action(fault: Any) -> tuple[str, str] | None:
 
 
 #: Runner actions whose `target` is an index: a worker, an evaluation (cancel), a sentinel.
-TARGETED_ACTIONS: frozenset[str] = WORKER_ACTIONS | {"cancel", "kill_sentinel"}
 #: The sentinels of `redis.topology: sentinel` (quorum 2).
 SENTINELS = 3
 #: Runner actions on the network between the workers and a service (`link`, `workers`).
-LINK_ACTIONS: frozenset[str] = frozenset({"add_toxic", "update_toxic", "remove_toxic", "cut_link"})
 _LINK_LIST = "add_toxic, update_toxic, remove_toxic, cut_link"
 #: The links a network fault acts on: each worker's connections to a service of its system
 #: (`chaos.systems`: Redis, RabbitMQ, PostgreSQL), and the link a Redis replica replicates over.
@@ -340,7 +338,7 @@ class EngineSpec(_Model):
         return self
 
 
-#: What the retry latency budgets bound (`chaos.checker.latency.RetryLatency.production_s`).
+#: What the retry latency budgets bound (`reports.latency.RetryLatency.production_s`).
 _ESTIMATE = (
     "production estimate in seconds: the tier waits and the agent's calls scaled back by "
     "time_scale, fault windows and the rest as they happened"
@@ -349,9 +347,9 @@ _ESTIMATE = (
 
 class BudgetsSpec(_Model):
     """Limits a run must stay within, on top of the invariants; None: not checked. The cost
-    budgets bound the figures `chaos.checker.cost` defines (the summary line, the journal
+    budgets bound the figures `reports.cost` defines (the summary line, the journal
     and the report show the same numbers); the latency budgets those of
-    `chaos.checker.latency`."""
+    `reports.latency`."""
 
     max_duplicated_tokens: int | None = Field(
         default=None,

@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from chaos.checker.context import as_int, event_time, fault_windows
+from reports.history import as_int, event_time, fault_windows
 
 PERMANENT = "permanently_failed"
 #: Faults after which the report measures recovery, and how each names what it stopped.

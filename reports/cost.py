@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from chaos.checker.context import as_int, event_time
+from reports.history import as_int, event_time
 
 #: Why a rerun ran, or why a call was paid beyond the fault-free bill, in the order the
 #: outputs list them; the same names everywhere (summary line, journal, report, budgets).
