@@ -92,3 +92,29 @@ def test_without_synchronous_commit_a_kill_loses_acknowledged_commits() -> None:
         assert 100 <= kept() < 200  # acknowledged, then lost
     finally:
         services.stop()
+
+
+def test_a_worker_with_a_refused_password_says_so_in_one_line() -> None:
+    """On a private PostgreSQL (`scram-sha-256`: passwords are checked, unlike the machine's
+    `trust`): exit 3, one line, the password never shown."""
+    from chaos.systems.pg_store.postgres import PostgresServer
+    from chaos.systems.pg_store.services import DATABASE, _engine_database
+
+    with PostgresServer() as server:
+        url = _engine_database(server)
+        wrong = server.url(ENGINE_ROLE, "not-the-password", DATABASE)
+        keep = {k: v for k, v in os.environ.items() if not k.startswith(("ENGINE_", "EAI_"))}
+        done = subprocess.run(
+            [sys.executable, "-m", "engine.worker", "--store", "postgres"],
+            cwd=ROOT,
+            env={**keep, "EAI_DATABASE_URL": wrong},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 3, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("engine.worker: "), done.stderr
+        assert "not-the-password" not in done.stderr and url not in done.stderr
+        assert "password" in lines[0] or "log in" in lines[0], lines[0]
