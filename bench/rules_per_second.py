@@ -60,9 +60,32 @@ the worker's turn between batches. Where it goes inside (one 200-evaluation roun
 % of the time inside `eai.apply`, by self time) and writes it back (`eai._save`, an UPDATE
 of `eai.runs`, 27 %), whichever operation of the same evaluation came before it in the
 batch; `write_result` inserts a checkpoint and a run step (15 % itself, 2,600 calls). The
-worker's CPU a rule is the Redis design's (85 to 115 us against 92 to 123). Not changed here
-(engine code): an evaluation's row read and saved once a batch instead of once an operation,
-or a second batch in flight on another pooled connection, would be the next things to try.
+worker's CPU a rule is the Redis design's (85 to 115 us against 92 to 123).
+
+A second look (2026-12-05, 02:23 to 02:37 UTC, at b213ffd; load 0.8 to 1.1, then 1.5 to 2.0):
+four plain runs at that commit, median ratio 0.74, 0.71, 0.76 and 0.68 (4.63 to 5.51 ms inside
+PostgreSQL a transaction). Reading and saving an evaluation's row once a batch cannot help
+this workload: a batch's operations are on distinct evaluations (with the rows kept for the
+batch, 4,203 of 4,264 row reads in 108 transactions were an evaluation's first in its batch:
+1.01 operations an evaluation a batch; the worker holds an evaluation's lock across each of
+its writes). The row's cost is physical: by self time a call (`track_functions=pl`, one
+200-evaluation round), `_run` 38.6 us (the row's first lock in the transaction) and `_save`
+38.4 us (an UPDATE that is never heap-only: `expires_at`, indexed by `runs_expiry`, changes
+in every transaction, so each save adds an entry to the four indexes of `eai.runs`),
+`write_result` 41 us, `_count_starts` 29 us, `apply` itself 24 us an operation. Tried, none
+kept: the rows kept for the batch in transaction-local settings (7.5 and 9.3 ms a
+transaction in two runs: nothing to save, the bookkeeping costs); `write_result`'s read and
+write of its checkpoint as one `INSERT ... ON CONFLICT` statement, `_texts`/`_ints` without
+an aggregate and `toast_tuple_target=128` on `eai.runs` (interleaved with the commit before,
+three runs each: ratio 0.73, 0.80, 0.71 against 0.71, 0.76, 0.68, 4.95 to 5.40 ms against
+5.06 to 5.51: within the noise); `runs_expiry` dropped (saves then heap-only) with fillfactor
+50: `_run` 25 to 31 us and `_save` 38 to 55 against 37 to 52 and 46 to 55 in interleaved
+profiled rounds on a busier machine, the transaction's total within the noise, and it would
+cost the retention sweep its index. Left: fewer statements a batch (set-based: every row of a
+batch locked in one statement, its checkpoints and starts inserted in one each), which the
+one-function-an-operation design (and the mutants and references built on it) does not allow
+as it stands; or a second batch in flight, which needs a proof that no call overtakes an
+earlier one of its evaluation.
 
 Where it stands (2026-12-02, third session, 13:00 UTC, a quiet machine): six plain runs of 7
 rounds, median ratio 1.05 +- 7 %, 1.00 +- 9 %, 1.08 +- 5 %, 1.05 +- 5 %, 1.02 +- 4 %, 0.96 +- 9
