@@ -40,7 +40,7 @@ class System:
     settings: tuple[str, ...] = ()
     #: Invariant -> why it does not apply to this design (its verdict is `n/a`).
     not_applicable: dict[str, str] = field(default_factory=dict)
-    #: Service -> the fault actions that mode cannot carry out on it, with why.
+    #: `service.how` (`broker.pause`) -> why the simulator has no model of that fault.
     not_simulated: dict[str, str] = field(default_factory=dict)
     live: str | None = None
     sim: str | None = None
