@@ -17,7 +17,9 @@ There is no slack. A retry may start later than its tier only by what the histor
 - the resumed evaluation's begin and recovery, when its delivery found it out of memory
   (parked, or its owner gone): from the delivery (or its evaluation slot) to the
   `evaluation_started` and `recovered` of that copy (behind Sentinel with `wait_replicas`
-  each write waits for the replica);
+  each write waits for the replica), and the same set-up from the delivery to its wait
+  for an evaluation slot (the plan and the lease's holder read from the store first: a
+  round trip each, on a busy PostgreSQL tens of milliseconds);
 - a fault window (from the runner's own `fault_fired` / `fault_healed` records) open
   during the wait, or the sweeper's lost-retry path.
 What is left, the broker's hold past the TTL, a forward, the delivery's own hops and the
@@ -258,6 +260,12 @@ def _waits(
     for e in mine:
         ev = e.get("ev")
         if ev == "slot_wait":
+            if e.get("slot") == "evaluation" and event_time(e) > begin_from:
+                # the delivery's set-up before it waits for a slot (its plan and whether
+                # another worker holds it, read from the store), as a begin's own set-up
+                begin_s += event_time(e) - begin_from
+                begin_from = event_time(e)
+                key.append(e)
             if e.get("slot") == "evaluation" or (e.get("rule_id") == r and e.get("attempt") == k):
                 open_waits[str(e.get("slot"))] = e
         elif ev == "start_marked" and e.get("rule_id") == r and e.get("attempt") == k:
