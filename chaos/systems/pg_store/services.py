@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from chaos.systems.pg_store.postgres import PostgresServer, find_postgres_bin
 from chaos.systems.redis_rabbitmq.services import (
     ServicesUnavailable,
+    configure_broker,
     own_broker,
     probe_given,
     starting,
@@ -78,12 +79,7 @@ class PgServices:
 
     def configure(self, consumer_timeout_s: float | None) -> None:
         """The broker's `consumer_timeout`, as `Services.configure`."""
-        if self.broker is None:
-            if consumer_timeout_s is not None:
-                raise ServicesUnavailable("cannot set consumer_timeout: AMQP_URL is shared")
-            return
-        ms = None if consumer_timeout_s is None else round(consumer_timeout_s * 1000)
-        self.broker.set_consumer_timeout(ms)
+        configure_broker(self.broker, consumer_timeout_s)
 
     def durability(self, synchronous_commit: bool, wal_writer_delay_ms: int) -> None:
         """How durable the engine's commits are for the next scenario (`postgres:`): the

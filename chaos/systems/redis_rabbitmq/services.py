@@ -97,6 +97,18 @@ def own_broker(
     return broker, broker.url
 
 
+def configure_broker(broker: RabbitNode | None, consumer_timeout_s: float | None) -> None:
+    """Set the run's own broker as a scenario wants it (`broker.consumer_timeout_s`; None:
+    RabbitMQ's default); a change costs about a second, no change nothing. A shared broker
+    (None here) cannot be set."""
+    if broker is None:
+        if consumer_timeout_s is not None:
+            raise ServicesUnavailable("cannot set consumer_timeout: AMQP_URL is shared")
+        return
+    ms = None if consumer_timeout_s is None else round(consumer_timeout_s * 1000)
+    broker.set_consumer_timeout(ms)
+
+
 @dataclass
 class Services:
     redis_url: str
@@ -164,12 +176,7 @@ class Services:
         """Set the run's own broker as a scenario wants it (`broker.consumer_timeout_s`;
         None: RabbitMQ's default); a change costs about a second, no change nothing. A
         shared broker cannot be set: `chaos.runner.refusal` refuses such a scenario."""
-        if self.broker is None:
-            if consumer_timeout_s is not None:
-                raise ServicesUnavailable("cannot set consumer_timeout: AMQP_URL is shared")
-            return
-        ms = None if consumer_timeout_s is None else round(consumer_timeout_s * 1000)
-        self.broker.set_consumer_timeout(ms)
+        configure_broker(self.broker, consumer_timeout_s)
 
     def lose_redis_writes(self, count: int) -> int:
         """Cut the last `count` writes off the run's own (stopped) Redis; how many went."""
