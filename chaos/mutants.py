@@ -1003,6 +1003,26 @@ def executions_uncounted() -> None:
     orchestrator.PassExecutionOrchestrator._mark_starts = forget  # type: ignore[method-assign]
 
 
+def marker_write_misread() -> None:
+    """history_well_formed: a delayed retry's start marker records its write in microseconds
+    as milliseconds (`write_ms` a thousand times the round trip): the worker claims a write
+    longer than the time since the retry's delivery, which no clock's disagreement
+    explains."""
+    execute = orchestrator.PassExecutionOrchestrator._execute
+
+    def misread(effect: Any) -> Any:
+        if isinstance(effect, Record) and effect.event == "start_marked":
+            fields = dict(effect.fields)
+            fields["write_ms"] = round(fields["write_ms"] * 1000, 3)
+            return Record(effect.event, fields)
+        return effect
+
+    def misreading(self: Any, action: Any) -> Step:
+        return (yield from _rewritten(execute(self, action), misread))
+
+    orchestrator.PassExecutionOrchestrator._execute = misreading  # type: ignore[method-assign]
+
+
 def cancel_read_unheard() -> None:
     """quiet_state: a cancel the owner reads in the store right before a call stops that
     call, but its core never hears it (the fix of 2026-12-04 undone): with the broadcast
@@ -1420,6 +1440,11 @@ MUTANTS: dict[str, Mutant] = {
             executions_uncounted,
             "history_well_formed",
             "the start marker's count is dropped: every rerun is told it is a first run",
+        ),
+        _mutant(
+            marker_write_misread,
+            "history_well_formed",
+            "a start marker's write is recorded in microseconds as milliseconds",
         ),
         _mutant(
             cancel_read_unheard,

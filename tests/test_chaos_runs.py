@@ -86,6 +86,7 @@ CATCHES = {
     "final_unfenced": "stale_owner_final_write",  # the frozen owner's final write lands
     "unlabelled_reruns": "crash_after_ack",
     "executions_uncounted": "crash_after_ack",  # each rerun told it is execution 1
+    "marker_write_misread": "delay_tiers",  # a marker's write longer than since its delivery
     "failed_calls_uncounted": "transient_llm_errors",
     "failed_calls_free": "transient_llm_errors",  # each failed call drew its tokens
     "cancel_unknown": "cancel_midway",  # the broadcast rejected, the owner reads Redis

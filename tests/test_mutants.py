@@ -1199,6 +1199,16 @@ def test_executions_uncounted() -> None:
     )
 
 
+def test_marker_write_misread() -> None:
+    """A start marker's write longer than the time since the retry's delivery is caught
+    within the clocks' derived disagreement (adjtime's slew, the fields' rounding)."""
+    clean, broken = _sim_pair("delay_tiers", "marker_write_misread")
+    assert clean.result.ok
+    assert any(e["ev"] == "start_marked" for e in clean.history)
+    assert _broken(broken) == {"history_well_formed"}
+    assert all("`start_marked` of a" in v.message for v in broken.result.violations)
+
+
 def test_failed_calls_free() -> None:
     clean, broken = _sim_pair("transient_llm_errors", "failed_calls_free")
     assert clean.result.ok and clean.result.stats["reference_calls_compared"] > 0

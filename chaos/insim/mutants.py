@@ -73,6 +73,7 @@ CORE: tuple[str, ...] = (
     "slow_heartbeat",
     "unlabelled_reruns",
     "executions_uncounted",
+    "marker_write_misread",
     "failed_calls_uncounted",
     "failed_calls_free",
     "cancel_unknown",
