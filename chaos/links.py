@@ -66,7 +66,7 @@ class Network:
         seed: int,
         workers: int,
         redis_url: str | None,
-        amqp_url: str,
+        amqp_url: str | None,
         amqp_heartbeat_s: int | None = None,
         replication_upstream: str | None = None,
         *,

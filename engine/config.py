@@ -31,6 +31,15 @@ DEFAULT_DATABASE_URL = "postgresql://eai_engine@127.0.0.1:5432/eai"
 DEFAULT_TENANT_ID = "00000000-0000-0000-0000-000000000001"
 #: The engine's stores: Redis (the first design), PostgreSQL (`engine.runtime.pgstore`).
 STORES = ("redis", "postgres")
+#: Its first memories: RabbitMQ, or PostgreSQL's job rows (`engine.runtime.pgqueue`, with
+#: the PostgreSQL store only: the `pg` design).
+BROKERS = ("rabbitmq", "postgres")
+#: The designs a worker can be (`--system`): its store and its broker.
+SYSTEMS = {
+    "redis-rabbitmq": ("redis", "rabbitmq"),
+    "pg-store": ("postgres", "rabbitmq"),
+    "pg": ("postgres", "postgres"),
+}
 
 #: Seven days, as the seed says: state keys expire on their own.
 STATE_TTL_SECONDS = 7 * 24 * 3600
@@ -65,6 +74,9 @@ class EngineConfig:
     # Which store keeps results, statuses, leases and indexes: "redis" or "postgres" (then
     # `database_url`, from EAI_DATABASE_URL, and the rows of tenant `tenant_id`).
     store: str = "redis"
+    # Which first memory carries work, retries, forwards and events: "rabbitmq" or
+    # "postgres" (job rows in the store's database; `store` must be "postgres").
+    broker: str = "rabbitmq"
     database_url: str = DEFAULT_DATABASE_URL
     tenant_id: str = DEFAULT_TENANT_ID
 
@@ -155,6 +167,10 @@ def check_urls(config: EngineConfig) -> None:
         parse_sentinel_url(config.redis_url)  # the sentinels and the master's name
     if config.store not in STORES:
         raise ValueError(f"store: expected one of {', '.join(STORES)}; got {config.store!r}")
+    if config.broker not in BROKERS:
+        raise ValueError(f"broker: expected one of {', '.join(BROKERS)}; got {config.broker!r}")
+    if config.broker == "postgres" and config.store != "postgres":
+        raise ValueError("broker: postgres keeps its jobs in the store's database; store: postgres")
     if config.store == "postgres":
         url = config.database_url
         scheme = url.partition("://")[0] if "://" in url else ""

@@ -42,6 +42,7 @@ from redis.exceptions import RedisError
 
 from engine.config import (
     STORES,
+    SYSTEMS,
     EngineConfig,
     OneLineParser,
     ServiceUnavailable,
@@ -51,7 +52,8 @@ from engine.core.messages import SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
 from engine.plan import Plan, PlanError, load_plan, plan_from_dict
 from engine.runtime.broker import Broker, QueueInUse, amqp_unavailable
-from engine.runtime.context import open_store, store_address, store_unavailable
+from engine.runtime.context import open_broker, open_store, store_address, store_unavailable
+from engine.runtime.pgqueue import PgQueue
 from engine.runtime.pgstore import PostgresStore
 from engine.runtime.store import now_ms
 
@@ -68,7 +70,7 @@ class EngineClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.store = open_store(config)
-        self.broker = Broker(config)
+        self.broker = open_broker(config, self.store)
 
     async def __aenter__(self) -> EngineClient:
         try:
@@ -170,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the workers' store (default $ENGINE_STORE or redis); postgres reads "
         "$EAI_DATABASE_URL and $EAI_TENANT_ID",
     )
+    p.add_argument(
+        "--system",
+        choices=list(SYSTEMS),
+        help="the workers' design (as engine.worker --system): pg keeps the jobs in PostgreSQL",
+    )
     p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
     p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
     return p
@@ -198,11 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine.submit: {problem}", file=sys.stderr)
         return 2
     try:
+        store, broker = SYSTEMS[args.system] if args.system else (args.store, None)
+        if args.system and args.store and args.store != store:
+            raise ValueError(
+                f"--store {args.store}: system {args.system} keeps its store in {store}"
+            )
         config = env_config(
             namespace=args.namespace,
             redis_url=args.redis_url,
             amqp_url=args.amqp_url,
-            store=args.store,
+            store=store,
+            broker=broker,
         )
     except ValueError as exc:
         print(f"engine.submit: {exc}", file=sys.stderr)
@@ -289,7 +302,10 @@ async def purge(config: EngineConfig, prefixes: Iterable[str]) -> tuple[int, lis
     try:
         await store.probe()
         deleted: list[str] = []
-        if config.namespace:
+        if config.namespace and config.broker == "postgres":
+            assert isinstance(store, PostgresStore)
+            await PgQueue(config, store).purge()
+        elif config.namespace:
             broker = Broker(config)
             await broker.connect(prefetch=1, declare=False)
             try:

@@ -4,7 +4,8 @@ Flags beat environment (`REDIS_URL`, `AMQP_URL`, `ENGINE_*`), which beat default
 on a machine with Redis and RabbitMQ on their usual loopback ports. `--store postgres` keeps
 the store in PostgreSQL instead of Redis (`engine.runtime.pgstore`): its URL comes from
 `EAI_DATABASE_URL` only (credentials never go on a command line), its tenant from
-`EAI_TENANT_ID`. SIGTERM and Ctrl-C stop
+`EAI_TENANT_ID`. `--system pg` keeps the work queue, delayed retries, forwards and events in
+the same PostgreSQL too (`engine.runtime.pgqueue`: no broker). SIGTERM and Ctrl-C stop
 it cleanly: consuming stops, in-memory evaluations are handed back (their deliveries are
 requeued, their leases released) and connections close.
 
@@ -40,6 +41,7 @@ from redis.exceptions import RedisError
 from engine.agent import AgentProfile, AgentProfileError, AgentService, FakeAgent
 from engine.config import (
     STORES,
+    SYSTEMS,
     EngineConfig,
     OneLineParser,
     ServiceUnavailable,
@@ -53,8 +55,14 @@ from engine.failpoints import FailpointError, Failpoints, fired_fields, parse_sp
 from engine.history import History, open_history
 from engine.metrics import Metrics
 from engine.plan import Rule
-from engine.runtime.broker import Broker, amqp_unavailable
-from engine.runtime.context import Runtime, open_store, store_address, store_unavailable
+from engine.runtime.broker import amqp_unavailable
+from engine.runtime.context import (
+    Runtime,
+    open_broker,
+    open_store,
+    store_address,
+    store_unavailable,
+)
 from engine.runtime.drive import LiveHost, detached, drive
 from engine.runtime.pgstore import PostgresStore
 from engine.shell import heartbeat
@@ -110,11 +118,12 @@ class Worker:
         fps.on_fire = lambda fp, rule, attempt_id: history.record(
             "failpoint_fired", **fired_fields(fp, rule, attempt_id)
         )
+        store = open_store(config)
         self.rt = Runtime(
             worker_id=self.worker_id,
             config=config,
-            store=open_store(config),
-            broker=Broker(config),
+            store=store,
+            broker=open_broker(config, store),
             agent=agent,
             failpoints=fps,
             history=history,
@@ -183,9 +192,12 @@ class Worker:
         """What the worker says once it consumes (the chaos runner waits for "ready")."""
         cfg, broker = self.rt.config, self.rt.broker
         delay = len(broker.delay_queues)
+        first = "jobs in the same database" if cfg.broker == "postgres" else "amqp "
+        if cfg.broker != "postgres":
+            first += redacted(cfg.amqp_url)
         return (
             f"engine.worker {self.worker_id} ready: {store_address(cfg)}, "
-            f"amqp {redacted(cfg.amqp_url)}, namespace {cfg.namespace!r}, queues "
+            f"{first}, namespace {cfg.namespace!r}, queues "
             f"{broker.work_queue_name}, {self.private_queue} and {delay} delay "
             f"queues {cfg.name('evaluation.retry.*')}"
         )
@@ -255,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="where results, statuses and leases live (default $ENGINE_STORE or redis); "
         "postgres reads $EAI_DATABASE_URL and $EAI_TENANT_ID",
     )
+    p.add_argument(
+        "--system",
+        choices=list(SYSTEMS),
+        help="the design, its store and broker: redis-rabbitmq (the default), pg-store "
+        "(--store postgres) or pg (PostgreSQL alone: jobs in the store's database)",
+    )
     p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
     p.add_argument("--amqp-url", help="default: $AMQP_URL or amqp://guest:***@127.0.0.1:5672/")
     p.add_argument("--namespace", help="prefix of queues, exchanges and index keys")
@@ -321,8 +339,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         jitter_buckets=args.jitter_buckets,
         seed=args.seed,
     )
+    store, broker = SYSTEMS[args.system] if args.system else (args.store, None)
+    if args.system and args.store and args.store != store:
+        raise ValueError(f"--store {args.store}: system {args.system} keeps its store in {store}")
     return env_config(
-        store=args.store,
+        store=store,
+        broker=broker,
         redis_url=args.redis_url,
         amqp_url=args.amqp_url,
         namespace=args.namespace,

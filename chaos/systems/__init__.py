@@ -117,6 +117,24 @@ SYSTEMS: dict[str, System] = {
             sim="chaos.systems.pg_store.sim:PgStoreSim",
             stack="chaos.systems.pg_store.services:PgServices",
         ),
+        System(
+            name="pg",
+            summary="PostgreSQL alone, the second document's default: the same shell; work, "
+            "delayed retries, forwards and events as rows (claims with SKIP LOCKED, woken by "
+            "NOTIFY, visibility leases for the late ACK), results as checkpoints",
+            services={
+                "postgres": "the store and the queue (a private PostgreSQL, fsync on; schema "
+                "eai, row-level security)",
+            },
+            links=("postgres",),
+            settings=("postgres",),
+            not_applicable={
+                "state_keys_expire": "PostgreSQL keeps a run's rows for 7 days by a "
+                "retention column, not by key TTLs",
+            },
+            live="chaos.systems.pg.live:PgLive",
+            stack="chaos.systems.pg.services:PgAloneServices",
+        ),
     )
 }
 

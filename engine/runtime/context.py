@@ -15,6 +15,7 @@ from engine.failpoints import Failpoints
 from engine.history import History
 from engine.metrics import Metrics
 from engine.runtime.broker import Broker
+from engine.runtime.pgqueue import PgQueue
 from engine.runtime.pgstore import PostgresStore, pg_unavailable
 from engine.runtime.store import RedisStore, redis_unavailable
 from engine.runtime.wire import wire
@@ -29,6 +30,14 @@ Store = RedisStore | PostgresStore
 def open_store(config: EngineConfig) -> Store:
     """The store `config.store` names (no connection yet: `probe()` makes the first)."""
     return PostgresStore(config) if config.store == "postgres" else RedisStore(config)
+
+
+def open_broker(config: EngineConfig, store: Store) -> Broker | PgQueue:
+    """The first memory `config.broker` names: RabbitMQ, or job rows in the store's database."""
+    if config.broker == "postgres":
+        assert isinstance(store, PostgresStore)
+        return PgQueue(config, store)
+    return Broker(config)
 
 
 def store_unavailable(config: EngineConfig, exc: BaseException) -> ConnectionError:
@@ -51,7 +60,7 @@ class Runtime:
     worker_id: str
     config: EngineConfig
     store: Store
-    broker: Broker
+    broker: Broker | PgQueue
     agent: AgentService
     failpoints: Failpoints
     history: History

@@ -17,6 +17,7 @@ from typing import Any
 from engine.failpoints import site
 from engine.history import CHECKOUT, History, error_fields
 from engine.runtime.context import Runtime, cancelled, log, settle
+from engine.runtime.pgqueue import Job
 from engine.runtime.store import LeaseLost, now_ms
 from engine.shell import effects as fx
 
@@ -129,6 +130,8 @@ def _log(e: fx.Log, rt: Runtime) -> None:
 def _settle(e: fx.Settle, rt: Runtime) -> Awaitable[bool]:
     if rt.window is not None:
         rt.window.settled(e.delivery)
+    if type(e.delivery) is Job:  # a job row of the `pg` design
+        return rt.broker.settle(e.delivery, e.ack)  # type: ignore[union-attr]
     return settle(e.delivery, ack=e.ack, timeout_s=rt.config.read_timeout_s)
 
 

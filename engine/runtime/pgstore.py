@@ -15,7 +15,9 @@ Group commit: the owner's writes made in one event-loop turn go out as one state
 `eai.apply(batch)` (one round trip, one transaction, one WAL flush), as the Redis store
 sends its scripts in one pipeline. Each operation is still all-or-nothing: one that fails
 fails the transaction, which wrote nothing, and the batch's operations are then run again
-one by one, so only that one's caller sees the error.
+one by one, so only that one's caller sees the error. Two lanes of batches go at once, an
+evaluation always in the same lane, so that PostgreSQL executes them on two backends while
+no operation overtakes an earlier one of its evaluation.
 
 Migrations are versioned SQL files applied in order by an administrator
 (`python -m engine.runtime.pgstore migrate --grant ROLE`); the engine connects as a role
@@ -30,6 +32,7 @@ import os
 import re
 import sys
 import uuid
+import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -58,7 +61,7 @@ from engine.shell.replies import Begun, LeaseLost, Renewal, StatusWritten
 #: The durable design's variable: the store's URL and its only place for credentials.
 DATABASE_URL_ENV = "EAI_DATABASE_URL"
 #: The tables whose rows are a tenant's: row-level security must be enabled and forced.
-TENANT_TABLES = ("runs", "checkpoints", "run_steps", "run_events", "topology")
+TENANT_TABLES = ("runs", "checkpoints", "run_steps", "run_events", "topology", "jobs", "consumers")
 
 _APPLY = "SELECT eai.apply($1, $2, $3, $4, $5::jsonb, $6)"
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
@@ -336,6 +339,30 @@ class GroupCommit:
                 fut.set_result(reply)
 
 
+class Lanes:
+    """Group commit on `n` connections at once: an evaluation's operations always take the same
+    lane (by its attemptId), whose batches go one at a time, so none overtakes an earlier one
+    of its evaluation; batches of other evaluations run meanwhile on another backend, which is
+    what lets the database's execution of the operations use more than one core. A batch's
+    operations are on distinct rows from those of the other lanes' batches (an operation
+    touches its evaluation's rows only), so the lanes do not wait for each other's locks."""
+
+    def __init__(self, run: Callable[[list[list[Any]]], Awaitable[list[Any]]], n: int) -> None:
+        self.lanes = [GroupCommit(run) for _ in range(max(1, n))]
+
+    def call(self, op: list[Any]) -> asyncio.Future[Any]:
+        key = op[1] if len(op) > 1 and isinstance(op[1], str) else ""
+        return self.lanes[zlib.crc32(key.encode()) % len(self.lanes)].call(op)
+
+    @property
+    def batches(self) -> int:
+        return sum(lane.batches for lane in self.lanes)
+
+    @property
+    def largest(self) -> int:
+        return max(lane.largest for lane in self.lanes)
+
+
 def database_url(config: EngineConfig | None = None) -> str:
     """The store's URL: the config's (`env_config` reads `EAI_DATABASE_URL`), or without a
     config `EAI_DATABASE_URL` itself, else the local default."""
@@ -350,7 +377,8 @@ class PostgresStore:
     `tenant_id`, `url`: overrides of the config's (tests). `clock`: the engine's times come
     from it instead of the database's clock (tests that move time; never the worker).
     `retries`: how many times an operation is tried again on a lost connection (about
-    40 s, as the Redis client's)."""
+    40 s, as the Redis client's). `lanes`: how many batches may be in flight at once (each
+    on its own connection; `Lanes`)."""
 
     def __init__(
         self,
@@ -360,7 +388,7 @@ class PostgresStore:
         tenant_id: str | None = None,
         clock: Callable[[], int] | None = None,
         retries: int = 40,
-        pool_size: int = 4,
+        lanes: int = 2,
     ) -> None:
         self.config = config
         self.ttl = config.state_ttl_s
@@ -372,10 +400,10 @@ class PostgresStore:
         self.retries_index = config.name("engine:retries")
         self.clock = clock
         self.retries = retries
-        self.pool_size = pool_size
+        self.pool_size = lanes + 2  # the lanes' batches, and reads outside them
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
-        self.batch = GroupCommit(self._apply)
+        self.batch = Lanes(self._apply, lanes)
         self.rolled_back = 0  # transactions PostgreSQL rolled back (deadlocks), run again
 
     # --- connections --------------------------------------------------------------------
@@ -395,24 +423,23 @@ class PostgresStore:
         return self._pool
 
     async def _apply(self, ops: list[list[Any]]) -> list[Any]:
-        """One `eai.apply` of `ops` (one statement, one transaction); a lost connection is
-        tried again with a backoff, a deadlock at once (the transaction wrote nothing)."""
+        """One `eai.apply` of `ops` (one statement, one transaction)."""
         payload = orjson.dumps(ops).decode()
+        ns, lease, ttl = self.namespace, self.config.stale_ms, self.ttl
+        return await self.fetch_json(
+            _APPLY, lambda now: (self.tenant_id, ns, lease, ttl, payload, now)
+        )
+
+    async def fetch_json(self, sql: str, args: Callable[[int | None], tuple[Any, ...]]) -> Any:
+        """`sql`'s one JSON value, with `args(now)` (now: the store's clock, None for the
+        database's); a lost connection is tried again with a backoff, a deadlock at once
+        (the transaction wrote nothing). `engine.runtime.pgqueue` goes through it too."""
         failures = deadlocks = 0
         while True:
             try:
                 pool = await self._get_pool()
                 now = self.clock() if self.clock is not None else None
-                raw = await pool.fetchval(
-                    _APPLY,
-                    self.tenant_id,
-                    self.namespace,
-                    self.config.stale_ms,
-                    self.ttl,
-                    payload,
-                    now,
-                )
-                return orjson.loads(raw)
+                return orjson.loads(await pool.fetchval(sql, *args(now)))
             except pgerr.TransactionRollbackError:
                 self.rolled_back += 1
                 deadlocks += 1
@@ -712,6 +739,7 @@ __all__ = [
     "DATABASE_URL_ENV",
     "DatabaseRefused",
     "GroupCommit",
+    "Lanes",
     "PostgresStore",
     "migrate",
     "migrations",

@@ -110,10 +110,10 @@ def test_a_worker_with_a_refused_password_says_so_in_one_line() -> None:
     """On a private PostgreSQL (`scram-sha-256`: passwords are checked, unlike the machine's
     `trust`): exit 3, one line, the password never shown."""
     from chaos.systems.pg_store.postgres import PostgresServer
-    from chaos.systems.pg_store.services import DATABASE, _engine_database
+    from chaos.systems.pg_store.services import DATABASE, engine_database
 
     with PostgresServer() as server:
-        url = _engine_database(server)
+        url = engine_database(server)
         wrong = server.url(ENGINE_ROLE, "not-the-password", DATABASE)
         keep = {k: v for k, v in os.environ.items() if not k.startswith(("ENGINE_", "EAI_"))}
         done = subprocess.run(

@@ -231,7 +231,7 @@ def test_writes_made_together_go_as_one_batch_and_a_failing_one_fails_alone(
     config = _config()
 
     async def scenario() -> tuple[Any, ...]:
-        store = _store(pg, config=config)
+        store = _store(pg, config=config, lanes=1)
         try:
             ids = [f"att-gc{i}" for i in range(20)]
             begun = await asyncio.gather(*(store.begin(a, "w1", TINY.order, TINY) for a in ids))

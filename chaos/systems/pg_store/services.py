@@ -67,7 +67,7 @@ class PgServices:
             if find_postgres_bin() is None:
                 raise ServicesUnavailable(INSTALL_HINT)
             postgres = started(PostgresServer())
-            url = _engine_database(postgres)
+            url = engine_database(postgres)
             broker, amqp_url = own_broker(amqp_url, started, INSTALL_HINT)
         return cls(database_url=url, amqp_url=amqp_url, postgres=postgres, broker=broker)
 
@@ -97,7 +97,7 @@ class PgServices:
         self.postgres = self.broker = None
 
 
-def _engine_database(postgres: PostgresServer) -> str:
+def engine_database(postgres: PostgresServer) -> str:
     """The engine's database, migrated, and its role (granted, RLS holding for it); its URL."""
     from engine.runtime.pgstore import migrate
 

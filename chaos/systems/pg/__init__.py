@@ -1,0 +1,1 @@
+"""`pg`: PostgreSQL alone, the second document's default design."""

@@ -1,0 +1,143 @@
+"""`pg` live: the same shell on PostgreSQL alone, store and queue in one database.
+
+What differs from `pg-store` (whose reads of the tables, service acts and final state this
+design shares): the workers start with `--system pg` and reach nothing but PostgreSQL (one
+proxy each, the link `postgres`); the runner's client publishes jobs (`engine.submit` with
+the `pg` config); its consumer of the events reads the outbox (`eai.run_events` in order of
+`seq`, woken by `NOTIFY eai_events`, polling as the fallback) and records each event as the
+RabbitMQ consumer records a delivery; and at the end it takes what the work queue still
+holds (`queues_drained`: jobs nobody settled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+import orjson
+
+from chaos import acts
+from chaos.conductor import EVENT_KEYS, RECEIVED_AS, delivered
+from chaos.links import Network
+from chaos.systems.pg.services import PgAloneServices
+from chaos.systems.pg_store.live import READ_TIMEOUT_S, PgStoreLive
+from chaos.systems.pg_store.live import refusal as refusal  # the same: only postgres to kill
+from chaos.systems.pg_store.services import DATABASE
+from chaos.workers import WorkerProcess
+from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from chaos.runner import ScenarioRun
+
+#: How often the events consumer reads the outbox when no notification came (seconds).
+EVENTS_POLL_S = 0.2
+#: The runner's events consumer as the history names its "queue".
+OUTBOX = "eai.run_events"
+#: What the outbox's events stand for on RabbitMQ: persistent messages (delivery mode 2),
+#: since a row is durable once committed.
+DURABLE = 2
+
+
+class PgLive(PgStoreLive):
+    """The design's side of one live run (`chaos.systems.seam.LiveSystem`)."""
+
+    def __init__(self, run: ScenarioRun, services: PgAloneServices) -> None:
+        super().__init__(run, services)
+        self.network = Network(
+            run.ns,
+            run.seed,
+            run.spec.workers,
+            None,
+            None,
+            upstreams={"postgres": services.database_url},
+        )
+        self._events_task: asyncio.Task[None] | None = None
+        self._events_wake = asyncio.Event()
+
+    def config(self) -> EngineConfig:
+        return self.spec.engine_config(
+            namespace=self.run.ns,
+            policy=self.spec.retry.policy(self.run.seed),
+            store="postgres",
+            broker="postgres",
+            database_url=self.pg.database_url,
+        )
+
+    def worker(self, index: int, failpoints: list[str], mutant: str | None) -> WorkerProcess:
+        """`python -m engine.worker --system pg` through its own proxy."""
+        module = ("chaos.mutants", mutant) if mutant else ("engine.worker",)
+        return WorkerProcess(
+            [*self.run.worker_args(failpoints), "--system", "pg"],
+            env={"EAI_DATABASE_URL": self.network.url(index, "postgres")},
+            log_path=self.run.run_dir / f"worker{index}.log",
+            name=f"worker{index}",
+            module=module,
+        )
+
+    # --- the events consumer ----------------------------------------------------------------
+
+    async def on_bind_consumer(self, a: acts.BindConsumer) -> None:
+        """Before the first submit: read the outbox from its start, in order, each event once
+        (the cursor is the last `seq` read), through restarts of PostgreSQL."""
+        for key in EVENT_KEYS:
+            self.run.history.record("events_consumer_bound", queue=OUTBOX, routing_key=key)
+        self._events_task = asyncio.get_running_loop().create_task(self._consume_events())
+
+    async def _consume_events(self) -> None:
+        after = 0
+        conn: asyncpg.Connection | None = None
+        while True:
+            try:
+                if conn is None or conn.is_closed():
+                    conn = await self._events_connection()
+                rows = await conn.fetch(
+                    "SELECT seq, topic, message_id, data::text AS data FROM eai.run_events"
+                    " WHERE namespace = $1 AND topic = ANY($2) AND seq > $3 ORDER BY seq"
+                    " LIMIT 500",
+                    self.run.ns,
+                    list(EVENT_KEYS),
+                    after,
+                    timeout=READ_TIMEOUT_S,
+                )
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
+                if conn is not None:
+                    conn.terminate()
+                conn = None
+                rows = []
+            for row in rows:
+                after = row["seq"]
+                self._received(row["topic"], row["message_id"], orjson.loads(row["data"]))
+            if len(rows) < 500:
+                self._events_wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._events_wake.wait(), EVENTS_POLL_S)
+
+    async def _events_connection(self) -> asyncpg.Connection:
+        assert self.pg.postgres is not None
+        conn = await self.pg.postgres.admin(database=DATABASE, timeout=READ_TIMEOUT_S)
+        await conn.add_listener("eai_events", lambda *_: self._events_wake.set())
+        return conn
+
+    def _received(self, topic: str, message_id: str | None, body: Any) -> None:
+        fields = delivered(body, message_id, False, DURABLE)
+        ev = RECEIVED_AS.get(topic, "completed_received")
+        self.run.history.record(ev, **fields)
+        if ev == "completed_received" and isinstance(body, dict):
+            self.run.received.add(str(body.get("attempt_id")))
+
+    async def on_close_consumer(self, a: acts.CloseConsumer | None = None) -> None:
+        """Stop reading; at the end of a run (the workers stopped), take the jobs the queue
+        still holds (`queues_drained`, their message ids)."""
+        task, self._events_task = self._events_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if a is not None:
+            rows = await self._rows(
+                "DELETE FROM eai.jobs WHERE namespace = $1 AND kind = 'work' RETURNING message_id"
+            )
+            if rows is not None:
+                left = sorted(str(r["message_id"]) for r in rows)
+                self.run.history.record("queues_drained", message_ids=left)
