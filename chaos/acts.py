@@ -251,6 +251,15 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class Resume:
+    """`EngineClient.resume` from checkpoint number `checkpoint` (None: the last), on a
+    connection of its own: the document's answer is sent back."""
+
+    attempt_id: str
+    checkpoint: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class PublishRaw:
     """Put `body`, bytes as they are, on the work queue, on a connection of its own (a
     poison message: `chaos.poison`)."""
@@ -332,6 +341,7 @@ Act = (
     | CloseConsumer
     | Submit
     | Cancel
+    | Resume
     | PublishRaw
     | Settled
     | Leases
@@ -364,6 +374,7 @@ SYSTEM_ACTS: frozenset[type] = frozenset(
         CloseConsumer,
         Submit,
         Cancel,
+        Resume,
         PublishRaw,
         Settled,
         Leases,

@@ -384,6 +384,16 @@ class Conductor:
                 state = yield acts.Cancel(attempt_id)
                 yield acts.Record("cancel_written", {"attempt_id": attempt_id, "state": state})
                 yield from self._healed(fault_id)
+            case "resume":
+                attempt_id = self.attempt_ids[fault.target]
+                spec = self.spec.faults[fault.fault]
+                assert isinstance(spec, RunnerFault)
+                yield acts.Record(
+                    "resume_requested", {"attempt_id": attempt_id, "checkpoint": spec.checkpoint}
+                )
+                answer = yield acts.Resume(attempt_id, spec.checkpoint)
+                yield acts.Record("resume_written", {"attempt_id": attempt_id, **answer})
+                yield from self._healed(fault_id)
             case "publish_poison":
                 spec = self.spec.faults[fault.fault]
                 assert isinstance(spec, RunnerFault)

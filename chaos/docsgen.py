@@ -66,6 +66,12 @@ def scenarios_page(root: Path = ROOT) -> str:
             "scenarios its mutants are caught on",
         ),
         (
+            "pg",
+            "scenarios/pg/*.yaml",
+            "the `pg` design's own (`system: pg`, PostgreSQL alone): the second document's "
+            "acceptance tests and its resume from a checkpoint",
+        ),
+        (
             "Containers mode",
             "scenarios/containers/*.yaml",
             "clean stops and pauses of the services (`--mode containers`, or live processes)",

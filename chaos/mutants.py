@@ -972,6 +972,14 @@ def pg_double_claim() -> None:
     worker is the engine's, unpatched."""
 
 
+def pg_resume_forgets() -> None:
+    """no_completed_rerun: `eai.resume` deletes every checkpoint of the run, those at or
+    before the checkpoint it was asked to keep too, while it names only the later ones as
+    deleted: a resume from chk_0001 runs the rule of chk_0001 again. The breakage is the
+    database's, installed by the pg-store adapter (`chaos.systems.pg_store.mutants`); the
+    worker is the engine's, unpatched."""
+
+
 # --- the table -----------------------------------------------------------------------------
 
 
@@ -1169,8 +1177,12 @@ _REDIS_STORE = frozenset(
 def refusal(name: str | None, system: str) -> str | None:
     """Why mutant `name` cannot run on `system` (it breaks another design's part), in one
     line (None: it can)."""
+    from chaos.systems import SYSTEMS
+
     mutant = MUTANTS.get(name) if name is not None else None
-    if mutant is None or mutant.system in (None, system):
+    sut = SYSTEMS.get(system)
+    store_of = sut.store_of if sut is not None else None
+    if mutant is None or mutant.system in (None, system, store_of):
         return None
     return f"--mutant: {name} breaks {mutant.system} only; the scenario runs on {system}"
 
@@ -1429,6 +1441,12 @@ MUTANTS: dict[str, Mutant] = {
             pg_double_claim,
             "leases_respected",
             "pg-store only: eai.begin skips its lease check: two workers run one evaluation",
+            "pg-store",
+        ),
+        _mutant(
+            pg_resume_forgets,
+            "no_completed_rerun",
+            "pg-store only: eai.resume deletes the checkpoints it was asked to keep",
             "pg-store",
         ),
         _mutant(

@@ -69,7 +69,7 @@ DETAILS: dict[str, str] = {
     "no_attempt_id": "attempt_id: ",
     "empty_attempt_id": "attempt_id: ",
     "no_published_ms": "published_ms: ",
-    "unknown_reason": "reason: expected one of lost_retry, stale_heartbeat, submit",
+    "unknown_reason": "reason: expected one of lost_retry, resume, stale_heartbeat, submit",
     "retry_without_rule": "rule_id: ",
     "retry_delay_not_an_integer": "delay_ms: ",
     "retry_of_no_attempt": "attempt: ",

@@ -143,6 +143,14 @@ def env_config(**overrides: object) -> EngineConfig:
         raw = env.get(f"ENGINE_{key.upper()}")
         if raw is not None:
             values[key] = cast(raw)
+    stale_s = env.get("EAI_HEARTBEAT_STALE_SECONDS")  # the durable design's name for the lease
+    if stale_s is not None and "ENGINE_STALE_MS" not in env:
+        try:
+            values["stale_ms"] = round(float(stale_s) * 1000)
+        except ValueError:
+            raise ValueError(
+                f"EAI_HEARTBEAT_STALE_SECONDS: expected seconds; got {stale_s!r}"
+            ) from None
     if "ENGINE_SWEEPER" in env:
         values["sweeper"] = env["ENGINE_SWEEPER"].lower() not in ("0", "false", "no", "off")
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -6,6 +6,8 @@ are found (and purged) by that prefix.
 
 from __future__ import annotations
 
+import re
+
 
 def result_key(attempt_id: str, rule_id: str) -> str:
     return f"attempt:{attempt_id}:rule:{rule_id}:result"
@@ -31,3 +33,19 @@ def retry_member(attempt_id: str, rule_id: str) -> str:
 def split_member(member: str) -> tuple[str, str]:
     attempt_id, _, rule_id = member.partition("\x1f")
     return attempt_id, rule_id
+
+
+CHECKPOINT_ID = re.compile(r"^chk_(\d{4,})$")
+
+
+def checkpoint_id(number: int) -> str:
+    """A run's checkpoint as the durable design names it: `chk_0001` is its first."""
+    return f"chk_{number:04d}"
+
+
+def checkpoint_number(name: str) -> int:
+    """`chk_0042` -> 42; ValueError for anything else."""
+    m = CHECKPOINT_ID.match(name)
+    if m is None or int(m.group(1)) < 1:
+        raise ValueError(f"expected a checkpoint id chk_0001, chk_0002, ...; got {name!r}")
+    return int(m.group(1))

@@ -6,6 +6,8 @@ remove what a namespace left behind.
     python -m engine.submit --cancel cand-42
     python -m engine.submit --status cand-42
     python -m engine.submit --namespace try. --purge cand- load-
+    python -m engine.submit --system pg --resume cand-42 [--from-checkpoint chk_0003]
+    python -m engine.submit --system pg --heartbeats
 
 `--purge PREFIX...` deletes every Redis key `attempt:{PREFIX}*` (results, statuses and the
 engine's own keys of those evaluations) and, with a namespace, the namespace's index keys and
@@ -21,6 +23,15 @@ store holds neither its state nor its plan), `--wait` ended before every evaluat
 terminal, or `--purge` refused; 2 bad input; 3 the store (Redis or PostgreSQL) or RabbitMQ
 unreachable, refusing the credentials, or a PostgreSQL the store cannot use. Errors are one
 line on stderr, with passwords masked.
+
+On the PostgreSQL store (`--system pg` or `pg-store`), `--resume RUN` resumes a run as the
+durable design has it (`AgentLoop.resume`): its checkpoints are numbered in the order they
+became durable (chk_0001, ...); everything up to `--from-checkpoint` (default: the last)
+is kept, nothing after it is trusted, the lease is taken from whoever holds it and the run
+is published again. It prints `{"run_id", "state", "resume": {"checkpoint_id", "attempt"}}`;
+a finished or cancelled run is refused (exit 1), an unknown run or checkpoint is bad input
+(exit 2). `--heartbeats` lists the runs whose owner stopped renewing for longer than
+`EAI_HEARTBEAT_STALE_SECONDS` (the lease, `ENGINE_STALE_MS`, by default), one JSON line each.
 
 `EngineClient` is the same thing as a library, used by the tests and the chaos runner.
 """
@@ -48,8 +59,9 @@ from engine.config import (
     ServiceUnavailable,
     env_config,
 )
-from engine.core.messages import SUBMIT_REASON
+from engine.core.messages import RESUME_REASON, SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
+from engine.keys import checkpoint_id, checkpoint_number
 from engine.plan import Plan, PlanError, load_plan, plan_from_dict
 from engine.runtime.broker import Broker, QueueInUse, amqp_unavailable
 from engine.runtime.context import open_broker, open_store, store_address, store_unavailable
@@ -61,6 +73,14 @@ from engine.runtime.store import now_ms
 STORE_ERRORS = (RedisError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 TERMINAL = {s.value for s in TERMINAL_EVALUATION_STATUSES}
+
+
+class ResumeRefused(Exception):
+    """A resume that cannot be done, in one line, with the exit code it means."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class EngineClient:
@@ -116,6 +136,42 @@ class EngineClient:
         await self.broker.publish_control({"type": "cancel", "attempt_id": attempt_id})
         return EvaluationStatus.CANCELLED.value
 
+    async def resume(
+        self, attempt_id: str, checkpoint: str | None = None, reason: str | None = None
+    ) -> dict[str, Any]:
+        """Resume a run from `checkpoint` (`chk_NNNN`; None: its last) and publish it again;
+        the document's answer. `ResumeRefused` (with its exit code) when it cannot be."""
+        if not isinstance(self.store, PostgresStore):
+            raise ResumeRefused("--resume needs the PostgreSQL store (--system pg or pg-store)", 2)
+        try:
+            number = None if checkpoint is None else checkpoint_number(checkpoint)
+        except ValueError as exc:
+            raise ResumeRefused(f"--from-checkpoint: {exc}", 2) from None
+        done = await self.store.resume(attempt_id, number, reason or RESUME_REASON)
+        if done.kind == "unknown":
+            raise ResumeRefused(f"--resume: no run {attempt_id!r} in this namespace", 2)
+        if done.kind == "terminal":
+            raise ResumeRefused(f"--resume: run {attempt_id} is {done.state}: nothing to resume", 1)
+        if done.kind == "nocheckpoint":
+            last = checkpoint_id(done.checkpoint) if done.checkpoint else "none yet"
+            raise ResumeRefused(
+                f"--from-checkpoint: run {attempt_id} has no {checkpoint} (its last: {last})", 2
+            )
+        body = {
+            "type": "execute",
+            "attempt_id": attempt_id,
+            "reason": RESUME_REASON,
+            "published_ms": now_ms(),
+        }
+        await self.broker.publish_work(body, f"{attempt_id}:resume:{done.attempt}")
+        chk = checkpoint_id(done.checkpoint) if done.checkpoint else None
+        return {
+            "run_id": attempt_id,
+            "state": "running",
+            "resume": {"checkpoint_id": chk, "attempt": done.attempt},
+            "discarded": list(done.deleted),
+        }
+
     async def status(self, attempt_id: str) -> str | None:
         return (await self.store.record(attempt_id)).state
 
@@ -159,6 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PREFIX",
         help="delete the keys of attemptIds starting with PREFIX, and the namespace's queues",
     )
+    p.add_argument("--resume", metavar="RUN", help="resume a run (PostgreSQL store)")
+    p.add_argument(
+        "--from-checkpoint",
+        metavar="CHK",
+        help="with --resume: keep up to chk_NNNN (default: last)",
+    )
+    p.add_argument("--reason", help="with --resume: why (kept in the run's events)")
+    p.add_argument(
+        "--heartbeats", action="store_true", help="list the runs whose owner stopped renewing"
+    )
     p.add_argument("--wait", action="store_true", help="wait until every one is terminal")
     p.add_argument(
         "--timeout", type=float, default=60.0, help="seconds --wait waits at most (default 60)"
@@ -184,13 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bad_input(args: argparse.Namespace) -> str | None:
     """What is wrong with the command line, in one line (None: nothing)."""
-    actions = [a for a in (args.plan, args.cancel, args.status) if a] + (
-        [1] if args.purge is not None else []
-    )
+    actions = [a for a in (args.plan, args.cancel, args.status, args.resume, args.heartbeats) if a]
+    actions += [1] if args.purge is not None else []
+    one_of = "a plan, --cancel ID, --status ID, --resume RUN, --heartbeats, --purge PREFIX..."
     if not actions:
-        return "give a plan to submit, --cancel ID, --status ID or --purge PREFIX..."
+        return f"give one of: {one_of}"
     if len(actions) > 1:
-        return "give one of: a plan, --cancel ID, --status ID, --purge PREFIX..."
+        return f"give only one of: {one_of}"
+    if (args.from_checkpoint or args.reason) and not args.resume:
+        return "--from-checkpoint and --reason go with --resume RUN"
     if args.purge is not None and any(not prefix for prefix in args.purge):
         return "--purge: an empty prefix would match every evaluation; give a real one"
     if args.count < 1:
@@ -247,6 +315,20 @@ def main(argv: list[str] | None = None) -> int:
         lost = amqp_unavailable(exc, config.amqp_url, config.connect_timeout_s)
         print(f"engine.submit: {lost}", file=sys.stderr)
         return 3
+
+
+async def _heartbeats(config: EngineConfig) -> int:
+    store = open_store(config)
+    if not isinstance(store, PostgresStore):
+        print("engine.submit: --heartbeats needs the PostgreSQL store", file=sys.stderr)
+        return 2
+    try:
+        await store.probe()
+        for attempt_id, owner, age in await store.stale_heartbeats(config.stale_ms):
+            print(json.dumps({"run_id": attempt_id, "owner": owner, "stale_ms": age}))
+    finally:
+        await store.close()
+    return 0
 
 
 def _unknown(config: EngineConfig, attempt_id: str) -> int:
@@ -331,6 +413,17 @@ async def _purge(config: EngineConfig, prefixes: list[str]) -> int:
 async def _run(config: EngineConfig, plan: Plan | None, args: argparse.Namespace) -> int:
     if args.purge is not None:
         return await _purge(config, args.purge)
+    if args.resume:
+        async with EngineClient(config) as client:
+            try:
+                answer = await client.resume(args.resume, args.from_checkpoint, args.reason)
+            except ResumeRefused as exc:
+                print(f"engine.submit: {exc}", file=sys.stderr)
+                return exc.code
+        print(json.dumps(answer))
+        return 0
+    if args.heartbeats:
+        return await _heartbeats(config)
     if args.status:
         known, state, rules = await _status(config, args.status)
         if not known:

@@ -46,6 +46,8 @@ CAUSE_TEXT: dict[str, str] = {
     "in_flight": "the execution before never finished, and the evaluation came back "
     "another way (a lease lost, a pause, a message forwarded)",
     "lost_state": "a result had been written, and Redis lost it (a restart that lost writes)",
+    "resume": "a result had been written, and a resume from an earlier checkpoint deleted "
+    "it (`engine.submit --resume --from-checkpoint`): asked for, not a fault's cost",
     "mutant": "a result had been written, and the run's engine is a mutant",
     "after_completion": "a result had been written, and nothing explains the rerun (a bug: "
     "no_completed_rerun fails it)",
@@ -228,6 +230,7 @@ _READ = frozenset(
         "service_restarted",
         "sweeper_resumed",
         "delivered",
+        "resume_written",
     }
 )
 
@@ -241,6 +244,7 @@ def duplicated_cost(history: list[dict[str, Any]], mutant: str | None = None) ->
     by_attempt: dict[tuple[str, str, int], list[Execution]] = defaultdict(list)
     written: dict[tuple[str, str], float] = {}  # the first result_persisted of a rule
     lost_at: list[float] = []  # restarts of Redis that lost writes
+    discarded: dict[tuple[str, str], float] = {}  # results a resume deleted, when
     comebacks: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)
     for e in history:
         ev = e.get("ev")
@@ -255,7 +259,7 @@ def duplicated_cost(history: list[dict[str, Any]], mutant: str | None = None) ->
                 x = Execution(a, r, n, src, t)
                 earlier = by_attempt[a, r, n]
                 if earlier:
-                    x.cause = _cause(earlier[-1], x, written, lost_at, comebacks, mutant)
+                    x.cause = _cause(earlier[-1], x, written, lost_at, comebacks, mutant, discarded)
                 earlier.append(x)
                 current[key] = x
                 cost.executions.append(x)
@@ -271,6 +275,9 @@ def duplicated_cost(history: list[dict[str, Any]], mutant: str | None = None) ->
                 x.finished = x.finished or ev == "rule_finished"
         elif ev == "result_persisted":
             written.setdefault((a, r), t)
+        elif ev == "resume_written":
+            for gone in e.get("discarded") or ():
+                discarded.setdefault((a, str(gone)), t)
         elif ev == "service_restarted" and as_int(e.get("lost_writes")) > 0:
             lost_at.append(t)
         elif ev == "sweeper_resumed":
@@ -287,11 +294,15 @@ def _cause(
     lost_at: list[float],
     comebacks: dict[tuple[str, str], list[tuple[float, str]]],
     mutant: str | None,
+    discarded: dict[tuple[str, str], float],
 ) -> str:
     done = written.get((x.attempt_id, x.rule_id))
     if done is not None and done <= x.start:
         if any(done <= t <= x.start for t in lost_at):
             return "lost_state"
+        gone = discarded.get((x.attempt_id, x.rule_id))
+        if gone is not None and done <= gone <= x.start:
+            return "resume"
         return "mutant" if mutant else "after_completion"
     if before.finished:
         return "write_window"

@@ -13,7 +13,7 @@ from engine.failpoints import TIMED_ACTIONS
 #: A `fault_fired`'s `action`, by what it acts on: one worker (its `target` a worker's
 #: index), an index (a worker, an evaluation for a cancel, a sentinel), the network.
 WORKER_ACTIONS: frozenset[str] = frozenset({"kill_worker", "restart_worker", "pause_worker"})
-TARGETED_ACTIONS: frozenset[str] = WORKER_ACTIONS | {"cancel", "kill_sentinel"}
+TARGETED_ACTIONS: frozenset[str] = WORKER_ACTIONS | {"cancel", "resume", "kill_sentinel"}
 LINK_ACTIONS: frozenset[str] = frozenset({"add_toxic", "update_toxic", "remove_toxic", "cut_link"})
 
 

@@ -150,6 +150,10 @@ class SimRedis:
         self.replica_attached = True
         self._pause: _Pause | None = None  # paused: what arrives waits
         self._zombie: _Pause | None = None  # paused, and a replica promoted over it
+        # PostgreSQL's checkpoints are numbered in the order their results became durable
+        # (`migrations/0003_eai_resume.sql`): kept, as the rules in that order, under
+        # `attempt:{a}:checkpoints`, only for the designs that have them (None: Redis)
+        self.numbering = False
 
     # --- the server -------------------------------------------------------------------
 
@@ -434,11 +438,57 @@ class SimRedis:
         if refused is not None:
             return refused
         existing = self.set_result(result_key(a, result.rule_id), result)
+        if existing is None:
+            self._number(a, result.rule_id)
         self._zrem(self.retries_index, retry_member(a, result.rule_id))
         over = self._over(a)
         if over is not None:  # the evaluation is over: nothing counted, nothing starts
             return existing, [], over
         return existing, self._count_starts(a, starts), None
+
+    def _number(self, a: str, rule_id: str) -> None:
+        """The rule's result is durable: the run's next checkpoint (PostgreSQL's trigger)."""
+        if self.numbering:
+            key = eval_key(a, "checkpoints")
+            self._set(key, [*(r for r in self.get(key) or () if r != rule_id), rule_id], self.ttl)
+
+    def resume_from(self, a: str, number: int | None, reason: str) -> list[str]:
+        """`eai.resume`: keep the results of the first `number` checkpoints (None: all),
+        delete every other result and status, and the passes when anything went; take the
+        lease (the fence moves on to `n:resume`) and stamp the running index."""
+        plan = self.get(eval_key(a, "plan"))
+        state = self.get(eval_key(a, "state"))
+        if plan is None:
+            return ["unknown"]
+        if state in TERMINAL:
+            return ["terminal", state]
+        order = [
+            r for r in self.get(eval_key(a, "checkpoints")) or () if self.get(result_key(a, r))
+        ]
+        if number is not None and not 1 <= number <= len(order):
+            return ["nocheckpoint", str(len(order))]
+        upto = len(order) if number is None else number
+        kept = set(order[:upto])
+        gone = sorted(
+            r
+            for r in plan.rules
+            if r not in kept
+            and (self.get(result_key(a, r)) is not None or self.get(status_key(a, r)) is not None)
+        )
+        for r in gone:
+            self._del(result_key(a, r))
+            self._del(status_key(a, r))
+            self._zrem(self.retries_index, retry_member(a, r))
+        if gone:
+            self._del(eval_key(a, "passes"))
+        self._set(eval_key(a, "checkpoints"), order[:upto], self.ttl)
+        attempt = int(self.get(eval_key(a, "resumes")) or 1) + 1
+        self._set(eval_key(a, "resumes"), attempt, self.ttl)
+        self._del(eval_key(a, "owner"))
+        self._next_fence(a, "resume")
+        self._set(eval_key(a, "state"), "running", self.ttl)
+        self._zadd(self.running_index, a, self._now_ms())
+        return ["ok", str(upto), str(attempt), *gone]
 
     def set_result(self, key: str, result: RuleResult) -> RuleResult | None:
         """The script's `SET key value NX EX ttl`: the result stored before, if one was (the
@@ -588,6 +638,7 @@ class SimRedis:
             key = result_key(a, rule_id)
             if self.get(key) is None:
                 self._set(key, result.to_json(), self.ttl)
+                self._number(a, rule_id)
                 restored.append(rule_id)
         for rule_id in failed:
             key = status_key(a, rule_id)

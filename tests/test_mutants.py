@@ -1480,13 +1480,16 @@ def test_final_unfenced() -> None:
 # the same misstep of its Python reference. Each is caught on its pg-store scenario.
 
 
-def _pg_caught(name: str, mutant: str, seeds: tuple[int | None, ...] = (None,)) -> None:
-    """`scenarios/pg_store/<name>.yaml` (`system: pg-store`) passes on the engine and fails
-    on `mutant`'s invariant with it, for each seed (None: the file's)."""
+def _pg_caught(
+    name: str, mutant: str, seeds: tuple[int | None, ...] = (None,), folder: str = "pg_store"
+) -> None:
+    """`scenarios/<folder>/<name>.yaml`, on `pg-store`, passes on the engine and fails on
+    `mutant`'s invariant with it, for each seed (None: the file's)."""
     from chaos.insim import run_scenario
     from chaos.scenario import load_scenario
+    from chaos.systems import on_system
 
-    loaded = load_scenario(ROOT / "scenarios" / "pg_store" / f"{name}.yaml")
+    loaded = on_system(load_scenario(ROOT / "scenarios" / folder / f"{name}.yaml"), "pg-store")
     assert loaded.spec.system == "pg-store"
     breaks = MUTANTS[mutant].breaks
     for seed in seeds:
@@ -1514,6 +1517,11 @@ def test_pg_double_claim() -> None:
     # A retry delivered to the worker not holding its evaluation is begun there, beside the
     # owner (as ignore_lease).
     _pg_caught("postgres_calls_outlast_lease", "pg_double_claim", (None, 2, 3))
+
+
+def test_pg_resume_forgets() -> None:
+    # A resume from chk_0001 deletes chk_0001 too: its rule (compiles) runs again.
+    _pg_caught("resume_from_checkpoint", "pg_resume_forgets", (None, 1, 2), folder="pg")
 
 
 def _shipped_function(function: str) -> str:

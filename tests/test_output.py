@@ -108,7 +108,7 @@ def test_reruns_are_split_by_kind() -> None:
     stats = result.stats
     assert stats["reruns_by_cause"] == {
         "write_window": 1, "redelivery": 0, "sweeper_resume": 0, "in_flight": 1,
-        "lost_state": 0, "mutant": 0, "after_completion": 1,
+        "lost_state": 0, "resume": 0, "mutant": 0, "after_completion": 1,
     }  # fmt: skip
     assert stats["completed_reruns"] == 1  # no_completed_rerun's own count of violations
     assert stats["reruns"] == 3

@@ -656,8 +656,8 @@ BROKEN: list[tuple[str, Mutation, str]] = [
         _fault(1, action="explode"),
         "faults[1].action: expected one of kill_worker, restart_worker, pause_worker, kill_redis, "
         "pause_redis, kill_sentinel, kill_broker, pause_broker, stop_redis, stop_broker, "
-        "cancel, add_toxic, update_toxic, remove_toxic, cut_link, publish_poison, kill_service, "
-        "stop_service, pause_service, restart_service; got 'explode'",
+        "cancel, resume, add_toxic, update_toxic, remove_toxic, cut_link, publish_poison, "
+        "kill_service, stop_service, pause_service, restart_service; got 'explode'",
     ),
     ("runner_no_action", _drop(1, "action"), "faults[1].action: required field is missing"),
     # network faults: the link, the toxic (Toxiproxy's fields), which workers, for how long
@@ -821,7 +821,7 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     (
         "target_on_redis",
         _fault(1, action="kill_redis"),
-        "faults[1].target: only for kill_worker, restart_worker, pause_worker, cancel and "
+        "faults[1].target: only for kill_worker, restart_worker, pause_worker, cancel, resume and "
         "kill_sentinel",
     ),
     (
@@ -1446,6 +1446,7 @@ def test_committed_schema_is_current() -> None:
         "stop_redis",
         "stop_broker",
         "cancel",
+        "resume",
         "add_toxic",
         "update_toxic",
         "remove_toxic",

@@ -19,8 +19,13 @@ lease it asked for) and never count a write as a renewal.
   renewal answered before the claim was sent stamped the index when it was sent, at the
   latest), and another worker begins an evaluation only once the lease of the latest
   renewal the holder got answered `held` has run out, unless the holder let it go first
-  (abandoned, parked, announced, or another final state kept). A Redis fault in between
-  (a restart or failover may roll keys back) excuses it.
+  (abandoned, parked, announced, or another final state kept), or a resume from a
+  checkpoint took it away (the runner's `resume_requested` / `resume_written`: the store
+  clears the owner and moves the fence). A Redis fault in between (a restart or failover
+  may roll keys back) excuses it. Only the holders before the begin are looked at: those
+  whose token is older than the begin's (the store numbers its tokens in the order it
+  gives them; a begin recorded late, after a publish that waited out a broker outage, was
+  still applied before a later holder's begin).
 """
 
 from __future__ import annotations
@@ -181,6 +186,25 @@ def _marks(evs: list[dict], dead: Any) -> list[_Mark]:
     return out
 
 
+def _fence_number(token: Any) -> int | None:
+    """n of a token `n:worker`: the store gives them in order (None: no token)."""
+    head = str(token).partition(":")[0] if token else ""
+    return int(head) if head.isdigit() else None
+
+
+def _resumes(evs: list[dict]) -> list[tuple[float, float]]:
+    """The resumes of an evaluation that were done: when each was asked for and answered
+    (the store applied it in between)."""
+    out: list[tuple[float, float]] = []
+    asked: float | None = None
+    for e in of(evs, "resume_requested", "resume_written"):
+        if e.get("ev") == "resume_requested":
+            asked = event_time(e)
+        elif asked is not None and e.get("resume") is not None:
+            out.append((asked, event_time(e)))
+    return out
+
+
 def check_leases_respected(cx: Context) -> Outcome:
     """One case per sweeper claim and per begin; a violation per one that took a lease
     before the renewal or begin of another holder could have run out."""
@@ -240,12 +264,14 @@ def check_leases_respected(cx: Context) -> Outcome:
                 let_go_at[proc_of(e)].append(_sent(e))
         for times in let_go_at.values():
             times.sort()
+        revoked = _resumes(evs)
         for s in sessions(evs, dead):
             begin, t, proc = s.started, s.t0, s.proc
             if begin.get("fence") is None:
                 continue
             cases += 1  # judged: with no other holder before it, nothing taken early
             me = _worker_of(begin.get("fence"))
+            mine = _fence_number(begin.get("fence"))
             # The latest stamp of another holder: its renewal answered held was applied
             # before this begin (it would have been refused after it); its begin, only if
             # answered before this one was sent. Either was sent by `t`. Of equal stamps,
@@ -257,6 +283,7 @@ def check_leases_respected(cx: Context) -> Outcome:
                     m.proc != proc
                     and m.event is not begin
                     and (me is None or _worker_of(m.fence) != me)
+                    and (mine is None or (_fence_number(m.fence) or 0) < mine)
                     and (
                         m.sent <= t
                         if m.event.get("ev") == "lease_renewed"
@@ -273,6 +300,8 @@ def check_leases_respected(cx: Context) -> Outcome:
             gone = let_go_at.get(last.proc, [])
             if bisect_right(gone, t) > bisect_left(gone, last.sent):
                 continue
+            if any(asked <= t and last.reply <= done for asked, done in revoked):
+                continue  # the resume took the lease: applied after the mark, before t
             out.append(
                 Violation(
                     "leases_respected",

@@ -3,6 +3,11 @@
 `rule_started` of that pair may follow. A start recorded later on any clock of this
 machine began after the write, so the engine ran finished work. Repeated starts of one
 attempt *before* the write (a crash mid-call, the write window) are allowed and counted.
+
+Only a resume from a checkpoint that deleted the result (the runner's `resume_written`
+naming the rule among those `discarded`) makes the rule unfinished again: from then on it
+is judged afresh, against its next durable write. A rule the resume kept (at or before
+its checkpoint) is still finished, and may never start again.
 """
 
 from __future__ import annotations
@@ -26,37 +31,65 @@ def check_no_completed_rerun(cx: Context) -> Outcome:
     `reruns_by_cause`, `duplicated_by_cause`), which the checker adds to the stats."""
     out: list[Violation] = []
     calls = judged = completed_reruns = 0
-    for (a, r), evs in sorted(cx.by_pair.items()):
-        # one pass over the pair's events (the hottest check: every seed, every pair)
-        starts: list[dict] = []
-        # T: the first write, won or not: a losing SET NX found a result already durable
-        # (a retried write whose first try landed before its connection dropped finds its own)
-        won: dict | None = None
-        for e in evs:
-            ev = e.get("ev")
-            if ev == "rule_started":
-                starts.append(e)
-            elif ev == "result_persisted" and won is None:
-                won = e
-        calls += len(starts)
-        judged += bool(starts)
-        late = [e for e in starts if won is not None and event_time(e) > event_time(won)]
-        if won is not None and late:
-            completed_reruns += len({id(e) for e in late if as_int(e.get("try_no"), 1) == 1})
-            out.append(
-                Violation(
-                    "no_completed_rerun",
-                    a,
-                    r,
-                    f"{r} started {len(late)} time(s) after its result (attempt "
-                    f"{won.get('attempt')}) was persisted; first "
-                    f"{event_time(late[0]) - event_time(won):.3f} s after, by {late[0].get('src')}",
-                    timeline(
-                        [won, *late[:3]],
-                        of(evs, "rule_finished", "result_persisted")
-                        + of(cx.by_eval[a], "recovered", "delivered", "evaluation_started"),
-                    ),
+    discards = resume_discards(cx)
+    for (a, r), pair_evs in sorted(cx.by_pair.items()):
+        for evs in _lives(pair_evs, discards.get((a, r), [])):
+            # one pass over the pair's events (the hottest check: every seed, every pair)
+            starts: list[dict] = []
+            # T: the first write, won or not: a losing SET NX found a result already durable
+            # (a retried write whose first try landed before its connection dropped finds
+            # its own)
+            won: dict | None = None
+            for e in evs:
+                ev = e.get("ev")
+                if ev == "rule_started":
+                    starts.append(e)
+                elif ev == "result_persisted" and won is None:
+                    won = e
+            calls += len(starts)
+            judged += bool(starts)
+            late = [e for e in starts if won is not None and event_time(e) > event_time(won)]
+            if won is not None and late:
+                completed_reruns += len({id(e) for e in late if as_int(e.get("try_no"), 1) == 1})
+                out.append(
+                    Violation(
+                        "no_completed_rerun",
+                        a,
+                        r,
+                        f"{r} started {len(late)} time(s) after its result (attempt "
+                        f"{won.get('attempt')}) was persisted; first "
+                        f"{event_time(late[0]) - event_time(won):.3f} s after, by "
+                        f"{late[0].get('src')}",
+                        timeline(
+                            [won, *late[:3]],
+                            of(evs, "rule_finished", "result_persisted")
+                            + of(cx.by_eval[a], "recovered", "delivered", "evaluation_started"),
+                        ),
+                    )
                 )
-            )
     cx.stats.update(calls=calls, completed_reruns=completed_reruns)
     return judged, out
+
+
+def resume_discards(cx: Context) -> dict[tuple[str, str], list[float]]:
+    """When a resume deleted each (evaluation, rule)'s result: the runner's `resume_written`
+    and the rules it names `discarded`."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for e in of(cx.events, "resume_written"):
+        for r in e.get("discarded") or ():
+            out.setdefault((str(e.get("attempt_id")), str(r)), []).append(event_time(e))
+    return out
+
+
+def _lives(evs: list[dict], cuts: list[float]) -> list[list[dict]]:
+    """The pair's events, split where a resume deleted its result (most pairs: one life)."""
+    if not cuts:
+        return [evs]
+    bounds = sorted(cuts)
+    lives: list[list[dict]] = [[]]
+    for e in evs:
+        while bounds and event_time(e) > bounds[0]:
+            bounds.pop(0)
+            lives.append([])
+        lives[-1].append(e)
+    return lives

@@ -6,7 +6,9 @@ A rule is known terminal to the announcing process when, before the announcement
 of its result was recorded (`result_persisted`, won or lost: either way Redis holds one),
 `permanently_failed` was written for it or for a rule it depends on, or the process loaded
 it from Redis (its `recovered` event). Copies of one announcement (a crash between the
-publish and the mark in Redis) must agree, and one process never announces a pass twice.
+publish and the mark in Redis) must agree, and one process never announces a pass twice
+(unless a resume from a checkpoint deleted results in between: the passes are announced
+again, the runner's `resume_written` with rules `discarded`).
 An evaluation that finished (not cancelled) must have announced every pass, in the history
 or, when its announcer died before recording it, in its `passes` hash in Redis (judged only
 where the final state holds that hash: without it a missing record proves nothing). When the
@@ -123,6 +125,7 @@ def check_pass_results_correct(cx: Context) -> Outcome:
         for e in pubs:
             by_pass[str(e.get("pass_id"))].append(e)
         rules_of = {p.id: list(p.rule_ids) for p in plan.passes}
+        resets = [event_time(e) for e in of(evs, "resume_written") if e.get("discarded")]
 
         def flag(
             message: str,
@@ -165,7 +168,9 @@ def check_pass_results_correct(cx: Context) -> Outcome:
             seen: dict[tuple[str, Any], dict] = {}
             for e in copies:
                 key = proc_of(e)
-                if key in seen:
+                if key in seen and not any(
+                    event_time(seen[key]) <= t <= event_time(e) for t in resets
+                ):
                     flag(f"{e.get('src')} announced pass {pid} twice", [seen[key], e], pid)
                 seen[key] = e
             duplicates += max(0, len(copies) - 1)

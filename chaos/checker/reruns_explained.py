@@ -21,6 +21,11 @@ start and the rerun's, something broke what the earlier round's process held:
   elsewhere in the run (another worker paused, another process's link cut) explains
   nothing about it.
 
+- a resume from a checkpoint was asked for meanwhile (the runner's `resume_written`): it
+  takes the lease from the owner (its calls in flight are dropped) and deletes the results
+  after the checkpoint, so it explains the rerun of a rule it deleted (`discarded`) or
+  that had no durable result yet when it came; never that of a rule it kept.
+
 Anything else is an engine that gave up work it held, and a violation with its evidence:
 the two starts and what each process did in between (an engine that needlessly gives up its
 leases and reruns work must fail).
@@ -134,9 +139,17 @@ def check_reruns_explained(cx: Context) -> Outcome:
                 prev, rnd = attempt_rounds[i - 1], attempt_rounds[i]
                 reruns += 1
                 if not faults:
-                    faults = (deaths(cx.events), touches(cx.events), _stalls(cx), _injected(cx))
-                dead, windows, stalls, injected = faults
+                    faults = (
+                        deaths(cx.events),
+                        touches(cx.events),
+                        _stalls(cx),
+                        _injected(cx),
+                        _resumes(cx),
+                    )
+                dead, windows, stalls, injected, resumes = faults
                 reason = _explained(cx, a, prev, rnd, dead, windows, stalls, slack, stops, injected)
+                if reason is None and _resumed(cx, a, r, prev, rnd, resumes):
+                    reason = "resume"
                 if reason is not None:
                     why[reason] += 1
                     continue
@@ -204,6 +217,38 @@ def _explained(
     if raised and bisect_right(raised, t1) > bisect_left(raised, t0):
         return "injected_raise"
     return None
+
+
+def _resumes(cx: Context) -> dict[str, list[tuple[float, frozenset[str]]]]:
+    """Per evaluation, each resume that was done: when, and the rules it deleted."""
+    out: dict[str, list[tuple[float, frozenset[str]]]] = defaultdict(list)
+    for e in of(cx.events, "resume_written"):
+        if e.get("resume") is not None:  # not refused
+            deleted = frozenset(str(r) for r in e.get("discarded") or ())
+            out[str(e.get("attempt_id"))].append((event_time(e), deleted))
+    return out
+
+
+def _resumed(
+    cx: Context,
+    a: str,
+    r: str,
+    prev: Round,
+    rnd: Round,
+    resumes: Mapping[str, list[tuple[float, frozenset[str]]]],
+) -> bool:
+    """A resume between the two starts that deleted the rule's result, or came while it
+    had none durable (the round it fenced off was in flight)."""
+    t0, t1 = event_time(prev.start), event_time(rnd.start)
+    for t, deleted in resumes.get(a, ()):
+        if not t0 <= t <= t1:
+            continue
+        if r in deleted:
+            return True
+        kept = any(event_time(e) <= t for e in of(cx.by_pair.get((a, r), []), "result_persisted"))
+        if not kept:
+            return True
+    return False
 
 
 def _injected(cx: Context) -> dict[tuple[str, Proc], list[float]]:

@@ -49,7 +49,7 @@ _WHERE = frozenset({"toxic_added", "toxic_updated", "toxic_removed", "link_cut",
 #: Runner fault actions that touch nothing of another execution: a worker's death is
 #: judged as a death (`chaos.checker.holding.deaths`), a cancel is no fault, and a poison
 #: message touches no evaluation (`poison_rejected` judges it).
-_NOT_A_FAULT = frozenset({"kill_worker", "restart_worker", "cancel", "publish_poison"})
+_NOT_A_FAULT = frozenset({"kill_worker", "restart_worker", "cancel", "resume", "publish_poison"})
 
 
 @dataclass(frozen=True)

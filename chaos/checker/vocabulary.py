@@ -56,7 +56,7 @@ ABANDONED: Spec = re.compile(
     re.S,
 )
 #: Where a submit or a resume came from (`delivered.reason`); None on a retry.
-REASONS: Spec = frozenset({"submit", "lost_retry", "stale_heartbeat", None})
+REASONS: Spec = frozenset({"submit", "lost_retry", "stale_heartbeat", "resume", None})
 
 _ID = {"attempt_id": STR}
 _RULE = {**_ID, "rule_id": STR, "attempt": INT}
@@ -229,8 +229,9 @@ def _expiry_as_its_answer(e: dict) -> str | None:
 
 
 #: Why each kind of work message was published: a retry by its owner (no reason) or by
-#: the sweeper that found it lost; an execute by a submit or by the sweeper's resume.
-REASONS_OF = {"retry": (None, "lost_retry"), "execute": ("submit", "stale_heartbeat")}
+#: the sweeper that found it lost; an execute by a submit, by the sweeper's resume, or by
+#: a resume from a checkpoint that was asked for (`engine.submit --resume`).
+REASONS_OF = {"retry": (None, "lost_retry"), "execute": ("submit", "stale_heartbeat", "resume")}
 
 
 def _retry_or_execute(e: dict) -> str | None:

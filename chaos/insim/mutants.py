@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.core import dag, evaluation
 from engine.core.evaluation import Evaluation
 from engine.core.results import RuleResult
-from engine.keys import eval_key
+from engine.keys import eval_key, result_key, status_key
 from engine.policy import RetryPolicy
 from engine.shell import controller, heartbeat, orchestrator, reevaluate
 from engine.shell import module as shell_module
@@ -403,6 +403,24 @@ def _pg_double_claim() -> None:
     _ignore_lease()
 
 
+def _pg_resume_forgets() -> None:
+    """`eai.resume` deleting every checkpoint, the kept ones too, and naming only the later
+    ones: what the run had finished before the checkpoint runs again."""
+    resume_from = SimRedis.resume_from
+
+    def forgets(self: SimRedis, a: str, number: int | None, reason: str) -> list[str]:
+        reply = resume_from(self, a, number, reason)
+        if reply[0] == "ok":
+            key = eval_key(a, "checkpoints")
+            for r in self.get(key) or ():
+                self._del(result_key(a, r))
+                self._del(status_key(a, r))
+            self._set(key, [], self.ttl)
+        return reply
+
+    SimRedis.resume_from = forgets  # type: ignore[method-assign]
+
+
 #: Mutants of a Lua script, of the broker's topology or of the history writer, patched on
 #: their model in `SimRedis`, `SimBroker` or `Source` with `patched`, like the core's.
 def _old_close_order() -> None:
@@ -440,6 +458,7 @@ PATCHED: dict[str, Callable[[], None]] = {
     "pg_unfenced": _pg_unfenced,
     "pg_overwrite_result": _pg_overwrite_result,
     "pg_double_claim": _pg_double_claim,
+    "pg_resume_forgets": _pg_resume_forgets,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
 _SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source, SimWorker, BrokerClient)

@@ -61,6 +61,7 @@ RUNNER_ACTIONS: tuple[str, ...] = (
     "stop_redis",  # stop Redis cleanly (SIGTERM; `docker stop` in containers mode)
     "stop_broker",  # stop the RabbitMQ node cleanly (SIGTERM; `docker stop`)
     "cancel",  # cancel one submitted evaluation
+    "resume",  # resume one from a checkpoint (`checkpoint`; the PostgreSQL designs)
     "add_toxic",  # a Toxiproxy toxic on the workers' link to a service (for_s: removed after)
     "update_toxic",  # change the attributes or toxicity of a toxic added before
     "remove_toxic",  # take a toxic added before away
@@ -623,8 +624,15 @@ class RunnerFault(_Model):
         BeforeValidator(_check_index_or_random),
     ] = Field(
         default=0,
-        description="worker index; evaluation index for cancel; sentinel index (0 to 2) for "
-        "kill_sentinel",
+        description="worker index; evaluation index for cancel and resume; sentinel index "
+        "(0 to 2) for kill_sentinel",
+    )
+    checkpoint: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_HITS,
+        description="resume: keep the evaluation's checkpoints up to this one (chk_NNNN, "
+        "numbered in the order they became durable); null: up to its last",
     )
     restart_after_s: float | None = Field(
         default=0.5, ge=0, le=MAX_RUN_S, description="null: never restart"
@@ -736,7 +744,7 @@ class RunnerFault(_Model):
         if "target" in self.model_fields_set and self.action not in TARGETED_ACTIONS:
             _fail(
                 "target",
-                "only for kill_worker, restart_worker, pause_worker, cancel and "
+                "only for kill_worker, restart_worker, pause_worker, cancel, resume and "
                 f"kill_sentinel; action is {self.action}",
             )
         if self.action in PAUSE_ACTIONS and self.pause_s is None:
@@ -746,6 +754,8 @@ class RunnerFault(_Model):
                 "pause_s",
                 f"only with pause_worker, pause_redis and pause_broker; action is {self.action}",
             )
+        if self.checkpoint is not None and self.action != "resume":
+            _fail("checkpoint", f"only with resume; action is {self.action}")
         if self.poison is not None and self.action != "publish_poison":
             _fail("poison", f"only with publish_poison; action is {self.action}")
         service_pause = self.action in ("pause_redis", "pause_broker")
@@ -1036,7 +1046,7 @@ class Scenario(_Model):
                         f"{where}.target",
                         _index_message("worker", fault.target, self.workers),
                     )
-                if fault.action == "cancel" and fault.target >= total:
+                if fault.action in ("cancel", "resume") and fault.target >= total:
                     _fail(
                         f"{where}.target",
                         _index_message("evaluation", fault.target, total),

@@ -42,6 +42,12 @@ class System:
     not_applicable: dict[str, str] = field(default_factory=dict)
     #: `service.how` (`broker.pause`) -> why the simulator has no model of that fault.
     not_simulated: dict[str, str] = field(default_factory=dict)
+    #: Its runs can be resumed from a checkpoint (the `resume` action): live, and in sim
+    #: when `sim_resumes`.
+    resumes: bool = False
+    sim_resumes: bool = False
+    #: The design whose store this one runs as it is (its store's mutants apply here too).
+    store_of: str | None = None
     live: str | None = None
     sim: str | None = None
     #: Its services' class (`module:Class`): `start(containers)`, `available()`, `own()`.
@@ -113,6 +119,8 @@ SYSTEMS: dict[str, System] = {
                 "broker.pause": "a frozen RabbitMQ node (connections held, nothing "
                 "delivered or confirmed) has no model in the simulator",
             },
+            resumes=True,
+            sim_resumes=True,
             live="chaos.systems.pg_store.live:PgStoreLive",
             sim="chaos.systems.pg_store.sim:PgStoreSim",
             stack="chaos.systems.pg_store.services:PgServices",
@@ -132,6 +140,8 @@ SYSTEMS: dict[str, System] = {
                 "state_keys_expire": "PostgreSQL keeps a run's rows for 7 days by a "
                 "retention column, not by key TTLs",
             },
+            resumes=True,
+            store_of="pg-store",
             live="chaos.systems.pg.live:PgLive",
             stack="chaos.systems.pg.services:PgAloneServices",
         ),
@@ -189,6 +199,16 @@ def refusal(loaded: LoadedScenario, name: str, mode: str) -> str | None:
             return (
                 f"{path}: faults[{i}].link: {name} has no link {fault.link!r} "
                 f"(it has {', '.join(sut.links)})"
+            )
+    for i, fault in enumerate(spec.faults):
+        if getattr(fault, "action", "") != "resume":
+            continue
+        if not sut.resumes:
+            return f"{path}: faults[{i}].action: {name} has no resume from a checkpoint"
+        if mode == "sim" and not sut.sim_resumes:
+            return (
+                f"{path}: faults[{i}].action: resume is not simulated on {name}; "
+                "run it with --mode live"
             )
     for section in ("redis", "broker", "postgres"):
         if section not in sut.settings and getattr(spec, section).model_fields_set:

@@ -19,7 +19,9 @@ import orjson
 SUBMIT_REASON = "submit"
 STALE_HEARTBEAT_REASON = "stale_heartbeat"
 LOST_RETRY_REASON = "lost_retry"
-REASONS = frozenset({SUBMIT_REASON, STALE_HEARTBEAT_REASON, LOST_RETRY_REASON})
+#: A run resumed from a checkpoint on request (`engine.submit --resume`).
+RESUME_REASON = "resume"
+REASONS = frozenset({SUBMIT_REASON, STALE_HEARTBEAT_REASON, LOST_RETRY_REASON, RESUME_REASON})
 
 
 def decode(raw: bytes) -> Any:

@@ -64,6 +64,23 @@ DATABASE_URL_ENV = "EAI_DATABASE_URL"
 TENANT_TABLES = ("runs", "checkpoints", "run_steps", "run_events", "topology", "jobs", "consumers")
 
 _APPLY = "SELECT eai.apply($1, $2, $3, $4, $5::jsonb, $6)"
+_APPLY_MORE = "SELECT eai.apply_more($1, $2, $3, $4, $5::jsonb, $6)"
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `PostgresStore.resume` did: `kind` "ok" (from checkpoint `checkpoint`, 0 when
+    the run had none, as its attempt `attempt`, the rules whose checkpoints were deleted in
+    `deleted`), "unknown" (no such run), "terminal" (`state`: refused) or "nocheckpoint"
+    (the run's last is `checkpoint`)."""
+
+    kind: str
+    checkpoint: int = 0
+    attempt: int = 0
+    deleted: tuple[str, ...] = ()
+    state: str | None = None
+
+
 _MIGRATION_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
 
@@ -453,6 +470,14 @@ class PostgresStore:
                     raise pg_unavailable(exc, self.url, self.config.connect_timeout_s) from exc
                 await asyncio.sleep(min(1.0, 0.02 * 2**failures))
 
+    async def _apply_more(self, ops: list[list[Any]]) -> list[Any]:
+        """Operations of the later migrations (`eai.apply_more`), as `_apply`."""
+        payload = orjson.dumps(ops).decode()
+        ns, lease, ttl = self.namespace, self.config.stale_ms, self.ttl
+        return await self.fetch_json(
+            _APPLY_MORE, lambda now: (self.tenant_id, ns, lease, ttl, payload, now)
+        )
+
     async def _read(self, name: str, attempt_id: str | None, *args: Any) -> Any:
         """A plain read or command: one `eai.apply` of its own, outside the batches (as the
         Redis store's reads go on a pooled connection of their own)."""
@@ -685,6 +710,30 @@ class PostgresStore:
         status = await self.batch.call(["claim_retry", attempt_id, rule_id, grace_ms])
         return status or None
 
+    # --- resuming (the durable design's `AgentLoop.resume`) -------------------------------
+
+    async def resume(self, attempt_id: str, number: int | None, reason: str) -> Resumed:
+        """Keep the run's checkpoints up to `number` (None: all), delete the rest, take the
+        lease from its holder; the caller then publishes the work that resumes it."""
+        ((kind, *rest),) = await self._apply_more([["resume", attempt_id, number, reason]])
+        if kind == "ok":
+            return Resumed("ok", int(rest[0]), int(rest[1]), tuple(rest[2:]))
+        if kind == "terminal":
+            return Resumed("terminal", state=rest[0])
+        if kind == "nocheckpoint":
+            return Resumed("nocheckpoint", checkpoint=int(rest[0]))
+        return Resumed("unknown")
+
+    async def checkpoints(self, attempt_id: str) -> list[tuple[int, str]]:
+        """The run's checkpoints in the order they became durable: (number, rule id)."""
+        ((rows),) = await self._apply_more([["checkpoints", attempt_id]])
+        return [(int(n), str(r)) for n, r in rows]
+
+    async def stale_heartbeats(self, older_than_ms: int, limit: int = 100) -> list[Any]:
+        """Runs nobody renews: [attemptId, last owner, ms since its last stamp], oldest first."""
+        ((rows),) = await self._apply_more([["stale_heartbeats", None, older_than_ms, limit]])
+        return [tuple(r) for r in rows]
+
 
 # --- python -m engine.runtime.pgstore ---------------------------------------------------------
 
@@ -741,6 +790,7 @@ __all__ = [
     "GroupCommit",
     "Lanes",
     "PostgresStore",
+    "Resumed",
     "migrate",
     "migrations",
     "pg_unavailable",

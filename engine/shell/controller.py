@@ -160,6 +160,11 @@ class EvaluationController:
         if orch is not None:
             if kind == "retry" and rule_id is not None:
                 yield from orch.retry_due(rule_id, attempt, delivery)
+            elif orch.closing:
+                # Leaving memory (its lease lost, a delivery failed): this message may be the
+                # one that resumes it (a sweeper's, a resume's), so it goes back, to find the
+                # evaluation gone from memory next time, instead of being dropped.
+                yield Settle(delivery, ack=False)
             else:
                 yield Record("duplicate_dropped", {"attempt_id": attempt_id, "kind": kind})
                 yield Settle(delivery)

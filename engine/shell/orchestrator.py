@@ -106,6 +106,11 @@ class PassExecutionOrchestrator:
         # was held back for nothing (`retry_delays_respected`).
         self._slot_waiting: set[tuple[str, int]] = set()
 
+    @property
+    def closing(self) -> bool:
+        """Abandoned or finishing: it leaves memory once its last store call returns."""
+        return self._closed
+
     # --- inputs -------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -61,7 +61,8 @@ def test_every_shipped_scenario_whose_faults_apply_passes_on_pg_store_live(
     run = _chaos(
         "run", *applicable, "--system", "pg-store", "--mode", "live", "--quiet", "--out", str(out)
     )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAIL")]
+    assert run.returncode == 0, "\n".join(failed) + run.stdout[-3000:] + run.stderr[-2000:]
     journals = sorted(out.glob("*/journal.json"))
     assert len(journals) == len(applicable)
     for journal in journals:

@@ -308,6 +308,9 @@ def test_a_worker_killed_mid_rule_hands_its_job_and_evaluation_over(
         assert started("w1"), "the first worker never started a rule"
         first.send_signal(signal.SIGKILL)
         first.wait(10)
+        bad = _submit_cli(pg, ns, "--resume", "kill-1", "--from-checkpoint", "chk_0001")
+        assert bad.returncode == 2, bad.stderr
+        assert bad.stderr.endswith("has no chk_0001 (its last: none yet)\n")
         second = worker("w2", 1)
 
         async def wait() -> dict[str, str | None]:
@@ -327,3 +330,87 @@ def test_a_worker_killed_mid_rule_hands_its_job_and_evaluation_over(
             if p is not None and p.poll() is None:
                 p.terminate()
                 p.wait(10)
+
+
+# --- resume from a checkpoint --------------------------------------------------------------
+
+
+def _submit_cli(pg: PgSandbox, ns: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, EAI_DATABASE_URL=pg.url, EAI_TENANT_ID=TENANT_A)
+    argv = [sys.executable, "-m", "engine.submit", "--system", "pg", "--namespace", ns, *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_run_resumed_from_a_checkpoint_keeps_what_came_before_and_redoes_the_rest(
+    pg: PgSandbox, tmp_path: Any
+) -> None:
+    """The document's resume, on a live owner: from chk_0002 the first two results are kept
+    and never run again, later ones are deleted; the owner is fenced off, another
+    acquisition finishes the run; the answer names the checkpoint and the attempt."""
+    import json
+
+    ns = f"r{uuid.uuid4().hex[:8]}."
+    env = dict(os.environ, EAI_DATABASE_URL=pg.url, EAI_TENANT_ID=TENANT_A)
+    config = EngineConfig(
+        namespace=ns,
+        store="postgres",
+        broker="postgres",
+        database_url=pg.url,
+        tenant_id=TENANT_A,
+    )
+    plan = load_plan(ROOT / "plans" / "code_review.yaml")
+    history = tmp_path / "w1"
+    argv = [sys.executable, "-m", "engine.worker", "--system", "pg", "--namespace", ns]
+    argv += ["--worker-id", "w1", "--history", str(history), "--max-parallel", "1"]
+    argv += ["--agent", '{"latency_ms": 100}']
+    worker = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+
+    async def checkpoints() -> list[tuple[int, str]]:
+        store = PostgresStore(config, url=pg.url, tenant_id=TENANT_A)
+        try:
+            return await store.checkpoints("res-1")
+        finally:
+            await store.close()
+
+    try:
+
+        async def until_checkpoints(n: int) -> list[tuple[int, str]]:
+            async with EngineClient(config) as client:
+                await client.submit(plan, "res-1")
+            for _ in range(6000):
+                got = await checkpoints()
+                if len(got) >= n:
+                    return got
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"fewer than {n} checkpoints")
+
+        before = _run(until_checkpoints(3))
+        done = _submit_cli(pg, ns, "--resume", "res-1", "--from-checkpoint", "chk_0002")
+        assert done.returncode == 0, done.stderr
+        answer = json.loads(done.stdout)
+
+        async def finish() -> tuple[Any, ...]:
+            async with EngineClient(config) as client:
+                final = await client.wait(["res-1"], 60)
+            return final, await checkpoints()
+
+        final, after = _run(finish())
+        again = _submit_cli(pg, ns, "--resume", "res-1")
+        unknown = _submit_cli(pg, ns, "--resume", "nobody")
+    finally:
+        worker.terminate()
+        worker.wait(10)
+    assert answer["run_id"] == "res-1" and answer["state"] == "running"
+    assert answer["resume"] == {"checkpoint_id": "chk_0002", "attempt": 2}
+    kept = {rule for n, rule in before if n <= 2}
+    assert after[:2] == before[:2]  # kept, with their numbers
+    assert set(answer["discarded"]).isdisjoint(kept) and answer["discarded"]
+    assert final == {"res-1": "completed"}
+    events = [json.loads(line) for line in history.read_text().splitlines()]
+    starts = [e["rule_id"] for e in events if e.get("ev") == "rule_started"]
+    assert all(starts.count(r) == 1 for r in kept)  # nothing at or before chk_0002 ran again
+    fences = {e.get("fence") for e in events if e.get("ev") == "evaluation_started"}
+    assert fences == {"1:w1", "3:w1"}  # 2:resume fenced the first acquisition off
+    assert again.returncode == 1 and again.stderr.count("\n") == 1
+    assert "completed" in again.stderr
+    assert unknown.returncode == 2 and "no run 'nobody'" in unknown.stderr

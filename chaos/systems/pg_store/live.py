@@ -165,6 +165,18 @@ class PgStoreLive(RedisRabbitLive):
         self._stopped.discard(a.name)
         return False
 
+    async def on_resume(self, a: acts.Resume) -> dict[str, Any]:
+        """`engine.submit --resume`: the answer, or why it was refused (`refused`)."""
+        from engine.keys import checkpoint_id
+        from engine.submit import EngineClient, ResumeRefused
+
+        chk = None if a.checkpoint is None else checkpoint_id(a.checkpoint)
+        async with EngineClient(self.config()) as client:
+            try:
+                return await client.resume(a.attempt_id, chk)
+            except ResumeRefused as exc:
+                return {"refused": str(exc)}
+
     # --- what the store holds -------------------------------------------------------------
 
     async def _connect(self) -> asyncpg.Connection:

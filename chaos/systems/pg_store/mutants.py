@@ -111,6 +111,32 @@ SQL_MUTANTS: dict[str, SqlMutant] = {
                 ),
             ),
         ),
+        SqlMutant(
+            "pg_resume_forgets",
+            "eai.resume deletes every checkpoint, the kept ones too, and names only the later "
+            "ones deleted",
+            (
+                FunctionEdit(
+                    "eai.resume",
+                    (
+                        Edit(
+                            r"WHERE c\.run_id = r\.id AND \(c\.number IS NULL OR c\.number > "
+                            r"v_from\)\s+RETURNING c\.rule_id",
+                            "WHERE c.run_id = r.id  -- mutant: every checkpoint goes\n"
+                            "        RETURNING CASE WHEN c.number IS NULL OR c.number > v_from "
+                            "THEN c.rule_id END AS rule_id",
+                        ),
+                        Edit(
+                            r"SELECT coalesce\(array_agg\(rule_id ORDER BY rule_id COLLATE "
+                            r"\"C\"\), '\{\}'\) INTO v_gone FROM gone;",
+                            "SELECT coalesce(array_remove(array_agg(rule_id ORDER BY rule_id "
+                            "COLLATE \"C\"), NULL), '{}') INTO v_gone FROM gone;  -- mutant: "
+                            "the kept ones are not named",
+                        ),
+                    ),
+                ),
+            ),
+        ),
     )
 }
 

@@ -11,10 +11,14 @@ not flushed yet (the last `wal_writer_delay_ms`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from chaos import acts
-from chaos.systems.redis_rabbitmq.sim import RedisRabbitSim
+from chaos.systems.redis_rabbitmq.sim import RUNNER_DELIVERY_MODE, RedisRabbitSim
+from engine.core.messages import RESUME_REASON
+from engine.keys import checkpoint_id
+from sim.broker import BrokerClient
 from sim.world import SimOptions
 
 if TYPE_CHECKING:
@@ -38,10 +42,43 @@ class PgStoreSim(RedisRabbitSim):
         self._died_at: float | None = None
         if not self._durable:  # what the WAL writer had not flushed when it died
             self.redis.lag_s = pg.wal_writer_delay_ms / 1000
+        self.redis.numbering = True  # checkpoints numbered, for a resume
 
     @staticmethod
     def sim_options(options: SimOptions) -> SimOptions:
         return dataclasses.replace(options, redis_latency_s=PG_LATENCY_S, redis_boot_s=PG_BOOT_S)
+
+    def on_resume(self, a: acts.Resume) -> Generator[Any, Any, dict[str, Any]]:
+        """`EngineClient.resume` (`eai.resume`'s reference, then the work published), on a
+        connection of its own; its answer, or why it was refused."""
+        kind, *rest = yield from self.store.call(
+            self.redis.resume_from, a.attempt_id, a.checkpoint, RESUME_REASON
+        )
+        if kind != "ok":
+            return {"refused": kind}
+        body = {"type": "execute", "attempt_id": a.attempt_id, "reason": RESUME_REASON}
+        body["published_ms"] = int(self.env.now * 1000)
+        yield from self.publish_as_runner(body, f"{a.attempt_id}:resume:{rest[1]}")
+        number = int(rest[0])
+        return {
+            "run_id": a.attempt_id,
+            "state": "running",
+            "resume": {
+                "checkpoint_id": checkpoint_id(number) if number else None,
+                "attempt": int(rest[1]),
+            },
+            "discarded": list(rest[2:]),
+        }
+
+    def publish_as_runner(self, body: dict[str, Any], message_id: str) -> Generator[Any, Any, None]:
+        """Work published by the runner's client, on a connection of its own."""
+        client = BrokerClient(
+            self.env, self.broker, "runner-resume", delivery_mode=RUNNER_DELIVERY_MODE
+        )
+        while not (yield from client.connect()):
+            yield self.env.timeout(self.options.reconnect_interval_s)
+        yield from client.publish_work(body, message_id)
+        yield from client.close()
 
     def on_kill_service(self, a: acts.KillService) -> dict[str, Any]:
         if a.name == self.store_service:

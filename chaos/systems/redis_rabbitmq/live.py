@@ -277,6 +277,11 @@ class RedisRabbitLive:
         async with EngineClient(self.config()) as client:
             return await client.cancel(a.attempt_id)
 
+    async def on_resume(self, a: acts.Resume) -> dict[str, Any]:
+        """Never asked: a resume from a checkpoint is refused on this design before the run
+        (`chaos.systems.refusal`)."""
+        raise NotImplementedError("redis-rabbitmq has no resume from a checkpoint")
+
     async def on_publish_raw(self, a: acts.PublishRaw) -> None:
         async with EngineClient(self.config()) as client:
             await client.broker.publish_work_raw(a.body, a.message_id)

@@ -240,6 +240,11 @@ class RedisRabbitSim:
         yield from client.close()
         return kept or EvaluationStatus.CANCELLED.value
 
+    def on_resume(self, a: acts.Resume) -> Any:
+        """Never asked: a resume from a checkpoint is refused on this design before the run
+        (`chaos.systems.refusal`)."""
+        raise NotImplementedError("redis-rabbitmq has no resume from a checkpoint")
+
     def on_publish_raw(self, a: acts.PublishRaw) -> Generator[Any, Any, None]:
         """On a connection of its own, as `on_cancel`."""
         client = BrokerClient(
