@@ -4,6 +4,7 @@
     python bench/rules_per_second.py --against /tmp/before [--rounds 5]
     python bench/rules_per_second.py --against . --worker-arg=--event-loop=asyncio
     python bench/rules_per_second.py --store postgres [--rounds 3] [--evaluations 100]
+    python bench/rules_per_second.py --store postgres --system pg [--rounds 3]
 
 The baseline is measured in the same run, on the same Redis, because these machines are
 noisy: one client doing sequential `SET`s is one round trip each. Each round measures the
@@ -32,6 +33,14 @@ which only batching can give, since a rule makes about 1.6 store operations. The
 is stopped and its temp dir deleted, and each round's namespace (queues, exchanges, rows)
 deleted, also on a failure, Ctrl-C or SIGTERM; a worker that exits fails the round at once
 (either mode). Only the template data dir that `PostgresServer` caches stays.
+
+With `--system pg` each round also runs PostgreSQL alone (`python -m engine.worker --system
+pg`: jobs, retries and events as rows of the same server, no RabbitMQ), between the same two
+INSERT measurements; its events are read from the outbox on each `NOTIFY eai_events`, one
+statement on the measured server per wake-up. Goal (issue 28): at least 0.5x the INSERT rate.
+Measured (2026-12-05, 05:50 UTC, at this commit, a machine loaded by another engineer's
+simulations, load 2.6): rounds 0.56, 0.79, 0.59, median 0.59 (2,100 to 2,600 rules/s); in
+the same rounds pg-store 0.56 (0.52..0.86) with its store's batches in two lanes.
 
 Where it stands on PostgreSQL (2026-12-05, 02:12 to 02:14 UTC, at 0fc1dd8 with this mode
 added; a busy 2-core machine shared with other engineers' runs, among them live pg-store
@@ -304,6 +313,7 @@ import redis.asyncio as aioredis  # noqa: E402
 from chaos.workers import WorkerProcess  # noqa: E402
 from engine.config import DEFAULT_REDIS_URL, DEFAULT_TENANT_ID, EngineConfig  # noqa: E402
 from engine.plan import Plan, load_plan  # noqa: E402
+from engine.runtime.pgqueue import PgQueue  # noqa: E402
 from engine.runtime.pgstore import PostgresStore, migrate  # noqa: E402
 from engine.submit import EngineClient  # noqa: E402
 
@@ -456,9 +466,11 @@ async def rule_rate(
     redis_url: str = DEFAULT_REDIS_URL,
     module: tuple[str, ...] = ("engine.worker",),
     pg: PrivatePostgres | None = None,
+    alone: bool = False,
 ) -> Rate:
     """One round of the engine: `evaluations` of the plan through one worker, its store
-    Redis, or with `pg` that PostgreSQL (`--store postgres`)."""
+    Redis, or with `pg` that PostgreSQL (`--store postgres`), and with `alone` its queue too
+    (`--system pg`: no RabbitMQ)."""
     plan = load_plan(plan_path)
     ns = f"bench{uuid.uuid4().hex[:6]}."
     if pg is None:
@@ -466,8 +478,13 @@ async def rule_rate(
         store_args: list[str] = []
         env = {"REDIS_URL": redis_url}
     else:
-        config = EngineConfig(namespace=ns, store="postgres", database_url=pg.url)
-        store_args = ["--store", "postgres"]
+        config = EngineConfig(
+            namespace=ns,
+            store="postgres",
+            broker="postgres" if alone else "rabbitmq",
+            database_url=pg.url,
+        )
+        store_args = ["--system", "pg"] if alone else ["--store", "postgres"]
         env = {"EAI_DATABASE_URL": pg.url, "EAI_TENANT_ID": DEFAULT_TENANT_ID}
     log = tmp / "worker.log"
     worker = WorkerProcess(
@@ -524,6 +541,8 @@ async def _measure(
     # every evaluation, and only then start the worker: the clock runs from the first
     # evaluation.started to the last evaluation.completed, so it measures the worker and
     # neither its start-up nor the submitter.
+    if isinstance(client.broker, PgQueue):
+        return await _measure_outbox(client, plan, ids, worker, log, store_calls)
     ch = client.broker.channel
     assert ch is not None and client.broker.events is not None
     events = await ch.declare_queue(exclusive=True)
@@ -571,11 +590,65 @@ async def _measure(
     return elapsed, cpu_s, calls_after - calls, ms_after - ms
 
 
+async def _measure_outbox(
+    client: EngineClient,
+    plan: Plan,
+    ids: list[str],
+    worker: WorkerProcess,
+    log: Path,
+    store_calls: Callable[[EngineClient], Awaitable[tuple[int, float]]],
+) -> tuple[float, float, int, float]:
+    """`_measure` on `--system pg`: the events read from the outbox when PostgreSQL says
+    some were written (`NOTIFY eai_events`), each read one statement on the measured
+    server (counted in its transactions, as RabbitMQ's deliveries are not)."""
+    assert isinstance(client.broker, PgQueue) and isinstance(client.store, PostgresStore)
+    queue = client.broker
+    wake = asyncio.Event()
+    listener = await asyncpg.connect(client.store.url)
+    await listener.add_listener("eai_events", lambda *_: wake.set())
+    try:
+        await asyncio.gather(*(client.submit(plan, a) for a in ids))
+        calls, ms = await store_calls(client)
+        worker.start()
+        pending, after = set(ids), 0
+        first_start: float | None = None
+        cpu_at_start = 0.0
+        deadline = time.monotonic() + 300
+        while pending:
+            if not worker.alive:
+                raise SystemExit(f"the worker exited; its log: {log.read_text()[-500:]}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"timed out; worker log: {log.read_text()[-500:]}")
+            wake.clear()
+            ((events),) = await queue._apply([["events_after", after, "evaluation.%", 5000]])
+            for seq, topic, _, body in events:
+                after = seq
+                if topic == "evaluation.started" and first_start is None:
+                    first_start = time.perf_counter()
+                    cpu_at_start = _cpu_s(worker.pid)
+                elif topic == "evaluation.completed":
+                    pending.discard(body["attempt_id"])
+            if pending:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout=1.0)
+        assert first_start is not None
+        elapsed = time.perf_counter() - first_start
+        cpu_s = _cpu_s(worker.pid) - cpu_at_start
+        calls_after, ms_after = await store_calls(client)
+        return elapsed, cpu_s, calls_after - calls, ms_after - ms
+    finally:
+        await listener.close()
+
+
 async def _cleanup(client: EngineClient, ns: str) -> None:
-    """The namespace's queues and exchanges, and its state in the store."""
+    """The namespace's queues and exchanges (or jobs), and its state in the store."""
+    if isinstance(client.broker, PgQueue):
+        await client.broker.purge()
     if isinstance(client.store, PostgresStore):
         # The next round's tables as small as this one's (the server goes at the end)
         await client.store.purge([ns], namespace=True)
+        if isinstance(client.broker, PgQueue):
+            return
     else:
         r = client.store.redis
         keys = [k async for k in r.scan_iter(match=f"attempt:{ns}*", count=1000)]
@@ -658,6 +731,12 @@ def main() -> int:
         "and the Redis design in the same rounds",
     )
     p.add_argument(
+        "--system",
+        choices=("pg",),
+        help="with --store postgres: PostgreSQL alone too (`--system pg`, no RabbitMQ), "
+        "against the same INSERT rate in the same rounds",
+    )
+    p.add_argument(
         "--inserts",
         type=int,
         default=1000,
@@ -718,6 +797,8 @@ def _on_postgres(args: argparse.Namespace) -> int:
     worker_args = ["--max-evaluations", str(args.max_evaluations), *args.worker_arg]
     pg_ratios: list[float] = []
     pg_costs: list[Rate] = []
+    alone_ratios: list[float] = []
+    alone_costs: list[Rate] = []
     ratios: list[float] = []
     costs: list[Rate] = []
     with private_postgres() as pg, tempfile.TemporaryDirectory() as tmp:
@@ -727,9 +808,23 @@ def _on_postgres(args: argparse.Namespace) -> int:
             rate = asyncio.run(
                 rule_rate(args.plan, args.evaluations, Path(tmp), worker_args, pg=pg)
             )
+            alone = None
+            if args.system == "pg":
+                alone = asyncio.run(
+                    rule_rate(
+                        args.plan, args.evaluations, Path(tmp), worker_args, pg=pg, alone=True
+                    )
+                )
             after = asyncio.run(pg.insert_rate(args.inserts))
             pg_ratios.append(rate.per_s / ((before + after) / 2))
             pg_costs.append(rate)
+            if alone is not None:
+                alone_ratios.append(alone.per_s / ((before + after) / 2))
+                alone_costs.append(alone)
+                print(
+                    f"round {i + 1}: PostgreSQL alone (--system pg) {alone.per_s:7.0f} rules/s, "
+                    f"ratio {alone_ratios[-1]:.2f}"
+                )
             set_before = asyncio.run(set_rate(args.sets))
             on_redis = asyncio.run(rule_rate(args.plan, args.evaluations, Path(tmp), worker_args))
             set_after = asyncio.run(set_rate(args.sets))
@@ -743,6 +838,15 @@ def _on_postgres(args: argparse.Namespace) -> int:
             )
     print("The Redis design, against the raw SET rate:")
     _report_redis(ratios, costs, args.rounds)
+    if alone_ratios:
+        mid, spread = _spread(alone_ratios)
+        cpu = statistics.median(_cpu_us(c) for c in alone_costs)
+        print(
+            "PostgreSQL alone (--system pg), against the raw durable INSERT rate: ratio "
+            f"rules/INSERT median {mid:.2f} +- {spread * 100:.0f} % (range "
+            f"{min(alone_ratios):.2f}..{max(alone_ratios):.2f}); the worker {cpu:.0f} us of CPU "
+            f"a rule; target >= 0.50: {'OK' if mid >= 0.5 else 'BELOW TARGET'}"
+        )
     print("The PostgreSQL design, against the raw durable INSERT rate:")
     ratio, spread = _spread(pg_ratios)
     print(

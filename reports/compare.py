@@ -82,6 +82,13 @@ DESIGNS: dict[str, tuple[Design, ...]] = {
             "the same shell, PostgreSQL as the store",
             system="pg-store",
         ),
+        Design(
+            "PostgreSQL alone",
+            "pg",
+            None,
+            "the same shell; work, retries and events as rows of the same database",
+            system="pg",
+        ),
     ),
 }
 #: The retry levels a comparison sets apart: immediate, delayed, after a permanent failure.
