@@ -206,6 +206,13 @@ class Network:
             with _absent_ok():
                 await self._c().remove_toxic(proxy, name)
 
+    async def repoint(self, link: str, url: str) -> None:
+        """Every worker's proxy of `link` to the service at `url` from now on (a virtual
+        address moved to a promoted standby): their connections drop and come back there."""
+        self.upstreams[link] = url
+        for w in range(self.workers):
+            await self._c().update_proxy(self.proxy(w, link), upstream=upstream_of(url))
+
     async def set_enabled(self, link: str, workers: tuple[int, ...], enabled: bool) -> None:
         for proxy in self._names(link, workers):
             await self._c().update_proxy(proxy, enabled=enabled)

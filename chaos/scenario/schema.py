@@ -464,6 +464,14 @@ class PostgresSpec(_Model):
         description="how often the WAL writer flushes (PostgreSQL's wal_writer_delay): what "
         "a kill may lose with synchronous_commit false",
     )
+    standby: Literal["none", "async", "sync"] = Field(
+        default="none",
+        description="system pg, live: a streaming standby of the run's own (pg_basebackup); "
+        "kill_service postgres then kills the primary and fails over to it (promoted, the "
+        "workers' proxies moved to it). async: PostgreSQL's default replication, which may "
+        "lose the last commits; sync: synchronous_standby_names with synchronous_commit = "
+        "remote_apply, the mitigation",
+    )
 
 
 class RedisSpec(_Model):

@@ -210,6 +210,11 @@ def refusal(loaded: LoadedScenario, name: str, mode: str) -> str | None:
                 f"{path}: faults[{i}].action: resume is not simulated on {name}; "
                 "run it with --mode live"
             )
+    if mode == "sim" and spec.postgres.standby != "none":
+        return (
+            f"{path}: postgres.standby: a PostgreSQL standby and its promotion are not "
+            f"simulated on {name}; run it with --mode live"
+        )
     for section in ("redis", "broker", "postgres"):
         if section not in sut.settings and getattr(spec, section).model_fields_set:
             return f"{path}: {section}: {name} does not read it (a setting of another design)"

@@ -7,6 +7,14 @@ the `pg` config); its consumer of the events reads the outbox (`eai.run_events` 
 `seq`, woken by `NOTIFY eai_events`, polling as the fallback) and records each event as the
 RabbitMQ consumer records a delivery; and at the end it takes what the work queue still
 holds (`queues_drained`: jobs nobody settled).
+
+With `postgres.standby` the run has a PostgreSQL of its own: a primary and a streaming
+standby (`chaos.systems.pg.standby.PostgresPair`), the schema migrated on the primary. A
+kill of `postgres` is then a failover, as Sentinel's is for Redis: the primary is killed,
+the standby promoted (`pg_ctl promote`) and the workers' proxies moved to it, and the kill
+records how much WAL the standby had not replayed (`unreplicated_wal_bytes`: the commits a
+promotion loses with asynchronous replication; none with `sync`). The killed primary is
+not brought back (it would need a rewind to follow the new primary).
 """
 
 from __future__ import annotations
@@ -21,10 +29,11 @@ import orjson
 from chaos import acts
 from chaos.conductor import EVENT_KEYS, RECEIVED_AS, delivered
 from chaos.links import Network
+from chaos.scenario import LoadedScenario
 from chaos.systems.pg.services import PgAloneServices
 from chaos.systems.pg_store.live import READ_TIMEOUT_S, PgStoreLive
-from chaos.systems.pg_store.live import refusal as refusal  # the same: only postgres to kill
-from chaos.systems.pg_store.services import DATABASE
+from chaos.systems.pg_store.live import refusal as store_refusal
+from chaos.systems.pg_store.services import DATABASE, engine_database
 from chaos.workers import WorkerProcess
 from engine.config import EngineConfig
 
@@ -38,6 +47,11 @@ OUTBOX = "eai.run_events"
 #: What the outbox's events stand for on RabbitMQ: persistent messages (delivery mode 2),
 #: since a row is durable once committed.
 DURABLE = 2
+
+
+def refusal(loaded: LoadedScenario, killable: set[str]) -> str | None:
+    """As `pg-store`'s (only postgres to kill, and it is the run's own), with a standby."""
+    return store_refusal(loaded, killable, standby=True)
 
 
 class PgLive(PgStoreLive):
@@ -55,6 +69,75 @@ class PgLive(PgStoreLive):
         )
         self._events_task: asyncio.Task[None] | None = None
         self._events_wake = asyncio.Event()
+        self.pair: Any = None  # PostgresPair, with postgres.standby
+        self._standby_url = ""
+        self._failed_over = False
+
+    async def start(self) -> None:
+        """With a standby: the run's own pair, its schema, and the proxies in front of the
+        primary; then as `pg-store`."""
+        if self.spec.postgres.standby != "none":
+            await asyncio.to_thread(self._start_pair)
+        await super().start()
+
+    def _start_pair(self) -> None:
+        from chaos.systems.pg.services import PgAloneServices
+        from chaos.systems.pg.standby import PostgresPair
+
+        pair = PostgresPair(synchronous=self.spec.postgres.standby == "sync")
+        self.pair = pair.start()
+        url = engine_database(pair.primary)
+        self._standby_url = url.replace(f":{pair.primary_port}/", f":{pair.standby_port}/")
+        self.pg = self.services = PgAloneServices(  # type: ignore[assignment]
+            database_url=url, amqp_url="", postgres=pair.primary
+        )
+        self.network = Network(
+            self.run.ns, self.run.seed, self.spec.workers, None, None, upstreams={"postgres": url}
+        )
+
+    async def stop(self) -> None:
+        try:
+            await super().stop()
+        finally:
+            pair, self.pair = self.pair, None
+            if pair is not None:
+                await asyncio.to_thread(pair.stop, False)
+
+    async def on_kill_service(self, a: acts.KillService) -> dict[str, Any]:
+        if self.pair is None or a.name != "postgres" or self._failed_over:
+            return await super().on_kill_service(a)
+        self._stopped.add("postgres")
+        await self._drop_admin()
+        behind = await asyncio.to_thread(self._unreplicated)
+        await asyncio.to_thread(self.pair.kill_primary)
+        self._failed_over = True
+        return {acts.FAILS_OVER: True, "unreplicated_wal_bytes": behind}
+
+    def _unreplicated(self) -> int | None:
+        """WAL the primary wrote that the standby has not replayed (bytes), just before the
+        kill: what a promotion loses, commits acknowledged or not (None: not known)."""
+        try:
+            rows = self.pair.primary.fetch(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), replay_lsn)::bigint AS behind "
+                "FROM pg_stat_replication"
+            )
+        except Exception:
+            return None
+        return int(rows[0]["behind"]) if rows and rows[0]["behind"] is not None else None
+
+    async def on_await_failover(self, a: acts.AwaitFailover) -> bool:
+        """The standby promoted and the workers' proxies moved to it."""
+        await asyncio.to_thread(self.pair.promote)
+        await self.network.repoint("postgres", self._standby_url)
+        self.pg.postgres = self.pair.standby
+        self.pg.database_url = self._standby_url
+        self._stopped.discard("postgres")
+        return True
+
+    async def on_restart_service(self, a: acts.RestartService) -> dict[str, Any]:
+        if self._failed_over and a.name == "postgres":
+            return {}  # the promoted standby serves; the old primary stays down
+        return await super().on_restart_service(a)
 
     def config(self) -> EngineConfig:
         return self.spec.engine_config(

@@ -40,9 +40,15 @@ if TYPE_CHECKING:
 READ_TIMEOUT_S = 2.0
 
 
-def refusal(loaded: LoadedScenario, killable: set[str]) -> str | None:
-    """Why the scenario cannot run against these services, in one line (None: it can)."""
+def refusal(loaded: LoadedScenario, killable: set[str], standby: bool = False) -> str | None:
+    """Why the scenario cannot run against these services, in one line (None: it can);
+    `standby`: the design fails over to a standby of its own (`postgres.standby`)."""
     spec = loaded.spec
+    if spec.postgres.standby != "none" and not standby:
+        return (
+            f"{loaded.path}: postgres.standby: {spec.system} has no standby; "
+            "run it with --system pg"
+        )
     needed = {on[0] for f in spec.faults if (on := service_action(f)) is not None}
     missing = needed - killable
     if missing:
