@@ -194,11 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     _system_option(cmp)
     cmp.add_argument(
         "--designs",
-        choices=["memories", "sentinel", "durable"],
+        choices=["memories", "sentinel", "standby", "durable"],
         default="memories",
         help="memories: both memories, RabbitMQ only, the source documents as written (default); "
         "sentinel: the answers to lost writes behind Sentinel, alone, together and none; "
-        "durable: each durable design this machine can run (python -m chaos list)",
+        "standby: PostgreSQL alone failing over to a synchronous or an asynchronous standby "
+        "(live); durable: each durable design this machine can run (python -m chaos list)",
     )
     val = sub.add_parser("validate", help="check scenario files without running them")
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")
@@ -466,11 +467,13 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
     for design in designs:
         folder = out / design.key
         variants = [on_system(sc, design.system) for sc in loaded]
-        if design.redis:  # the scenario itself changed: its servers' settings
+        if design.redis or design.postgres:  # the scenario itself changed: its servers'
             variants = []
-            for sc in loaded:  # a design of redis-rabbitmq
+            for sc in [on_system(s, design.system) for s in loaded]:
                 data = document(sc)
-                data["redis"] = {**data.get("redis", {}), **dict(design.redis)}
+                for section, settings in (("redis", design.redis), ("postgres", design.postgres)):
+                    if settings:
+                        data[section] = {**data.get(section, {}), **dict(settings)}
                 variants.append(load_document(data, source=str(sc.path)))
         if live:
             mode = "containers" if args.mode == "containers" else "live"
@@ -490,6 +493,7 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
     title = {
         "memories": "The source documents' argument, measured",
         "sentinel": "Lost writes, answered",
+        "standby": "A PostgreSQL failover, with and without a synchronous standby",
         "durable": "The durable designs on the same faults",
     }
     durable = args.designs == "durable"

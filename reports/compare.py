@@ -31,7 +31,8 @@ from reports.runs import Run
 @dataclass(frozen=True)
 class Design:
     """One engine to compare: the shipped one with `mutant` applied (None: as shipped) and
-    the scenario's `redis` section updated with `redis`; `key` names its runs' folder."""
+    the scenario's `redis` (`postgres`) section updated with `redis` (`postgres`); `key`
+    names its runs' folder."""
 
     label: str
     key: str
@@ -39,6 +40,7 @@ class Design:
     what: str
     redis: tuple[tuple[str, Any], ...] = ()
     system: str | None = None  # the system under test (`chaos.systems`; None: the scenario's)
+    postgres: tuple[tuple[str, Any], ...] = ()
 
 
 #: The design sets `chaos compare --designs` takes; the first design of each is the shipped
@@ -66,6 +68,24 @@ DESIGNS: dict[str, tuple[Design, ...]] = {
             (("min_replicas_to_write", 1),),
         ),
         Design("none", "unmitigated", "unmitigated", "neither WAIT nor restore"),
+    ),
+    "standby": (
+        Design(
+            "synchronous standby",
+            "sync",
+            None,
+            "remote_apply: each commit waits for the standby to apply it (the mitigation)",
+            system="pg",
+            postgres=(("standby", "sync"),),
+        ),
+        Design(
+            "asynchronous standby",
+            "async",
+            None,
+            "PostgreSQL's default replication: a promotion may lose the last commits",
+            system="pg",
+            postgres=(("standby", "async"),),
+        ),
     ),
     "durable": (
         Design(

@@ -67,6 +67,7 @@ class PgLive(PgStoreLive):
             None,
             upstreams={"postgres": services.database_url},
         )
+        self.refused = refusal(run.loaded, services.killable)
         self._events_task: asyncio.Task[None] | None = None
         self._events_wake = asyncio.Event()
         self.pair: Any = None  # PostgresPair, with postgres.standby
