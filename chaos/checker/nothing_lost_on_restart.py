@@ -1,5 +1,6 @@
 """`nothing_lost_on_restart`: a broker restart loses no message, and every message the
-engine publishes is persistent.
+engine publishes is persistent. The broker is the service that holds the work queue and
+the delayed retries: RabbitMQ, or PostgreSQL itself in `pg` (`CheckSpec.brokers`).
 
 RabbitMQ keeps a durable queue across a restart, but only the persistent messages in it
 (delivery mode 2): a transient one is held in memory and goes with the node, even in a
@@ -61,7 +62,7 @@ def check_nothing_lost_on_restart(cx: Context) -> Outcome:
         )
     killed = None
     for e in of(cx.events, "service_killed", "service_restarted"):
-        if e.get("service") != "broker":
+        if e.get("service") not in cx.spec.brokers:
             continue
         if e.get("ev") == "service_killed":
             killed = e if e.get("messages") is not None else None
@@ -109,7 +110,7 @@ def _retries_kept(cx: Context) -> Outcome:
     for e in runner:
         if e.get("ev") == "fault_fired":
             fired_at = event_time(e)
-        elif e.get("service") == "broker" and fired_at is not None:
+        elif e.get("service") in cx.spec.brokers and fired_at is not None:
             kills.append((fired_at, e))
     if not kills:
         return 0, []

@@ -131,6 +131,9 @@ class CheckSpec:
     faults_planned: tuple[str, ...] = ()
     #: Invariant -> why it does not apply to the system under test (`chaos.systems`).
     not_applicable: dict[str, str] = field(default_factory=dict)
+    #: The services that hold its work queue and delayed retries (RabbitMQ, or PostgreSQL's
+    #: job rows in `pg`): a kill of one must lose none of them.
+    brokers: tuple[str, ...] = ("broker",)
 
     def __post_init__(self) -> None:
         from chaos.checker.invariants import INVARIANTS  # the registry imports this module

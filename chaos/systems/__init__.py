@@ -48,6 +48,8 @@ class System:
     sim_resumes: bool = False
     #: The design whose store this one runs as it is (its store's mutants apply here too).
     store_of: str | None = None
+    #: Its services that hold the work queue and the delayed retries.
+    brokers: tuple[str, ...] = ("broker",)
     live: str | None = None
     sim: str | None = None
     #: Its services' class (`module:Class`): `start(containers)`, `available()`, `own()`.
@@ -142,6 +144,7 @@ SYSTEMS: dict[str, System] = {
             },
             resumes=True,
             store_of="pg-store",
+            brokers=("postgres",),
             live="chaos.systems.pg.live:PgLive",
             stack="chaos.systems.pg.services:PgAloneServices",
         ),
