@@ -268,3 +268,30 @@ def test_the_heartbeat_leaves_alone_a_lease_being_given_back() -> None:
     next(step)  # the clock
     renew = step.send(0)
     assert renew.op == "renew" and renew.args == ({"b": "2:w"}, "w")
+
+
+def test_a_delivery_for_an_evaluation_leaving_memory_goes_back_not_dropped() -> None:
+    """The evaluation is being abandoned (its lease lost, its release under way) when a
+    message that would resume it arrives (a sweeper's, a resume's): dropped as a duplicate,
+    the evaluation would wait for the next sweep; it goes back to the queue, to find the
+    evaluation gone from memory next time. A copy for one still running is a duplicate."""
+    from engine.shell.controller import EvaluationController
+    from engine.shell.effects import Settle
+
+    def deliver(closing: bool) -> list[Effect]:
+        host = SimpleNamespace(
+            recording=True,
+            semaphore=lambda n: None,
+            lock=lambda: SimpleNamespace(take=lambda: True, release=lambda: None),
+        )
+        controller = EvaluationController(host, CONFIG, "w1")  # type: ignore[arg-type]
+        controller.evaluations["a"] = SimpleNamespace(closing=closing)  # type: ignore[assignment]
+        body = {"type": "execute", "attempt_id": "a", "reason": "stale_heartbeat",
+                "published_ms": 1}  # fmt: skip
+        return play(controller._dispatch("execute", "a", body, "delivery", False), {})
+
+    back = deliver(closing=True)
+    assert back == [Settle("delivery", ack=False)]
+    dropped = deliver(closing=False)
+    assert Settle("delivery", ack=True) in dropped
+    assert Record("duplicate_dropped", {"attempt_id": "a", "kind": "execute"}) in dropped
