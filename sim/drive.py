@@ -83,7 +83,9 @@ def engine_error(w: SimWorker, exc: BaseException, during: str) -> None:
     w.run.engine_error_seen()
 
 
-def _settle(e: fx.Settle, w: SimWorker) -> bool:
+def _settle(e: fx.Settle, w: SimWorker) -> Any:
+    """A settle is a frame sent (RabbitMQ's: no wait), or `WAIT` from a client whose settle
+    is a round trip the step waits for (`sim.pgqueue`): then `_LATER` carries it out."""
     w.window.settled(e.delivery)
     return w.broker.settle(e.delivery, ack=e.ack)
 
@@ -141,6 +143,7 @@ _LATER: dict[type, Callable[[Any, SimWorker], Generator[Any, Any, Any]]] = {
     ),
     fx.Sleep: _sleep,
     fx.Join: _join,
+    fx.Settle: lambda e, w: w.broker.settle_later(e.delivery, ack=e.ack),  # after a WAIT
 }
 
 

@@ -82,17 +82,7 @@ class SimWorker:
             wait_replicas=config.wait_replicas,
             wait_timeout_s=config.wait_timeout_ms / 1000,
         )
-        self.broker = BrokerClient(
-            env,
-            run.broker,
-            self.worker_id,
-            reconnect_interval_s=run.options.reconnect_interval_s,
-            spawn=self.spawn,
-            link=run.network.link(index, "broker"),
-            connect_timeout_s=config.connect_timeout_s,
-            read_timeout_s=config.read_timeout_s,
-            heartbeat_s=run.options.amqp_heartbeat_s,
-        )
+        self.broker = self.first_memory()
         self.fp = (
             SimFailpoints(env, failpoints, self.crash, self.freeze, self._failpoint_fired)
             if failpoints
@@ -203,14 +193,11 @@ class SimWorker:
             yield from self.store.call(self.redis.ping)
             if not (yield from self.broker.connect()):
                 raise ConnectionError("connect_robust(fail_fast=True): no broker")
+            yield from self.subscribe()
         except ConnectionError:  # `_serve`: "cannot start", the worker closed, exit 3
             self.record("worker_stopped", metrics=self.metrics.totals())
             self.die(EXIT_CANNOT_START)
             return
-        prefetch = self.config.prefetch
-        yield env.timeout(2 * run.broker.latency())  # declare, bind, consume
-        self.broker.consume_private(f"worker.{self.worker_id}", prefetch, self.on_message)
-        self.broker.consume(WORK_QUEUE, prefetch, self.on_message)
         held = self.controller.evaluations
         beating = drive(heartbeat.heartbeat(self.config, self.worker_id, held), self)
         self._loops.append(self.spawn(beating))  # type: ignore[arg-type]
@@ -219,6 +206,30 @@ class SimWorker:
             self._loops.append(self.spawn(sweeping))  # type: ignore[arg-type]
         self.record("worker_started", sweeper=self.config.sweeper)
         self.ready.succeed()
+
+    # --- the first memory (a subclass gives another: `sim.pgqueue.PgSimWorker`) ----------
+
+    def first_memory(self) -> BrokerClient:
+        """The client of the work queue, the delay queues and the events: RabbitMQ's."""
+        run, config = self.run, self.config
+        return BrokerClient(
+            self.env,
+            run.broker,
+            self.worker_id,
+            reconnect_interval_s=run.options.reconnect_interval_s,
+            spawn=self.spawn,
+            link=run.network.link(self.index, "broker"),
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.read_timeout_s,
+            heartbeat_s=run.options.amqp_heartbeat_s,
+        )
+
+    def subscribe(self) -> Generator[Any, Any, None]:
+        """Consume the private queue and the work queue (`ConnectionError`: cannot start)."""
+        prefetch = self.config.prefetch
+        yield self.env.timeout(2 * self.run.broker.latency())  # declare, bind, consume
+        self.broker.consume_private(f"worker.{self.worker_id}", prefetch, self.on_message)
+        self.broker.consume(WORK_QUEUE, prefetch, self.on_message)
 
     # --- death and shutdown -------------------------------------------------------------
 

@@ -378,6 +378,7 @@ def test_compare_durable_sets_the_designs_side_by_side(tmp_path: Path) -> None:
     assert [r["variant"] for r in doc["rows"]] == [
         "Redis + RabbitMQ",
         "PostgreSQL store + RabbitMQ",
+        "PostgreSQL alone",
     ]
     for row in doc["rows"]:
         assert row["runs"] == 4 and row["unfinished_evaluations"] == 0
@@ -385,7 +386,7 @@ def test_compare_durable_sets_the_designs_side_by_side(tmp_path: Path) -> None:
         assert row["duplicated_usd"]["n"] == 4
     table = (out / "compare.md").read_text()
     assert "p99 retry latency L1 / L2 / L3" in table and "duplicated cost USD" in table
-    for design in ("redis-rabbitmq", "pg-store"):  # each design's runs, on its system
+    for design in ("redis-rabbitmq", "pg-store", "pg"):  # each design's runs, on its system
         journals = sorted((out / design).glob("*/journal.json"))
         assert len(journals) == 4
         assert {json.loads(j.read_text())["extra"]["system"] for j in journals} == {design}

@@ -143,9 +143,11 @@ SYSTEMS: dict[str, System] = {
                 "retention column, not by key TTLs",
             },
             resumes=True,
+            sim_resumes=True,
             store_of="pg-store",
             brokers=("postgres",),
             live="chaos.systems.pg.live:PgLive",
+            sim="chaos.systems.pg.sim:PgSim",
             stack="chaos.systems.pg.services:PgAloneServices",
         ),
     )

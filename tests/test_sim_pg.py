@@ -1,0 +1,220 @@
+"""The `pg` design in the simulator: the shell on PostgreSQL alone (`sim.pgqueue`).
+
+Why: the late ACK of this design rests on visibility leases, delayed retries on a visible
+time, forwards on a registry of consumers; each is proven here on the model alone, then
+through whole scenarios judged by the live checker, and a model broken on purpose must be
+caught by it. Everything runs on simulated time, with no service.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import simpy
+import yaml
+
+from chaos.insim.run import SimOutcome, SimRun
+from chaos.scenario import LoadedScenario, load_scenario, scenario_from_dict
+from chaos.systems.pg.sim import PgSim
+from engine.shell.effects import Unroutable
+from sim.broker import WORK_QUEUE
+from sim.pgqueue import PgQueueClient, SimJobs
+from sim.redis import SimRedis
+
+ROOT = Path(__file__).resolve().parents[1]
+LEASE_MS = 600
+
+
+def scenario(name: str, **changes: Any) -> LoadedScenario:
+    """A shipped scenario, with `changes` to its document."""
+    path = ROOT / "scenarios" / f"{name}.yaml"
+    if not changes:
+        return load_scenario(path)
+    data = {**yaml.safe_load(path.read_text()), **changes}
+    return scenario_from_dict(data, source=str(path))
+
+
+def run(loaded: LoadedScenario, seed: int | None = None, adapter: type | None = None) -> SimOutcome:
+    return SimRun(loaded, seed, system="pg", adapter=adapter).run()
+
+
+def of(history: list[dict], ev: str, **match: Any) -> list[dict]:
+    return [e for e in history if e["ev"] == ev and all(e.get(k) == v for k, v in match.items())]
+
+
+def ok(outcome: SimOutcome) -> bool:
+    """Whether the checker passed it; its violations shown when not."""
+    for v in outcome.result.violations[:5]:
+        print(v.invariant, v.message)
+    return outcome.result.ok
+
+
+# --- the queue alone --------------------------------------------------------------------------
+
+
+def _db(lease_ms: int = LEASE_MS) -> tuple[simpy.Environment, SimRedis, SimJobs]:
+    env = simpy.Environment()
+    server = SimRedis(env, running_index="r", retries_index="q", ttl_s=3600, lease_ms=lease_ms)
+    return env, server, SimJobs(env, random.Random(0), (0.0, 0.0), lease_ms)
+
+
+def _at(env: simpy.Environment, s: float) -> None:
+    env.run(until=s)
+
+
+def test_a_delayed_retry_is_not_claimed_before_its_visible_time() -> None:
+    env, _, jobs = _db()
+    jobs.apply("renew", "w", [])
+    jobs.apply("publish", WORK_QUEUE, "a:r:2", {"type": "retry"}, 50)
+    assert jobs.apply("claim", "w", 10) == [50]  # nothing yet; due at 50 ms
+    _at(env, 0.049)
+    assert jobs.apply("claim", "w", 10) == [50]
+    _at(env, 0.050)
+    (_, token, message, queue), due = jobs.apply("claim", "w", 10)
+    assert (token, message.message_id, queue, due) == (1, "a:r:2", WORK_QUEUE, None)
+
+
+def test_a_retry_is_delivered_no_sooner_than_published_plus_its_delay() -> None:
+    outcome = run(scenario("delay_tiers"))
+    assert ok(outcome)
+    retries = of(outcome.history, "delivered", kind="retry")
+    assert retries
+    for e in retries:
+        assert e["t"] * 1000 >= e["published_ms"] + e["delay_ms"], e
+
+
+def test_a_lapsed_claim_comes_back_redelivered_and_its_old_ack_is_refused() -> None:
+    env, _, jobs = _db()
+    jobs.apply("publish", WORK_QUEUE, "m", {}, 0)
+    ((seq, token, _, _), _) = jobs.apply("claim", "w0", 1)
+    _at(env, LEASE_MS / 1000)
+    assert jobs.apply("claim", "w1", 1) == [None]  # the lease still runs (to its last ms)
+    _at(env, LEASE_MS / 1000 + 0.0015)  # the database's clock counts whole ms
+    ((again, token2, _, _), _) = jobs.apply("claim", "w1", 1)
+    assert (again, token2) == (seq, 2)  # redelivered
+    assert not jobs.apply("ack", seq, "w0", token)  # no longer its claim
+    assert jobs.apply("ack", seq, "w1", token2)
+    assert seq not in jobs.jobs
+
+
+def _forward(env: simpy.Environment, client: PgQueueClient, holder: str) -> str:
+    """What a forward to `holder` comes to: "routed" or "unroutable"."""
+    box: list[str] = []
+
+    def go() -> Generator[Any, Any, None]:
+        try:
+            yield from client.forward(f"worker.{holder}", {"type": "retry"}, "m")
+            box.append("routed")
+        except Unroutable:
+            box.append("unroutable")
+
+    env.process(go())
+    env.run(until=env.now + 0.01)
+    return box[0]
+
+
+def test_a_forward_to_a_dead_or_stopped_holder_is_unroutable() -> None:
+    env, server, jobs = _db()
+    client = PgQueueClient(
+        env, server, jobs, random.Random(0), (0.0, 0.0), "runner",
+        delays_ms={}, renew_every_s=0.2, spawn=env.process,
+    )  # fmt: skip
+    jobs.apply("renew", "alive", [])
+    jobs.apply("renew", "dead", [])
+    jobs.apply("renew", "stopped", [])
+    assert _forward(env, client, "dead") == "routed"
+    jobs.apply("deregister", "stopped")
+    assert _forward(env, client, "stopped") == "unroutable"
+    _at(env, 0.5)
+    jobs.apply("renew", "alive", [])  # its heartbeat; the dead one's row goes stale
+    _at(env, LEASE_MS / 1000 + 0.02)
+    assert _forward(env, client, "alive") == "routed"
+    assert _forward(env, client, "dead") == "unroutable"
+    # what went to the dead one before is work for anyone now; the live one's stays its own
+    claimed = jobs.apply("claim", "other", 10)[:-1]
+    assert [q for *_, q in claimed] == ["worker.dead"]
+
+
+def test_lost_commits_roll_the_queue_back_as_the_store() -> None:
+    env, _, jobs = _db()
+    jobs.lag_s = 0.2
+    jobs.apply("publish", WORK_QUEUE, "kept", {}, 0)
+    _at(env, 1.0)
+    jobs.apply("publish", WORK_QUEUE, "lost", {}, 0)
+    jobs.apply("event", "evaluation.completed", "lost:completed", {})
+    assert jobs.lose_since(1.0 - 0.2) == 2
+    assert [r.message.message_id for r in jobs.jobs.values()] == ["kept"]
+    assert jobs.outbox == []
+
+
+# --- whole scenarios --------------------------------------------------------------------------
+
+
+def test_a_scenario_passes_on_pg_in_sim() -> None:
+    outcome = run(scenario("crash_after_ack"))
+    assert ok(outcome)
+    assert outcome.extra["system"] == "pg"
+    assert {e["queue"] for e in of(outcome.history, "events_consumer_bound")} == {"eai.run_events"}
+    assert of(outcome.history, "completed_received")
+    assert of(outcome.history, "queues_drained")[0]["message_ids"] == []
+
+
+@pytest.mark.parametrize("name", ["pg_store/postgres_restart", "pg_store/postgres_partition"])
+def test_one_seed_is_one_history(name: str) -> None:
+    loaded = scenario(name)
+    first, again, other = run(loaded, 3), run(loaded, 3), run(loaded, 4)
+    assert first.history == again.history
+    assert first.history_hash == again.history_hash
+    assert first.history_hash != other.history_hash
+
+
+def test_a_worker_killed_holding_a_job_lets_it_come_back_after_the_lease() -> None:
+    """Worker 0 crashes holding a retry (its late ACK waits for the attempt's outcome) and
+    is not restarted: only the lapse of its claim gives the job to worker 1, redelivered."""
+    sim = SimRun(
+        scenario("crash_holding_a_retry", workers=2, restart_crashed_workers=False), system="pg"
+    )
+    outcome = sim.run()
+    assert ok(outcome)
+    history = outcome.history
+    (crash,) = of(history, "crash")
+    first = of(history, "delivered", src=crash["src"], kind="retry", attempt=2)[0]
+    (again,) = of(history, "delivered", kind="retry", attempt=2, redelivered=True)
+    assert again["src"] != crash["src"]
+    # the claim held for its lease (renewed while its worker lived), and not much longer:
+    # the other worker's claim loop polls every heartbeat
+    lease_s, poll_s = sim.config.stale_ms / 1000, min(1.0, sim.config.heartbeat_ms / 1000)
+    assert again["t"] - first["t"] >= lease_s - 0.002
+    assert again["t"] - crash["t"] <= lease_s + poll_s + 0.01
+
+
+class _GreedyJobs(SimJobs):
+    """A claim that ignores the lease of another worker's claim: it takes jobs still held."""
+
+    def _claimable(self, row: Any, me: str, now: int) -> bool:
+        holder = row.claimed_by
+        if holder != me:
+            row.claimed_by = None
+        try:
+            return super()._claimable(row, me, now)
+        finally:
+            row.claimed_by = holder
+
+
+class _GreedyPgSim(PgSim):
+    def __init__(self, run: SimRun) -> None:
+        super().__init__(run)
+        latency, lease_ms = self.options.redis_latency_s, self.config.stale_ms
+        self.jobs = _GreedyJobs(self.env, self.net_rng, latency, lease_ms)
+
+
+def test_a_claim_that_ignores_the_lease_is_caught_by_the_checker() -> None:
+    loaded = scenario("crash_before_ack")
+    assert ok(run(loaded))
+    broken = run(loaded, adapter=_GreedyPgSim)
+    assert not broken.result.ok
+    assert "prefetch_respected" in {v.invariant for v in broken.result.violations}
