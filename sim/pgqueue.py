@@ -34,15 +34,17 @@ latency and retries: a postgres fault acts on the queue as on the store. A claim
 
 With `lag_s` (PostgreSQL's `synchronous_commit: false`) each transaction keeps the tables
 as they were before it for `lag_s`: a kill rolls back those of the last `lag_s`, as
-`SimRedis.lose_unreplicated` rolls the store back. Not modelled: sequences rolled back
-with them (ids are never reused), row locks and SKIP LOCKED (every operation is atomic,
-so no claim waits for or skips another), a batch as one transaction (its operations apply
-one by one as they land, in order), NOTIFY's de-duplication within a transaction, and
-LISTEN's own connect (its registration rides the client's retries).
+`SimRedis.lose_unreplicated` rolls the store back (the `pg` design leaves it None: the
+queue's transactions commit synchronously whatever the role's setting). Not modelled:
+sequences rolled back with them (ids are never reused), row locks and SKIP LOCKED (every
+operation is atomic, so no claim waits for or skips another), a batch as one transaction
+(its operations apply one by one as they land, in order), NOTIFY's de-duplication within
+a transaction, and LISTEN's own connect (its registration rides the client's retries).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import deque
 from collections.abc import Callable, Generator
@@ -243,8 +245,9 @@ class SimJobs:
         self.notify(JOBS_CHANNEL, visible)
         return True
 
-    def claim(self, me: str, n: int) -> list[Any]:
-        """`eai.job_claim`: [(seq, token, message, queue)..., next due ms or None]."""
+    def claim(self, me: str, n: int, n_mine: int) -> list[Any]:
+        """`eai.job_claim`: [(seq, token, message, queue)..., next due ms or None]; up to
+        `n` of the work queue (and dead consumers' forwards), `n_mine` of its own."""
         now, mine = self.now_ms(), PRIVATE + me
         for seq, row in list(self.jobs.items()):  # control jobs of dead consumers go
             if (
@@ -255,10 +258,14 @@ class SimJobs:
             ):
                 self._touch()
                 del self.jobs[seq]
-        picked = sorted(
+        ready = sorted(
             (r for r in self.jobs.values() if self._claimable(r, me, now)),
             key=lambda r: (r.visible_ms, r.seq),
-        )[:n]
+        )
+        picked = [r for r in ready if r.queue != mine][:n] + [r for r in ready if r.queue == mine][
+            :n_mine
+        ]
+        picked.sort(key=lambda r: (r.visible_ms, r.seq))
         for row in picked:
             self._touch()
             row.claimed_by, row.claim_until_ms = me, now + self.lease_ms
@@ -485,11 +492,7 @@ class PgQueueClient:
         self, queue: str, prefetch: int, handler: Callable[[Delivery], None]
     ) -> Generator[Any, Any, None]:
         """The work queue: LISTEN, then the claim loop."""
-        listener = Listener(self.jobs, JOBS_CHANNEL, self._notified, self.link)
-        if not listener.open:
-            raise ConnectionError("LISTEN: the connection was refused (simulated)")
-        self._listener = listener
-        yield from self.db.call(self.jobs.listen, listener)
+        yield from self._listen()
         self._handlers["work"] = handler
         self._consuming = True
         self._procs.append(self._spawn(self._claiming()))
@@ -514,15 +517,31 @@ class PgQueueClient:
             if proc.is_alive:
                 proc.interrupt()
 
+    def _free(self) -> tuple[int, int]:
+        """What each queue's prefetch leaves: (work, its own)."""
+        mine = sum(1 for d in self._held.values() if d.queue == self._private)
+        return self.prefetch - (len(self._held) - mine), self.prefetch - mine
+
+    def _listen(self) -> Generator[Any, Any, None]:
+        """LISTEN on a connection of its own (again, once the last one is gone)."""
+        listener = Listener(self.jobs, JOBS_CHANNEL, self._notified, self.link)
+        if not listener.open:
+            raise ConnectionError("LISTEN: the connection was refused (simulated)")
+        self._listener = listener
+        yield from self.db.call(self.jobs.listen, listener)
+
     def _claiming(self) -> Generator[Any, Any, None]:
         env = self.env
         while self._consuming:
             self._wake.clear()
             wait_s = self.poll_s
-            free = self.prefetch - len(self._held)
-            if free > 0:
+            if self._listener is None or not self._listener.open:
+                with contextlib.suppress(ConnectionError):  # the polling covers its absence
+                    yield from self._listen()
+            free, free_mine = self._free()
+            if free > 0 or free_mine > 0:
                 try:
-                    *jobs, due = yield from self._call("claim", self.name, free)
+                    *jobs, due = yield from self._call("claim", self.name, free, free_mine)
                 except ConnectionError:  # the database away: the next round tries again
                     jobs, due = [], None
                 if not self._consuming:  # stopped meanwhile: they go back
@@ -531,7 +550,7 @@ class PgQueueClient:
                     return
                 for raw in jobs:
                     self._deliver(*raw)
-                if len(jobs) == free:
+                if len(jobs) == free + free_mine:
                     wait_s = 0  # there may be more
                 elif due is not None:
                     wait_s = min(wait_s, max(0.0, (due - self.jobs.now_ms()) / 1000))
@@ -539,6 +558,10 @@ class PgQueueClient:
                 yield self._wake.wait() | env.timeout(wait_s)
 
     def _deliver(self, seq: int, token: int, message: Message, queue: str) -> None:
+        held = self._held.get(seq)
+        if held is not None:  # its own lapsed claim, taken again: the delivery stands
+            held.tag = token
+            return
         private = queue != WORK_QUEUE
         d = Claimed(self.channel, token, message, self._private if private else queue, seq)
         self._held[seq] = d

@@ -549,3 +549,46 @@ def test_the_simulated_runner_heals_every_fault_it_undoes() -> None:
     end = max(e["t"] for e in outcome.history)
     assert all(w.end < end for w in fault_windows(outcome.history))
     assert outcome.result.verdicts["history_complete"] == "pass"
+
+
+def waited_for_an_evaluation_slot(delivered_first: bool = True) -> Run:
+    """`b`'s retry delivered on time to a worker whose one evaluation slot is taken by
+    evaluation `att-2`, its begin under way (delivered, not yet started): the wait names it
+    `setting_up`; `delivered_first` False: `att-2` was never delivered there."""
+    other = "att-2"
+    run = Run()
+    run.submit()
+    run.submit(other)
+    run.ok(A, "a")
+    run.fail(A, "b", 1)
+    run.retry(A, "b", 2, 300)
+    run.ev("evaluation_parked", attempt_id=A)
+    run.wait(0.3)
+    if delivered_first:
+        run.ev("delivered", attempt_id=other, kind="execute", reason="submit")
+    run.wait(0.01)
+    run.ev("delivered", attempt_id=A, kind="retry", rule_id="b", attempt=2)
+    run.ev("slot_wait", attempt_id=A, slot="evaluation", kind="retry", held=[],
+           setting_up=[other], slots=1)  # fmt: skip
+    run.wait(0.2)
+    run.ev("evaluation_started", attempt_id=other, plan="t", resumed=False, kind="execute")
+    run.ev("evaluation_parked", attempt_id=other)
+    run.ev("slot_granted", attempt_id=A, slot="evaluation")
+    run.ev("evaluation_started", attempt_id=A, plan="t", resumed=True, kind="retry")
+    run.ev("recovered", attempt_id=A, loaded=["a"], retrying={"b": 1}, failed=[], fresh=[])
+    run.ok(A, "b", 2)
+    run.ok(A, "c")
+    run.finish(A, "completed")
+    return run
+
+
+def test_an_evaluation_slot_taken_by_one_being_set_up_is_proven_by_its_delivery() -> None:
+    result = judged(waited_for_an_evaluation_slot(), "retry_delays_respected", time_scale=0.01)
+    assert not [v for v in result.violations if "slot" in v.message], result.violations
+    unproven = judged(
+        waited_for_an_evaluation_slot(delivered_first=False),
+        "retry_delays_respected",
+        time_scale=0.01,
+    )
+    [message] = fails(unproven, "retry_delays_respected")
+    assert "att-2, named being set up, was not delivered to that process" in message

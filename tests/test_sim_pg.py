@@ -70,11 +70,11 @@ def test_a_delayed_retry_is_not_claimed_before_its_visible_time() -> None:
     env, _, jobs = _db()
     jobs.apply("renew", "w", [])
     jobs.apply("publish", WORK_QUEUE, "a:r:2", {"type": "retry"}, 50)
-    assert jobs.apply("claim", "w", 10) == [50]  # nothing yet; due at 50 ms
+    assert jobs.apply("claim", "w", 10, 10) == [50]  # nothing yet; due at 50 ms
     _at(env, 0.049)
-    assert jobs.apply("claim", "w", 10) == [50]
+    assert jobs.apply("claim", "w", 10, 10) == [50]
     _at(env, 0.050)
-    (_, token, message, queue), due = jobs.apply("claim", "w", 10)
+    (_, token, message, queue), due = jobs.apply("claim", "w", 10, 10)
     assert (token, message.message_id, queue, due) == (1, "a:r:2", WORK_QUEUE, None)
 
 
@@ -90,11 +90,11 @@ def test_a_retry_is_delivered_no_sooner_than_published_plus_its_delay() -> None:
 def test_a_lapsed_claim_comes_back_redelivered_and_its_old_ack_is_refused() -> None:
     env, _, jobs = _db()
     jobs.apply("publish", WORK_QUEUE, "m", {}, 0)
-    ((seq, token, _, _), _) = jobs.apply("claim", "w0", 1)
+    ((seq, token, _, _), _) = jobs.apply("claim", "w0", 1, 1)
     _at(env, LEASE_MS / 1000)
-    assert jobs.apply("claim", "w1", 1) == [None]  # the lease still runs (to its last ms)
+    assert jobs.apply("claim", "w1", 1, 1) == [None]  # the lease still runs (to its last ms)
     _at(env, LEASE_MS / 1000 + 0.0015)  # the database's clock counts whole ms
-    ((again, token2, _, _), _) = jobs.apply("claim", "w1", 1)
+    ((again, token2, _, _), _) = jobs.apply("claim", "w1", 1, 1)
     assert (again, token2) == (seq, 2)  # redelivered
     assert not jobs.apply("ack", seq, "w0", token)  # no longer its claim
     assert jobs.apply("ack", seq, "w1", token2)
@@ -135,7 +135,7 @@ def test_a_forward_to_a_dead_or_stopped_holder_is_unroutable() -> None:
     assert _forward(env, client, "alive") == "routed"
     assert _forward(env, client, "dead") == "unroutable"
     # what went to the dead one before is work for anyone now; the live one's stays its own
-    claimed = jobs.apply("claim", "other", 10)[:-1]
+    claimed = jobs.apply("claim", "other", 10, 10)[:-1]
     assert [q for *_, q in claimed] == ["worker.dead"]
 
 
@@ -192,29 +192,25 @@ def test_a_worker_killed_holding_a_job_lets_it_come_back_after_the_lease() -> No
     assert again["t"] - crash["t"] <= lease_s + poll_s + 0.01
 
 
-class _GreedyJobs(SimJobs):
-    """A claim that ignores the lease of another worker's claim: it takes jobs still held."""
+class _EagerJobs(SimJobs):
+    """A delayed retry visible at once: its tier's wait lost on the way (`visible_ms` now)."""
 
-    def _claimable(self, row: Any, me: str, now: int) -> bool:
-        holder = row.claimed_by
-        if holder != me:
-            row.claimed_by = None
-        try:
-            return super()._claimable(row, me, now)
-        finally:
-            row.claimed_by = holder
+    def publish(self, queue: str, message_id: str | None, body: Any, delay_ms: int) -> bool:
+        return super().publish(queue, message_id, body, 0)
 
 
-class _GreedyPgSim(PgSim):
+class _EagerPgSim(PgSim):
     def __init__(self, run: SimRun) -> None:
         super().__init__(run)
         latency, lease_ms = self.options.redis_latency_s, self.config.stale_ms
-        self.jobs = _GreedyJobs(self.env, self.net_rng, latency, lease_ms)
+        self.jobs = _EagerJobs(self.env, self.net_rng, latency, lease_ms)
 
 
-def test_a_claim_that_ignores_the_lease_is_caught_by_the_checker() -> None:
-    loaded = scenario("crash_before_ack")
+def test_a_queue_that_loses_the_retry_delay_is_caught_by_the_checker() -> None:
+    """The delay tiers are the queue's here: a model that makes a retry visible at once
+    starts it before its tier (`retry_delays_respected`)."""
+    loaded = scenario("delay_tiers")
     assert ok(run(loaded))
-    broken = run(loaded, adapter=_GreedyPgSim)
+    broken = run(loaded, adapter=_EagerPgSim)
     assert not broken.result.ok
-    assert "prefetch_respected" in {v.invariant for v in broken.result.violations}
+    assert "retry_delays_respected" in {v.invariant for v in broken.result.violations}

@@ -10,7 +10,8 @@ There is no slack. A retry may start later than its tier only by what the histor
   and `slot_granted` when it gets one. The checker verifies the claim: each rule named
   running had started in that process and not finished when the wait began, one of them
   ended before the grant, and there were as many as the evaluation's slots; each
-  evaluation named held had begun in that process, and no other process held the
+  evaluation named held had begun in that process (one named `setting_up`, its slot taken
+  and its begin under way, had been delivered there), and no other process held the
   evaluation from before the delivery to the wait (its lease was there to be looked up:
   the delivery should have been passed on at once). The waits are reported as latency
   (`retry_slot_wait_s`);
@@ -176,8 +177,16 @@ def _evaluation_wait(
     process at once (`may_be_held_elsewhere`), not held for a slot."""
     src, tw = wait.get("src"), event_time(wait)
     held = wait.get("held")
-    if not isinstance(held, list) or not held:
+    setting_up = wait.get("setting_up") or []
+    if not isinstance(held, list) or not isinstance(setting_up, list) or not (held or setting_up):
         return "its slot_wait names no evaluation held"
+    for h in setting_up:  # its slot taken, its begin under way: delivered there before
+        taken = any(
+            e.get("src") == src and event_time(e) <= tw
+            for e in of(cx.by_eval.get(str(h), []), "delivered")
+        )
+        if not taken:
+            return f"{h}, named being set up, was not delivered to that process"
     for h in held:
         begun = any(
             e.get("src") == src and event_time(e) <= tw

@@ -92,6 +92,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "slot": SLOTS,
         "kind?": WORK_KINDS,
         "held?": LIST,
+        "setting_up?": LIST,
         "slots?": INT,
         "rule_id?": STR,
         "attempt?": INT,

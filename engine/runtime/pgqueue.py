@@ -6,12 +6,17 @@ ships.
 The late ACK keeps its meaning: a claim holds a job with a visibility lease that this
 consumer renews while it lives (`renew_every_s`); ACK deletes the job, NACK makes it visible
 again; a worker that dies before settling lets the job come back when its lease lapses,
-counted as a redelivery. A delayed retry is a job visible later (its tier's TTL, with the
-same jitter buckets as the delay queues). Consumers are woken by `NOTIFY eai_jobs` at each
-commit that makes a job due, by a timer at the next due job the last claim saw, and by
-polling every `poll_s` as the fallback (a lost notification or listener): no job waits
-unseen longer than that once due. Events go to `eai.run_events` (an outbox read in order of
+counted as a redelivery (one that was only cut off, its lease lapsed meanwhile, claims its
+own job again: it keeps the delivery it holds, with the new claim's token). The work queue
+and the worker's own queue have a prefetch each, as two RabbitMQ consumers have their own
+credit: a window full of work never keeps a forward or a cancel waiting. A delayed retry
+is a job visible later (its tier's TTL, with the same jitter buckets as the delay queues).
+Consumers are woken by `NOTIFY eai_jobs` at each commit that makes a job due, by a timer
+at the next due job the last claim saw, and by polling every `poll_s` as the fallback (a
+lost notification or listener, listened on again by the next claim): no job waits unseen
+longer than that once due. Events go to `eai.run_events` (an outbox read in order of
 `seq`, at least once, each with its stable message id; `NOTIFY eai_events` wakes readers).
+Jobs and events are committed synchronously whatever the role's `synchronous_commit`.
 
 The queue's operations travel as the store's do (`GroupCommit`: one `eai.queue_apply` a
 batch) on the store's pool, tried again on a lost connection (`PostgresStore.fetch_json`).
@@ -109,6 +114,9 @@ class PgQueue:
 
     async def _listen(self) -> None:
         url, timeout = self.store.url, self.config.connect_timeout_s
+        old, self._listener = self._listener, None
+        if old is not None:
+            old.terminate()
         try:
             conn = await asyncpg.connect(url, timeout=timeout)
             await conn.add_listener("eai_jobs", self._notified)
@@ -176,15 +184,23 @@ class PgQueue:
                 self.batch.call(["deregister", self.worker_id]), self.config.read_timeout_s
             )
 
+    def _free(self) -> tuple[int, int]:
+        """What each queue's prefetch leaves: (work, the worker's own)."""
+        mine = sum(1 for j in self._held.values() if j.consumer_tag == "private")
+        return self.prefetch - (len(self._held) - mine), self.prefetch - mine
+
     async def _claiming(self) -> None:
         while self._consuming:
             self._wake.clear()
             wait_s = self.poll_s
-            free = self.prefetch - len(self._held)
-            if free > 0:
+            if self._listener is None or self._listener.is_closed():
+                with contextlib.suppress(Exception):  # the polling covers its absence
+                    await self._listen()
+            free, free_mine = self._free()
+            if free > 0 or free_mine > 0:
                 try:
                     *jobs, due = await self.batch.call(
-                        ["claim", self.worker_id, self.work_queue_name, free]
+                        ["claim", self.worker_id, self.work_queue_name, free, free_mine]
                     )
                 except asyncio.CancelledError:
                     raise
@@ -197,7 +213,7 @@ class PgQueue:
                     return
                 for raw in jobs:
                     self._deliver(raw)
-                if len(jobs) == free:
+                if len(jobs) == free + free_mine:
                     wait_s = 0  # there may be more
                 elif due is not None:
                     wait_s = min(wait_s, max(0.0, (int(due) - now_ms()) / 1000))
@@ -207,6 +223,10 @@ class PgQueue:
 
     def _deliver(self, raw: list[Any]) -> None:
         job_id, token, message_id, body, queue = raw
+        held = self._held.get(job_id)
+        if held is not None:  # its own lapsed claim, taken again: the delivery stands
+            held.token = int(token)
+            return
         private = queue != self.work_queue_name
         job = Job(
             id=job_id,

@@ -65,6 +65,7 @@ class EvaluationController:
         self._slots = host.semaphore(config.max_evaluations)
         self._plans: dict[str, Plan] = {}
         self._guards: dict[str, Any] = {}  # one delivery set up at a time, per evaluation
+        self._setting_up: set[str] = set()  # holding an evaluation slot, not in memory yet
         self._guard_users: collections.Counter[str] = collections.Counter()
 
     # --- deliveries ---------------------------------------------------------------------
@@ -190,25 +191,27 @@ class EvaluationController:
             return
         # Every evaluation slot taken: the wait is recorded, with the evaluations this
         # worker holds, so that a late retry can be told from one held back for nothing.
+        # Those being set up hold a slot too (their begin under way), named apart.
         waits = self._recording and self._slots.locked()
         if waits:
-            held = sorted(self.evaluations)
-            yield Record(
-                "slot_wait",
-                {
-                    "attempt_id": attempt_id,
-                    "slot": "evaluation",
-                    "kind": kind,
-                    "held": held,
-                    "slots": self.config.max_evaluations,
-                },
-            )
+            wait = {
+                "attempt_id": attempt_id,
+                "slot": "evaluation",
+                "kind": kind,
+                "held": sorted(self.evaluations),
+                "slots": self.config.max_evaluations,
+            }
+            if self._setting_up:
+                wait["setting_up"] = sorted(self._setting_up)
+            yield Record("slot_wait", wait)
         yield Acquire(self._slots)
+        self._setting_up.add(attempt_id)
         if waits:
             yield Record("slot_granted", {"attempt_id": attempt_id, "slot": "evaluation"})
         try:
             yield from self._begin(kind, attempt_id, body, delivery, plan, bool(raw))
         finally:
+            self._setting_up.discard(attempt_id)
             if attempt_id not in self.evaluations:
                 self._slots.release()
 

@@ -70,7 +70,7 @@ class Consumers:
 
     async def claim(self, worker: str, n: int = 10) -> tuple[list[Job], int | None]:
         q = self.queue(worker)
-        *raw, due = await q.batch.call(["claim", worker, q.work_queue_name, n])
+        *raw, due = await q.batch.call(["claim", worker, q.work_queue_name, n, n])
         jobs = []
         for r in raw:
             q._held.pop(r[0], None)
@@ -123,6 +123,52 @@ def test_a_claim_holds_a_job_until_its_lease_lapses_then_it_is_redelivered(pg: P
     assert out["second"] == ("x", True)
     assert out["late_ack"] is False and out["ack"] is True
     assert out["after"] == []
+
+
+def test_the_work_queue_and_the_private_queue_each_have_their_prefetch(pg: PgSandbox) -> None:
+    """A window full of work still takes a forward (RabbitMQ: a consumer's own credit)."""
+
+    async def scenario() -> tuple[Any, ...]:
+        c = Consumers(pg)
+        try:
+            a = c.queue("wa")
+            await c.register("wb")
+            for n in range(3):
+                await a.publish_work({"n": n}, f"work{n}")
+            await a.forward(c.config.name("worker.wb"), b"{}", "fwd")
+            b = c.queue("wb")
+            *raw, _ = await b.batch.call(["claim", "wb", b.work_queue_name, 0, 1])
+            work_full = [r[2] for r in raw]
+            *raw, _ = await b.batch.call(["claim", "wb", b.work_queue_name, 2, 0])
+            return work_full, [r[2] for r in raw]
+        finally:
+            await c.close()
+
+    mine, work = _run(scenario())
+    assert mine == ["fwd"] and work == ["work0", "work1"]
+
+
+def test_a_consumer_cut_off_past_its_lease_takes_its_own_job_again(pg: PgSandbox) -> None:
+    """Its claim lapsed while nobody else took the job: the next claim renews it (a new
+    token, the delivery it holds kept), and the ACK with that token lands."""
+
+    async def scenario() -> tuple[Any, ...]:
+        c = Consumers(pg)
+        try:
+            a = c.queue("wa")
+            await a.publish_work({"n": 1}, "m1")
+            held = await a.batch.call(["claim", "wa", a.work_queue_name, 1, 1])
+            c.now[0] += LEASE_MS + 1
+            again = await a.batch.call(["claim", "wa", a.work_queue_name, 1, 1])
+            job = _job(a, held[0])
+            a._held[job.id] = job
+            a._deliver(again[0])  # the client keeps its delivery, with the new token
+            return held[0][1], again[0][1], job.token, await a.settle(job)
+        finally:
+            await c.close()
+
+    first, second, token, acked = _run(scenario())
+    assert (first, second, token, acked) == (1, 2, 2, True)
 
 
 def test_a_nack_makes_a_job_visible_again_at_once(pg: PgSandbox) -> None:

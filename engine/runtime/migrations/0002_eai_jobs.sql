@@ -97,12 +97,16 @@ BEGIN
     PERFORM pg_notify('eai_jobs', p_ns || ' ' || p_visible_ms);
 END $$;
 
--- Claim up to `p_n` jobs for `p_me`: those of the work queue and of its own queue that are
--- visible and unclaimed (or whose claim lapsed), oldest first, skipping rows another claim
--- holds; a forward to a worker that no longer consumes is taken as work, and a control job
--- of one is dropped. Replies [[id, deliveries, message_id, body (base64), queue], ...] and,
--- last, when the next job not yet visible is due (NULL: none).
-CREATE FUNCTION eai.job_claim(p_ns text, p_me text, p_work text, p_n integer,
+-- Claim for `p_me` up to `p_n` jobs of the work queue and up to `p_n_mine` of its own queue
+-- (each its own budget, as RabbitMQ gives each consumer its own credit: a window full of
+-- work must not keep a forward or a cancel waiting), visible and unclaimed or whose claim
+-- lapsed, oldest first, skipping rows another transaction holds; a forward to a worker
+-- that no longer consumes is taken as work, and a control job of one is dropped. A lapsed
+-- claim of `p_me`'s own comes back to it too (the client knows the ones it still holds:
+-- for those the claim is renewed, not a new delivery). Replies [[id, deliveries,
+-- message_id, body (base64), queue], ...] and, last, when the next job not yet visible is
+-- due (NULL: none).
+CREATE FUNCTION eai.job_claim(p_ns text, p_me text, p_work text, p_n integer, p_n_mine integer,
                               p_lease_ms bigint, p_now bigint DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
@@ -116,20 +120,27 @@ BEGIN
     WHERE j.tenant_id = t AND j.namespace = p_ns AND j.kind = 'control' AND j.queue <> v_mine
       AND j.claimed_by IS NULL
       AND NOT eai._consumes(p_ns, substr(j.queue, 8), p_lease_ms, v_now);
-    WITH picked AS (
+    WITH work AS (
         SELECT j.id FROM eai.jobs j
         WHERE j.tenant_id = t AND j.namespace = p_ns AND j.visible_ms <= v_now
           AND (j.claimed_by IS NULL OR j.claim_until_ms < v_now)
-          AND (j.queue = p_work OR j.queue = v_mine
-               OR (j.kind = 'work' AND NOT eai._consumes(p_ns, substr(j.queue, 8), p_lease_ms,
-                                                         v_now)))
+          AND (j.queue = p_work
+               OR (j.queue <> v_mine AND j.kind = 'work'
+                   AND NOT eai._consumes(p_ns, substr(j.queue, 8), p_lease_ms, v_now)))
         ORDER BY j.visible_ms, j.seq
         LIMIT p_n
+        FOR UPDATE SKIP LOCKED
+    ), mine AS (
+        SELECT j.id FROM eai.jobs j
+        WHERE j.tenant_id = t AND j.namespace = p_ns AND j.visible_ms <= v_now
+          AND (j.claimed_by IS NULL OR j.claim_until_ms < v_now) AND j.queue = v_mine
+        ORDER BY j.visible_ms, j.seq
+        LIMIT p_n_mine
         FOR UPDATE SKIP LOCKED
     ), claimed AS (
         UPDATE eai.jobs j SET claimed_by = p_me, claim_until_ms = v_now + p_lease_ms,
             deliveries = j.deliveries + 1, updated_at = now()
-        FROM picked WHERE j.id = picked.id
+        WHERE j.id IN (SELECT id FROM work UNION ALL SELECT id FROM mine)
         RETURNING j.id, j.deliveries, j.message_id, j.body, j.queue, j.visible_ms, j.seq
     )
     SELECT coalesce(jsonb_agg(jsonb_build_array(c.id, c.deliveries, c.message_id,
@@ -271,6 +282,9 @@ DECLARE
     v_now bigint := coalesce(p_now, eai.now_ms());
 BEGIN
     PERFORM set_config('app.tenant_id', p_tenant, true);
+    -- Jobs and events are never lost to a crash, whatever the role's synchronous_commit
+    -- (which may trade the store's last commits for speed): this commit waits for its WAL.
+    PERFORM set_config('synchronous_commit', 'on', true);
     FOR op IN SELECT value FROM jsonb_array_elements(p_ops) LOOP
         CASE op ->> 0
         WHEN 'publish' THEN
@@ -278,8 +292,8 @@ BEGIN
                 v_now + (op ->> 4)::bigint);
             reply := 'true';
         WHEN 'claim' THEN
-            reply := eai.job_claim(p_ns, op ->> 1, op ->> 2, (op ->> 3)::integer, p_lease_ms,
-                v_now);
+            reply := eai.job_claim(p_ns, op ->> 1, op ->> 2, (op ->> 3)::integer,
+                (op ->> 4)::integer, p_lease_ms, v_now);
         WHEN 'ack' THEN
             reply := to_jsonb(eai.job_ack(p_ns, (op ->> 1)::uuid, op ->> 2, (op ->> 3)::integer));
         WHEN 'nack' THEN
