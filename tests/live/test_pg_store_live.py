@@ -35,15 +35,10 @@ def _chaos(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-#: Shipped scenarios left out here, each with why: an open finding, not a pass.
-OPEN = {
-    # Under CI load on PostgreSQL, a retry delivered twice to the worker holding its
-    # evaluation: the second copy waits for the slot the first copy's set-up took, and its
-    # `slot_wait` names no evaluation held, so retry_delays_respected cannot prove the wait
-    # (2026-12-05, CI; passes on a quiet machine). The engine should name the evaluations
-    # being set up in `held`; see that session's closing note.
-    "scenarios/busy_workers_pass_retries_on.yaml",
-}
+#: Shipped scenarios left out here, each with why: an open finding, not a pass. (The last
+#: one, busy_workers_pass_retries_on, was closed on 2026-12-05: a slot_wait now names the
+#: evaluations being set up, `setting_up`.)
+OPEN: set[str] = set()
 
 
 def test_every_shipped_scenario_whose_faults_apply_passes_on_pg_store_live(
