@@ -26,14 +26,14 @@ from typing import Any
 import asyncpg
 import pytest
 
-from chaos.stack import MARKER_ENV, OWNER_ENV, StackError, marked_pids, owner_token, stop_owned
+from chaos.stack import MARKER_ENV, OWNER_ENV, StackError, marked_pids, stop_owned
 from chaos.systems.pg.standby import REPLICATION_ROLE, PostgresPair
 from chaos.systems.pg_store.postgres import (
     PostgresServer,
-    _descendants,
     _remove_segment,
     find_postgres_bin,
 )
+from tests.live.test_postgres_live import _alive, _family, _port_free
 
 _BIN = find_postgres_bin()
 _TOOLS = ("postgres", "initdb", "pg_basebackup", "pg_ctl")
@@ -58,36 +58,6 @@ _CUT = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
 # --- processes, ports, segments -----------------------------------------------------------
-
-
-def _state(pid: int) -> str | None:
-    """The state letter of a process, None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2 :].split()[0].decode()
-
-
-def _alive(pid: int, token: str) -> bool:
-    """Whether the process `token` names still runs (a zombie has exited)."""
-    return owner_token(pid) == token and _state(pid) not in (None, "Z", "X")
-
-
-def _family(postmaster: int) -> dict[int, str]:
-    """The postmaster and everything it forked, as pid -> `pid:starttime`."""
-    return {pid: owner_token(pid) for pid in [postmaster, *_descendants(postmaster)]}
-
-
-def _port_free(port: int) -> bool:
-    """Nothing listens there (SO_REUSEADDR: connections in TIME_WAIT do not count)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _segment(server: PostgresServer) -> tuple[int, int]:
