@@ -117,10 +117,13 @@ class PgQueue:
         old, self._listener = self._listener, None
         if old is not None:
             old.terminate()
+        conn = None
         try:
             conn = await asyncpg.connect(url, timeout=timeout)
             await conn.add_listener("eai_jobs", self._notified)
         except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            if conn is not None:
+                conn.terminate()
             raise pg_unavailable(exc, url, timeout) from None
         self._listener = conn
 
