@@ -41,6 +41,18 @@ SYSTEMS = {
     "pg": ("postgres", "postgres"),
 }
 
+
+def of_system(system: str | None, store: str | None) -> tuple[str | None, str | None]:
+    """(store, broker) of `--system` and `--store` together (None: not set); ValueError,
+    one line, when they contradict each other."""
+    if system is None:
+        return store, None
+    own, broker = SYSTEMS[system]
+    if store is not None and store != own:
+        raise ValueError(f"--store {store}: system {system} keeps its store in {own}")
+    return own, broker
+
+
 #: Seven days, as the seed says: state keys expire on their own.
 STATE_TTL_SECONDS = 7 * 24 * 3600
 

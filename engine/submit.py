@@ -58,6 +58,7 @@ from engine.config import (
     OneLineParser,
     ServiceUnavailable,
     env_config,
+    of_system,
 )
 from engine.core.messages import RESUME_REASON, SUBMIT_REASON
 from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
@@ -273,11 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine.submit: {problem}", file=sys.stderr)
         return 2
     try:
-        store, broker = SYSTEMS[args.system] if args.system else (args.store, None)
-        if args.system and args.store and args.store != store:
-            raise ValueError(
-                f"--store {args.store}: system {args.system} keeps its store in {store}"
-            )
+        store, broker = of_system(args.system, args.store)
         config = env_config(
             namespace=args.namespace,
             redis_url=args.redis_url,

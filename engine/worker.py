@@ -46,6 +46,7 @@ from engine.config import (
     OneLineParser,
     ServiceUnavailable,
     env_config,
+    of_system,
     policy_from,
     redacted,
 )
@@ -192,9 +193,8 @@ class Worker:
         """What the worker says once it consumes (the chaos runner waits for "ready")."""
         cfg, broker = self.rt.config, self.rt.broker
         delay = len(broker.delay_queues)
-        first = "jobs in the same database" if cfg.broker == "postgres" else "amqp "
-        if cfg.broker != "postgres":
-            first += redacted(cfg.amqp_url)
+        postgres = cfg.broker == "postgres"
+        first = "jobs in the same database" if postgres else f"amqp {redacted(cfg.amqp_url)}"
         return (
             f"engine.worker {self.worker_id} ready: {store_address(cfg)}, "
             f"{first}, namespace {cfg.namespace!r}, queues "
@@ -339,9 +339,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         jitter_buckets=args.jitter_buckets,
         seed=args.seed,
     )
-    store, broker = SYSTEMS[args.system] if args.system else (args.store, None)
-    if args.system and args.store and args.store != store:
-        raise ValueError(f"--store {args.store}: system {args.system} keeps its store in {store}")
+    store, broker = of_system(args.system, args.store)
     return env_config(
         store=store,
         broker=broker,
