@@ -120,11 +120,11 @@ SQL_MUTANTS: dict[str, SqlMutant] = {
                     "eai.resume",
                     (
                         Edit(
-                            r"WHERE c\.run_id = r\.id AND \(c\.number IS NULL OR c\.number > "
-                            r"v_from\)\s+RETURNING c\.rule_id",
+                            r"WHERE c\.run_id = r\.id AND \(c\.number IS NULL OR c\.id IN "
+                            r"\(SELECT id FROM ranked WHERE n > v_from\)\)\s+RETURNING c\.rule_id",
                             "WHERE c.run_id = r.id  -- mutant: every checkpoint goes\n"
-                            "        RETURNING CASE WHEN c.number IS NULL OR c.number > v_from "
-                            "THEN c.rule_id END AS rule_id",
+                            "        RETURNING CASE WHEN c.number IS NULL OR c.id IN (SELECT id "
+                            "FROM ranked WHERE n > v_from) THEN c.rule_id END AS rule_id",
                         ),
                         Edit(
                             r"SELECT coalesce\(array_agg\(rule_id ORDER BY rule_id COLLATE "
