@@ -134,12 +134,9 @@ class PgSim(PgStoreSim):
             yield from queue.publish_control({"type": "cancel", "attempt_id": attempt_id})
         return kept or EvaluationStatus.CANCELLED.value
 
-    def on_publish_raw(self, a: acts.PublishRaw) -> Generator[Any, Any, None]:
-        yield from self.client("runner-poison").publish_work(a.body, a.message_id)
-
-    def publish_as_runner(self, body: dict[str, Any], message_id: str) -> Generator[Any, Any, None]:
-        """A resume's work, as a job (`PgStoreSim.on_resume` publishes it)."""
-        yield from self.client("runner-resume").publish_work(body, message_id)
+    def publish_as_runner(self, body: Any, message_id: str, name: str) -> Generator[Any, Any, None]:
+        """Work published by the runner, as a job (a resume's, `PgStoreSim.on_resume`)."""
+        yield from self.client(name).publish_work(body, message_id)
 
     # --- the harness's consumer of the events: the outbox -------------------------------------
 

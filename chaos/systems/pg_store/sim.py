@@ -15,10 +15,9 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from chaos import acts
-from chaos.systems.redis_rabbitmq.sim import RUNNER_DELIVERY_MODE, RedisRabbitSim
+from chaos.systems.redis_rabbitmq.sim import RedisRabbitSim
 from engine.core.messages import RESUME_REASON
 from engine.keys import checkpoint_id
-from sim.broker import BrokerClient
 from sim.world import SimOptions
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ class PgStoreSim(RedisRabbitSim):
             return {"refused": kind}
         body = {"type": "execute", "attempt_id": a.attempt_id, "reason": RESUME_REASON}
         body["published_ms"] = int(self.env.now * 1000)
-        yield from self.publish_as_runner(body, f"{a.attempt_id}:resume:{rest[1]}")
+        yield from self.publish_as_runner(body, f"{a.attempt_id}:resume:{rest[1]}", "runner-resume")
         number = int(rest[0])
         return {
             "run_id": a.attempt_id,
@@ -69,16 +68,6 @@ class PgStoreSim(RedisRabbitSim):
             },
             "discarded": list(rest[2:]),
         }
-
-    def publish_as_runner(self, body: dict[str, Any], message_id: str) -> Generator[Any, Any, None]:
-        """Work published by the runner's client, on a connection of its own."""
-        client = BrokerClient(
-            self.env, self.broker, "runner-resume", delivery_mode=RUNNER_DELIVERY_MODE
-        )
-        while not (yield from client.connect()):
-            yield self.env.timeout(self.options.reconnect_interval_s)
-        yield from client.publish_work(body, message_id)
-        yield from client.close()
 
     def on_kill_service(self, a: acts.KillService) -> dict[str, Any]:
         if a.name == self.store_service:

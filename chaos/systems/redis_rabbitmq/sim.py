@@ -247,12 +247,14 @@ class RedisRabbitSim:
 
     def on_publish_raw(self, a: acts.PublishRaw) -> Generator[Any, Any, None]:
         """On a connection of its own, as `on_cancel`."""
-        client = BrokerClient(
-            self.env, self.broker, "runner-poison", delivery_mode=RUNNER_DELIVERY_MODE
-        )
+        yield from self.publish_as_runner(a.body, a.message_id, "runner-poison")
+
+    def publish_as_runner(self, body: Any, message_id: str, name: str) -> Generator[Any, Any, None]:
+        """Work published by the runner's client `name`, on a connection of its own."""
+        client = BrokerClient(self.env, self.broker, name, delivery_mode=RUNNER_DELIVERY_MODE)
         while not (yield from client.connect()):
             yield self.env.timeout(self.options.reconnect_interval_s)
-        yield from client.publish_work(a.body, a.message_id)
+        yield from client.publish_work(body, message_id)
         yield from client.close()
 
     def on_settled(self, a: acts.Settled) -> int:
