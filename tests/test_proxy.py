@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,13 +78,12 @@ def split(listen: str) -> tuple[str, int]:
 
 async def roundtrip(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes
-) -> float:
-    """Send, read the echo back in full; the seconds it took."""
-    start = time.monotonic()
+) -> None:
+    """Send, read the echo back in full. Not timed: a delay is read from the proxy's own
+    record (`LinkRecord.held`)."""
     writer.write(data)
     await writer.drain()
     assert await reader.readexactly(len(data)) == data
-    return time.monotonic() - start
 
 
 async def refused(host: str, port: int) -> bool:
@@ -172,8 +170,7 @@ class ThreadedServer:
         self.loop.close()
 
 
-def sync_roundtrip(address: tuple[str, int], data: bytes = b"ping") -> float:
-    start = time.monotonic()
+def sync_roundtrip(address: tuple[str, int], data: bytes = b"ping") -> None:
     with socket.create_connection(address, timeout=10) as sock:
         sock.sendall(data)
         got = b""
@@ -182,7 +179,6 @@ def sync_roundtrip(address: tuple[str, int], data: bytes = b"ping") -> float:
             assert chunk, "closed before the echo came back"
             got += chunk
     assert got == data
-    return time.monotonic() - start
 
 
 def sync_closed(sock: socket.socket) -> bool:
@@ -237,7 +233,13 @@ def test_toxiproxy_python_drives_every_call() -> None:
         assert (toxic.type, toxic.stream, toxic.toxicity) == ("latency", "downstream", 1.0)
         assert toxic.attributes == {"latency": 100, "jitter": 0}
         assert proxy.get_toxic("nope") is None
-        assert sync_roundtrip(address) >= 0.095
+        sync_roundtrip(address)
+        *_, down = (r for r in ts.server.links("echo") if r.stream == "downstream")
+        # the echo held its 100 ms in full, on the proxy's clock
+        assert [(h.toxic, h.nbytes, h.delay) for h in down.held] == [
+            ("latency_downstream", 4, 0.100)
+        ]
+        assert all(h.until >= h.since + h.delay for h in down.held)
         with pytest.raises(InvalidToxic):
             proxy.add_toxic(type="bogus")
         with pytest.raises(InvalidToxic):

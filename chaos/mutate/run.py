@@ -53,6 +53,9 @@ class Verdict:
     seconds: float = 0.0
     #: False: no line of the change runs in the unmutated suite, so it survived unrun
     reached: bool = True
+    #: The worker's exit status, as `Popen.returncode` (None: no worker ran): negative, the
+    #: signal that ended it; a timeout's is -SIGKILL, the pool's kill at the deadline.
+    returncode: int | None = None
 
 
 @dataclass
@@ -96,9 +99,10 @@ class Pool:
 
     def run(
         self, job: dict[str, Any], timeout: float | None
-    ) -> tuple[dict[str, Any] | None, float]:
-        """Run one worker; (its verdict, or None on a timeout, and the seconds it took).
-        A worker that died without a verdict gives `{"status": "crashed", ...}`."""
+    ) -> tuple[dict[str, Any] | None, float, int]:
+        """Run one worker; (its verdict, or None on a timeout, the seconds it took, and
+        its exit status: on a timeout, -SIGKILL, the pool's kill). A worker that died
+        without a verdict gives `{"status": "crashed", ...}`."""
         with self.lock:
             if self.closed:
                 raise KeyboardInterrupt
@@ -128,7 +132,7 @@ class Pool:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             _kill(proc)
-            return None, time.monotonic() - started
+            return None, time.monotonic() - started, proc.returncode
         finally:
             with self.lock:
                 self.live.discard(proc)
@@ -147,7 +151,7 @@ class Pool:
         for suffix in (".job.json", ".py", ".log", ".verdict.json"):
             with contextlib.suppress(OSError):
                 os.unlink(f"{name}{suffix}")
-        return verdict, took
+        return verdict, took, proc.returncode
 
     def close(self) -> None:
         with self.lock:
@@ -188,7 +192,7 @@ def baseline(
         "targets": list(modules),
         "coverage": list(files),
     }
-    verdict, took = p.run(job, None)
+    verdict, took, _ = p.run(job, None)
     assert verdict is not None
     if verdict.get("status") != "baseline":
         raise BaselineError(f"chaos mutate: the unmutated baseline failed: {verdict.get('detail')}")
@@ -219,9 +223,10 @@ def run_all(
 
     def one(m: Mutant) -> Verdict:
         job = {**base, "module": m.module, "path": str(p.root / m.path), "source_text": m.source}
-        verdict, took = p.run(job, timeout)
+        verdict, took, code = p.run(job, timeout)
         if verdict is None:
-            return Verdict(m, "timeout", detail=f"no verdict within {timeout:.0f} s", seconds=took)
+            detail = f"no verdict within {timeout:.0f} s"
+            return Verdict(m, "timeout", detail=detail, seconds=took, returncode=code)
         return Verdict(
             m,
             verdict["status"],
@@ -229,6 +234,7 @@ def run_all(
             verdict.get("seed"),
             verdict.get("detail", ""),
             took,
+            returncode=code,
         )
 
     verdicts: dict[str, Verdict] = {}

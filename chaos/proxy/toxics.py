@@ -15,6 +15,13 @@ of the stream; a stub that has seen it keeps seeing it, like a closed Go channel
 Whether a toxic applies to a link, and its jitter and slice sizes, come from the link's
 own seeded stream (`model.toxic_rng`); every decision and draw is kept in the link's
 `LinkRecord`, which tests and the simulator compare without timing anything.
+
+What a toxic holds back (latency, bandwidth: data; slow_close, timeout: the close;
+reset_peer: the reset) is kept there too, as `Held` (the latest HELD_KEPT a link): when
+the wait counted from and when the toxic let go, on the loop's clock. A toxic never lets
+go before its time on that clock (an asyncio timer may fire up to a clock tick early: the
+waits here check the clock and wait again), so a test checks the delay a toxic applied
+from the proxy's own record, whatever the load on the machine.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ READ_SIZE = 32 * 1024
 #: Bytes a link may hold between its reader and its writer before it stops reading: the
 #: sender then feels the toxics through TCP flow control, as with Toxiproxy's channels.
 HIGH_WATER = 256 * 1024
+#: Holds a link keeps (`LinkRecord.held`): at least the latest HELD_KEPT // 2, at most this.
+HELD_KEPT = 256
 
 
 @dataclass
@@ -49,15 +58,41 @@ class Chunk:
     due: float  # loop time it was read, plus the latency it has been given so far
 
 
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Something a toxic held back on a link, times on the loop's clock (`loop.time()`).
+
+    `what`: "data" (a chunk; bandwidth: all its pieces), "close" (the end of the stream:
+    slow_close, and the close a timeout makes) or "reset" (reset_peer). The toxic owed it
+    `delay` seconds from `since` and let it go at `until`. Latency, slow_close, timeout
+    and reset_peer wait the whole of it: `until >= since + delay`, exactly. Bandwidth
+    carries what a wait overshot over to the next chunk (Toxiproxy's): over a run of
+    chunks, the last `until` minus the first `since` is at least the sum of the delays."""
+
+    toxic: str
+    what: str
+    nbytes: int
+    since: float  # latency: the time the chunk was due on arrival (read, plus earlier latency)
+    delay: float
+    until: float
+
+
 @dataclass
 class LinkRecord:
-    """What one link decided and drew, in order: the evidence for determinism."""
+    """What one link decided and drew, in order: the evidence for determinism; and what
+    its toxics held back, and for how long (`held`, the latest)."""
 
     proxy: str
     link_no: int
     stream: str
     decisions: dict[str, bool] = field(default_factory=dict)  # toxic -> applies (latest)
     draws: list[tuple[str, str, Any]] = field(default_factory=list)  # (toxic, what, value)
+    held: list[Held] = field(default_factory=list)
+
+    def hold(self, held: Held) -> None:
+        if len(self.held) >= HELD_KEPT:
+            del self.held[: HELD_KEPT // 2]  # bounded on a long run, at O(1) a hold
+        self.held.append(held)
 
 
 class Stub:
@@ -110,6 +145,11 @@ class Stub:
         assert self.spec is not None
         self.link.record.draws.append((self.spec.name, what, value))
 
+    def held(self, what: str, nbytes: int, since: float, delay: float) -> None:
+        """Note that this toxic lets go, now, of what it held since `since`."""
+        assert self.spec is not None
+        self.link.record.hold(Held(self.spec.name, what, nbytes, since, delay, _now()))
+
     def start(self) -> None:
         if self.closed:
             return
@@ -138,7 +178,11 @@ def _now() -> float:
 
 
 async def _sleep_until(when: float) -> None:
+    """Return once the loop's clock reads `when` or later (an asyncio timer may fire up
+    to a clock tick early: then wait again). Yields to the loop at least once."""
     await asyncio.sleep(max(0.0, when - _now()))
+    while (left := when - _now()) > 0:
+        await asyncio.sleep(left)
 
 
 async def noop(stub: Stub) -> None:
@@ -161,6 +205,7 @@ async def latency(stub: Stub) -> None:
         except asyncio.CancelledError:
             stub.emit(chunk)  # leave fast, without the latency; drop nothing
             raise
+        stub.held("data", len(chunk.data), chunk.due, delay / 1000)
         stub.emit(Chunk(chunk.data, max(due, chunk.due)))
     stub.close()
 
@@ -173,22 +218,25 @@ async def bandwidth(stub: Stub) -> None:
     owed = 0.0
     while (chunk := await stub.recv()) is not None:
         data = chunk.data
+        since = _now()
+        delay = len(data) / (rate * 1000) if rate > 0 else 0.0
         try:
             if rate <= 0:  # Toxiproxy sends empty pieces forever: nothing gets through
                 await asyncio.Event().wait()
-            owed += len(data) / (rate * 1000)
+            owed += delay
             piece = rate * 100
             while len(data) > piece:
-                await asyncio.sleep(0.1)
+                await _sleep_until(_now() + 0.1)
                 stub.emit(Chunk(data[:piece], chunk.due))
                 data = data[piece:]
                 owed -= 0.1
             start = _now()
-            await asyncio.sleep(max(0.0, owed))
+            await _sleep_until(start + owed)
             owed -= _now() - start
         except asyncio.CancelledError:
             stub.emit(Chunk(data, chunk.due))
             raise
+        stub.held("data", len(chunk.data), since, delay)
         stub.emit(Chunk(data, chunk.due))
     stub.close()
 
@@ -198,7 +246,9 @@ async def slow_close(stub: Stub) -> None:
     assert stub.spec is not None
     while (chunk := await stub.recv()) is not None:
         stub.emit(chunk)
-    await asyncio.sleep(stub.spec.attributes["delay"] / 1000)
+    since, delay = _now(), stub.spec.attributes["delay"] / 1000
+    await _sleep_until(since + delay)
+    stub.held("close", 0, since, delay)
     stub.close()
 
 
@@ -207,15 +257,20 @@ async def timeout(stub: Stub) -> None:
     on each chunk); 0 holds the link open until the toxic goes."""
     assert stub.spec is not None
     limit = stub.spec.attributes["timeout"] / 1000
+    since = _now()
     while True:
         try:
-            async with asyncio.timeout(limit if limit > 0 else None):
+            async with asyncio.timeout_at(since + limit if limit > 0 else None):
                 chunk = await stub.recv()
         except TimeoutError:
+            if _now() < since + limit:  # the timer fired a clock tick early
+                continue
+            stub.held("close", 0, since, limit)
             break
         if chunk is None:
             break
         stub.drop(len(chunk.data))
+        since = _now()
     stub.close()
 
 
@@ -228,10 +283,23 @@ async def reset_peer(stub: Stub) -> None:
         chunk = await stub.recv()
         if chunk is not None:
             stub.drop(len(chunk.data))
-        when = _now() + stub.spec.attributes["timeout"] / 1000
-        stub.state["armed"] = asyncio.get_running_loop().call_at(when, stub.link.reset, stub)
+        since, delay = _now(), stub.spec.attributes["timeout"] / 1000
+        _arm(stub, since, delay)
     while (chunk := await stub.recv()) is not None:  # armed: nothing more gets through
         stub.drop(len(chunk.data))
+
+
+def _arm(stub: Stub, since: float, delay: float) -> None:
+    """Reset the link at `since + delay` on the loop's clock, not a clock tick before."""
+
+    def fire() -> None:
+        if _now() < since + delay:
+            _arm(stub, since, delay)
+        else:
+            stub.held("reset", 0, since, delay)
+            stub.link.reset(stub)
+
+    stub.state["armed"] = asyncio.get_running_loop().call_at(since + delay, fire)
 
 
 async def slicer(stub: Stub) -> None:
