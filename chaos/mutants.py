@@ -1102,10 +1102,10 @@ def pass_result_misrouted() -> None:
     consumer bound to the documented key ever hears of a pass."""
     make = orchestrator.PublishEvent
 
-    def publish(routing_key: str, body: Any, message_id: str) -> Any:
+    def publish(routing_key: str, body: Any, message_id: str, flag: str | None = None) -> Any:
         if routing_key == "evaluation.pass_result":
             routing_key = "evaluation.pass_results"
-        return make(routing_key, body, message_id)
+        return make(routing_key, body, message_id, flag)
 
     orchestrator.PublishEvent = publish  # type: ignore[assignment,misc]
 

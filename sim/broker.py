@@ -425,6 +425,9 @@ class SimBroker:
 class BrokerClient:
     """One process's robust AMQP connection (see the module docstring)."""
 
+    #: Events are not rows of the store (`sim.drive`): `PgQueueClient`'s are.
+    outbox = False
+
     ATTEMPTS = 60
     #: The delivery mode of the engine's publishes (`engine.runtime.wire`): 2, persistent.
     DELIVERY_MODE = 2

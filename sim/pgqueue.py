@@ -411,6 +411,9 @@ class Claimed(Delivery):
 class PgQueueClient:
     """One process's `PgQueue` (see the module docstring)."""
 
+    #: An event with a flag is written in its flag's transaction (`sim.drive`).
+    outbox = True
+
     def __init__(
         self,
         env: simpy.Environment,

@@ -154,6 +154,7 @@ class SimRedis:
         # (`migrations/0003_eai_resume.sql`): kept, as the rules in that order, under
         # `attempt:{a}:checkpoints`, only for the designs that have them (None: Redis)
         self.numbering = False
+        self._synced = False  # the running operation's commit is synchronous (`synced`)
 
     # --- the server -------------------------------------------------------------------
 
@@ -191,7 +192,17 @@ class SimRedis:
                     cutoff = (now if since is None else since) - self.lag_s
                     while recent and recent[0][0] < cutoff:  # the replica has those
                         recent.popleft()
+                    if self._synced:
+                        recent.clear()
             self._op = None
+            self._synced = False
+
+    def synced(self) -> None:
+        """The running operation commits synchronously (PostgreSQL's, whatever the role's
+        setting): the WAL is flushed up to it, with every commit before it, which no kill
+        can take any more."""
+        if self.lag_s is not None:
+            self._synced = True
 
     def lose_unreplicated(self, died_at: float) -> int:
         """A failover: the replica promoted lacks what the primary applied in its last
@@ -831,8 +842,11 @@ class RedisClient:
             return (yield from self._call(fn, args))
         batch = self._board()
         try:
-            if batch is not self._flying:
-                yield batch.sent
+            sent = batch.sent
+            if batch is not self._flying or (sent is not None and not sent.processed):
+                # Waiting for the batch, or boarding it as it leaves while the calls that
+                # waited for it are still to go: after them, as live (one queue, in order).
+                yield sent
             return (yield from self._call(fn, args, self.wait_replicas > 0))
         finally:
             self._alight(batch)

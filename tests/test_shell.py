@@ -148,8 +148,9 @@ def test_a_call_cancelled_by_its_connection_reaches_the_step_as_a_lost_connectio
     from engine.runtime.context import settle
     from engine.runtime.drive import drive
 
-    rt = SimpleNamespace(store=_Dying())
-    assert asyncio.run(drive(_asks_holder(), rt)) == "lost: Store cancelled"  # type: ignore[arg-type]
+    for outbox in (False, True):  # both loops of the driver
+        rt = SimpleNamespace(store=_Dying(), broker=SimpleNamespace(outbox=outbox))
+        assert asyncio.run(drive(_asks_holder(), rt)) == "lost: Store cancelled"  # type: ignore[arg-type]
     assert asyncio.run(settle(_Dying(), timeout_s=5)) is False  # type: ignore[arg-type]  # closed
 
     class Closed:  # aio-pika's message refuses to hand out a channel that closed
@@ -200,8 +201,9 @@ def test_the_task_s_own_cancellation_still_propagates() -> None:
             return "cancelled"
         return "finished"
 
-    rt = SimpleNamespace(store=Slow())
-    assert asyncio.run(cancel_soon(drive(_asks_holder(), rt))) == "cancelled"  # type: ignore[arg-type]
+    for outbox in (False, True):
+        rt = SimpleNamespace(store=Slow(), broker=SimpleNamespace(outbox=outbox))
+        assert asyncio.run(cancel_soon(drive(_asks_holder(), rt))) == "cancelled"  # type: ignore[arg-type]
     assert asyncio.run(cancel_soon(settle(Slow(), timeout_s=60))) == "cancelled"  # type: ignore[arg-type]
 
 
@@ -211,7 +213,10 @@ def test_a_delivery_s_step_outlives_the_cancellation_of_aio_pika_s_task() -> Non
     from engine.runtime.drive import detached
 
     seen: list[str] = []
-    rt = SimpleNamespace(history=SimpleNamespace(record=lambda event, **f: seen.append(event)))
+    rt = SimpleNamespace(
+        history=SimpleNamespace(record=lambda event, **f: seen.append(event)),
+        broker=SimpleNamespace(outbox=False),
+    )
 
     def delivery() -> Generator[Effect, Any, None]:
         yield Record("evaluation_started", {})

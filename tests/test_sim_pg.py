@@ -214,3 +214,62 @@ def test_a_queue_that_loses_the_retry_delay_is_caught_by_the_checker() -> None:
     broken = run(loaded, adapter=_EagerPgSim)
     assert not broken.result.ok
     assert "retry_delays_respected" in {v.invariant for v in broken.result.violations}
+
+
+class _KillAtTheEvent(SimJobs):
+    """Every worker SIGKILLed the moment the first `evaluation.completed` row lands."""
+
+    kill: Any = None
+
+    def event(self, topic: str, message_id: str | None, data: Any) -> bool:
+        landed = super().event(topic, message_id, data)
+        if topic == "evaluation.completed" and self.kill is not None:
+            kill, self.kill = self.kill, None
+            kill()
+        return landed
+
+
+class _KillingPgSim(PgSim):
+    def __init__(self, run: SimRun) -> None:
+        super().__init__(run)
+        self.jobs = jobs = _KillAtTheEvent(
+            self.env, self.net_rng, self.options.redis_latency_s, self.config.stale_ms
+        )
+        self.alive: list[Any] = []
+        jobs.kill = lambda: [w.die(137) for w in self.alive if w.alive]
+
+    def worker(self, index: int, incarnation: int, failpoints: str) -> Any:
+        w = super().worker(index, incarnation, failpoints)
+        self.alive.append(w)
+        return w
+
+
+def _completed_rows(outbox: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    monkeypatch.setattr(PgQueueClient, "outbox", outbox)
+    made: list[_KillingPgSim] = []
+
+    class Kept(_KillingPgSim):
+        def __init__(self, run: SimRun) -> None:
+            super().__init__(run)
+            made.append(self)
+
+    outcome = run(scenario("crash_after_ack", restart_crashed_workers=True), 1, adapter=Kept)
+    assert of(outcome.history, "evaluation_terminal")
+    rows: dict[str, int] = {}
+    for _, topic, message_id, _data in made[0].jobs.outbox:
+        if topic == "evaluation.completed":
+            rows[message_id] = rows.get(message_id, 0) + 1
+    return rows
+
+
+def test_an_event_and_its_flag_land_together_so_a_kill_never_announces_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The outbox (migration 0004's `announce`): `evaluation.completed` is written by the
+    transaction that flags it published, so a worker killed the moment the row lands has
+    flagged it too, and its successor does not announce it again. Published apart from its
+    flag (a broker's way), the same kill leaves it unflagged: announced twice."""
+    together = _completed_rows(True, monkeypatch)
+    assert together and set(together.values()) == {1}
+    apart = _completed_rows(False, monkeypatch)
+    assert 2 in apart.values()

@@ -156,6 +156,9 @@ class _Connection(aio_pika.RobustConnection):
 
 
 class Broker:
+    #: Whether events are rows of the store, written with their flag (`drive`): not here.
+    outbox = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.work_queue_name = config.name("evaluation.execute")

@@ -26,20 +26,50 @@ async def drive(step: fx.Step, rt: Runtime) -> Any:
     """Run `step` to its end; its return value is returned. An effect that needs no
     waiting (a history event, a metric, the clock) is carried out in place, the others
     are awaited directly, with no coroutine of ours around them."""
+    if rt.broker.outbox:
+        return await _drive_outbox(step, rt)
     stepper = fx.Stepper(step)
     while (effect := stepper.advance(_NOW, rt)) is not None:
         try:
             stepper.reply(await _LATER[type(effect)](effect, rt))
-        except asyncio.CancelledError as exc:
-            # This task's cancellation goes in as it is; one that came out of the call (a
-            # dying aiormq connection cancels what it had in flight) is a lost connection,
-            # which the step handles like any other (it would otherwise end the task
-            # silently, an evaluation left in memory half begun).
-            stepper.fail(
-                exc if cancelled() else ConnectionError(f"{type(effect).__name__} cancelled")
-            )
         except BaseException as exc:  # into the step, which decides
-            stepper.fail(exc)
+            _fail(stepper, effect, exc)
+    return stepper.value
+
+
+def _fail(stepper: fx.Stepper, effect: fx.Effect, exc: BaseException) -> None:
+    if isinstance(exc, asyncio.CancelledError) and not cancelled():
+        # This task's cancellation goes in as it is; one that came out of the call (a
+        # dying aiormq connection cancels what it had in flight) is a lost connection,
+        # which the step handles like any other (it would otherwise end the task
+        # silently, an evaluation left in memory half begun).
+        exc = ConnectionError(f"{type(effect).__name__} cancelled")
+    stepper.fail(exc)
+
+
+async def _drive_outbox(step: fx.Step, rt: Runtime) -> Any:
+    """`drive` where the events are rows of the store (`PgQueue`): an event with a `flag`
+    is held until the step yields that store operation, and both go as one (the outbox:
+    `PostgresStore.done`'s `event`); an event its flag does not follow goes alone."""
+    stepper = fx.Stepper(step)
+    held: fx.PublishEvent | None = None
+    while (effect := stepper.advance(_NOW, rt)) is not None:
+        try:
+            if type(effect) is fx.PublishEvent and effect.flag is not None and held is None:
+                held = effect
+                continue  # the step goes on to its flag (its reply: None, as a publish's)
+            if held is not None:
+                event, held = held, None
+                if type(effect) is fx.Store and effect.op == event.flag:
+                    body = (event.routing_key, event.message_id, dict(event.body))
+                    stepper.reply(await getattr(rt.store, effect.op)(*effect.args, event=body))
+                    continue
+                await _LATER[fx.PublishEvent](event, rt)
+            stepper.reply(await _LATER[type(effect)](effect, rt))
+        except BaseException as exc:  # into the step, which decides
+            _fail(stepper, effect, exc)
+    if held is not None:
+        await _LATER[fx.PublishEvent](held, rt)
     return stepper.value
 
 

@@ -15,7 +15,9 @@ Consumers are woken by `NOTIFY eai_jobs` at each commit that makes a job due, by
 at the next due job the last claim saw, and by polling every `poll_s` as the fallback (a
 lost notification or listener, listened on again by the next claim): no job waits unseen
 longer than that once due. Events go to `eai.run_events` (an outbox read in order of
-`seq`, at least once, each with its stable message id; `NOTIFY eai_events` wakes readers).
+`seq`, at least once, each with its stable message id; `NOTIFY eai_events` wakes readers);
+`evaluation.completed` and a pass result are written in the transaction of the store
+operation that flags them as published, so that the event and its flag land together.
 Jobs and events are committed synchronously whatever the role's `synchronous_commit`.
 
 The queue's operations travel as the store's do (`GroupCommit`: one `eai.queue_apply` a
@@ -74,6 +76,10 @@ def _b64(raw: bytes) -> str:
 
 class PgQueue:
     """`Broker`'s methods on PostgreSQL (`store`'s database and pool)."""
+
+    #: Events are rows of the store's database: one with a flag is written in the flag's
+    #: transaction (`engine.runtime.drive`, migration 0004).
+    outbox = True
 
     def __init__(self, config: EngineConfig, store: PostgresStore) -> None:
         self.config = config

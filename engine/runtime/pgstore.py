@@ -274,6 +274,19 @@ async def probe_postgres(url: str, timeout_s: float) -> None:
 # --- the store ------------------------------------------------------------------------------
 
 
+#: An event of the outbox: its topic, message id and body (`engine.shell.effects.PublishEvent`).
+Event = tuple[str, str, Mapping[str, Any]]
+
+
+def _announcing(op: list[Any], event: Event | None) -> list[Any]:
+    """`op` with the event it records as published, as one operation (`eai.apply`'s
+    `announce`, migration 0004): the event's row and the flag land in one transaction."""
+    if event is None:
+        return op
+    topic, message_id, body = event
+    return ["announce", op[1], topic, message_id, body, op]
+
+
 def _retryable(exc: BaseException) -> bool:
     """A lost, refused or restarting server: the operation may be tried again on a new
     connection (as the Redis client's retries do; a write whose reply was lost may then be
@@ -609,8 +622,8 @@ class PostgresStore:
     async def stored_plan(self, attempt_id: str) -> str | None:
         return await self._read("stored_plan", attempt_id)
 
-    async def done(self, attempt_id: str, me: str) -> bool:
-        return bool(await self.batch.call(["done", attempt_id, me]))
+    async def done(self, attempt_id: str, me: str, *, event: Event | None = None) -> bool:
+        return bool(await self.batch.call(_announcing(["done", attempt_id, me], event)))
 
     async def finish(
         self,
@@ -665,9 +678,16 @@ class PostgresStore:
         return await self.batch.call(["set_state", attempt_id, state])
 
     async def mark_pass_published(
-        self, attempt_id: str, pass_id: str, outcome: str, fence: str | None = None
+        self,
+        attempt_id: str,
+        pass_id: str,
+        outcome: str,
+        fence: str | None = None,
+        *,
+        event: Event | None = None,
     ) -> None:
-        await self._owner_call(["mark_pass_published", attempt_id, pass_id, outcome, fence or ""])
+        op = ["mark_pass_published", attempt_id, pass_id, outcome, fence or ""]
+        await self._owner_call(_announcing(op, event))
 
     # --- ownership, heartbeats, indexes ---------------------------------------------------
 

@@ -46,11 +46,17 @@ class Record:
 
 @dataclass(slots=True)
 class PublishEvent:
-    """An event for the `evaluation.*` exchange (`evaluation.completed`, a pass result)."""
+    """An event for the `evaluation.*` exchange (`evaluation.completed`, a pass result).
+
+    `flag`: the store operation the step yields next to record the event as published. A
+    design whose events are rows of its store (an outbox) writes the event in that
+    operation's transaction, so that the row and the flag land together or not at all;
+    the others publish, then run the operation, as the step reads."""
 
     routing_key: str
     body: Mapping[str, Any]
     message_id: str
+    flag: str | None = None
 
 
 @dataclass(slots=True)

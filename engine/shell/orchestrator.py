@@ -398,7 +398,12 @@ class PassExecutionOrchestrator:
                     "outcome": action.outcome,
                     "rules": rules,
                 }
-                yield PublishEvent("evaluation.pass_result", body, f"{a}:pass:{action.pass_id}")
+                yield PublishEvent(
+                    "evaluation.pass_result",
+                    body,
+                    f"{a}:pass:{action.pass_id}",
+                    "mark_pass_published",
+                )
                 yield Store("mark_pass_published", (a, action.pass_id, action.outcome, self.fence))
                 if self._recording:
                     yield Record(
@@ -673,7 +678,7 @@ def publish_completed(
     longer in Redis to be flagged (a restart lost it): the caller restores it.
     """
     body = {"attempt_id": attempt_id, "status": status, "verdicts": dict(verdicts)}
-    yield PublishEvent("evaluation.completed", body, f"{attempt_id}:completed")
+    yield PublishEvent("evaluation.completed", body, f"{attempt_id}:completed", "done")
     if letting_go is not None:  # `done` gives the lease back: no renewal after it
         letting_go()
     sent_ms = (yield NOW) if recording else 0

@@ -307,6 +307,60 @@ def test_the_outbox_commits_events_in_the_order_it_is_read(pg: PgSandbox) -> Non
     assert order == ["e1", "e2"]
 
 
+def test_an_event_and_the_flag_that_records_it_land_in_one_transaction(pg: PgSandbox) -> None:
+    """The outbox (migration 0004): `done` and `mark_pass_published` carry the event they
+    flag; its row is written by the transaction that writes the flag (one `xmin`), and a
+    flag refused by the fence, a zombie's, writes no event."""
+    from engine.core import RuleResult
+    from engine.runtime.store import LeaseLost
+    from tests.live.test_pgstore_live import TINY
+
+    a = f"ob{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> dict[str, Any]:
+        c = Consumers(pg)
+        store = c.queue("w1").store
+        owner = await pg.owner()
+        out: dict[str, Any] = {}
+
+        async def written_with_run(message_id: str) -> list[bool]:
+            rows = await owner.fetch(
+                "SELECT e.xmin::text = r.xmin::text AS same FROM eai.run_events e "
+                "JOIN eai.runs r ON r.id = e.run_id WHERE e.message_id = $1",
+                message_id,
+            )
+            return [r["same"] for r in rows]
+
+        try:
+            begun = await store.begin(a, "w1", TINY.order, TINY)
+            await store.write_result(a, RuleResult("compiles", "pass", 0.9, 10), (), begun.fence)
+            passed = ("evaluation.pass_result", f"{a}:pass:p1", {"attempt_id": a})
+            try:
+                await store.mark_pass_published(a, "p1", "pass", "stale", event=passed)
+            except LeaseLost:
+                out["zombie"] = "refused"
+            out["zombie_rows"] = await written_with_run(f"{a}:pass:p1")
+            await store.mark_pass_published(a, "p1", "pass", begun.fence, event=passed)
+            out["pass_rows"] = await written_with_run(f"{a}:pass:p1")
+            await store.finish(a, "completed", {}, [], begun.fence)
+            done = ("evaluation.completed", f"{a}:completed", {"attempt_id": a})
+            out["done"] = await store.done(a, "w1", event=done)
+            out["done_rows"] = await written_with_run(f"{a}:completed")
+            return out
+        finally:
+            await owner.close()
+            await c.close()
+
+    out = _run(scenario())
+    assert out == {
+        "zombie": "refused",
+        "zombie_rows": [],
+        "pass_rows": [True],
+        "done": True,
+        "done_rows": [True],
+    }
+
+
 def test_a_worker_killed_mid_rule_hands_its_job_and_evaluation_over(
     pg: PgSandbox, tmp_path: Any
 ) -> None:
