@@ -940,12 +940,13 @@ def final_unfenced() -> None:
     _unfence("_FINISH", "final_unfenced")
 
 
-# --- pg-store: mutants of the database, not of the worker ----------------------------------
+# --- pg-store and pg: mutants of the database, not of the worker ---------------------------
 # Each is a PL/pgSQL function of engine/runtime/migrations replaced, in the run's database,
-# by a broken one derived from the shipped definition (`chaos.systems.pg_store.mutants`,
-# installed by the pg-store adapter as the schema's owner and put back when the run ends).
-# The worker has nothing to patch: these patches do nothing. They only mean something with
-# `--system pg-store`: a Redis store never runs the broken functions.
+# by a broken one derived from the shipped definition, or a table of it altered
+# (`chaos.systems.pg_store.mutants`, installed by the adapter as the schema's owner and put
+# back when the run ends). The worker has nothing to patch: these patches do nothing. They
+# only mean something with `--system pg-store` or `pg` (`pg_jobs_unlogged`: `pg` alone, the
+# design whose queue is a table): a Redis store never runs the broken functions.
 
 
 def pg_unfenced() -> None:
@@ -978,6 +979,16 @@ def pg_resume_forgets() -> None:
     deleted: a resume from chk_0001 runs the rule of chk_0001 again. The breakage is the
     database's, installed by the pg-store adapter (`chaos.systems.pg_store.mutants`); the
     worker is the engine's, unpatched."""
+
+
+def pg_jobs_unlogged() -> None:
+    """nothing_lost_on_restart: `pg`'s job queue, `eai.jobs`, is an UNLOGGED table (no WAL:
+    faster inserts, the trade a queue table is often offered). PostgreSQL truncates an
+    unlogged table in the crash recovery after a kill, so every job the queue held is gone
+    when it comes back: delayed retries waiting to be due, evaluations waiting for a worker,
+    deliveries not yet settled. The breakage is the database's, installed by the pg adapter
+    (`chaos.systems.pg_store.mutants`, `ALTER TABLE eai.jobs SET UNLOGGED`); the worker is
+    the engine's, unpatched."""
 
 
 # --- the table -----------------------------------------------------------------------------
@@ -1448,6 +1459,12 @@ MUTANTS: dict[str, Mutant] = {
             "no_completed_rerun",
             "pg-store only: eai.resume deletes the checkpoints it was asked to keep",
             "pg-store",
+        ),
+        _mutant(
+            pg_jobs_unlogged,
+            "nothing_lost_on_restart",
+            "pg only: eai.jobs is UNLOGGED: a crash of PostgreSQL empties the job queue",
+            "pg",
         ),
         _mutant(
             unlabelled_reruns,

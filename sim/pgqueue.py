@@ -159,6 +159,7 @@ class SimJobs:
         self.lag_s: float | None = None  # synchronous_commit off: what a kill may lose
         self._recent: deque[tuple[float, Tables]] = deque()
         self._saved = True  # the running transaction's tables are kept already
+        self.crashed = False  # killed without a clean shutdown, not restarted yet
 
     def now_ms(self) -> int:
         """The database's clock (`eai.now_ms()`)."""
@@ -194,10 +195,19 @@ class SimJobs:
         self._recent.clear()
         return len(lost)
 
-    def kill(self) -> None:
-        """The server dies: every LISTEN connection with it."""
+    def kill(self, crash: bool = True) -> None:
+        """The server dies (`crash`: SIGKILL; else a clean shutdown): every LISTEN
+        connection with it."""
+        self.crashed = crash
         for listener in list(self.listeners):
             listener.close()
+
+    def restart(self) -> None:
+        """The server back. After a crash its recovery replays the WAL, and every table of
+        the queue is logged: each committed row is back as it was (with `lag_s`,
+        `lose_since` takes the commits not flushed), so there is nothing to undo here (an
+        unlogged `eai.jobs` would be emptied: `chaos.insim.mutants`' `pg_jobs_unlogged`)."""
+        self.crashed = False
 
     def _consumes(self, worker: str, now: int) -> bool:
         """`eai._consumes`: the worker's row renewed within the lease."""

@@ -1481,25 +1481,33 @@ def test_final_unfenced() -> None:
 
 
 def _pg_caught(
-    name: str, mutant: str, seeds: tuple[int | None, ...] = (None,), folder: str = "pg_store"
-) -> None:
-    """`scenarios/<folder>/<name>.yaml`, on `pg-store`, passes on the engine and fails on
-    `mutant`'s invariant with it, for each seed (None: the file's)."""
+    name: str,
+    mutant: str,
+    seeds: tuple[int | None, ...] = (None,),
+    folder: str = "pg_store",
+    system: str = "pg-store",
+) -> list[tuple[Any, Any]]:
+    """`scenarios/<folder>/<name>.yaml`, on `system`, passes on the engine and fails on
+    `mutant`'s invariant with it, for each seed (None: the file's); each seed's (clean,
+    broken) outcomes."""
     from chaos.insim import run_scenario
     from chaos.scenario import load_scenario
     from chaos.systems import on_system
 
-    loaded = on_system(load_scenario(ROOT / "scenarios" / folder / f"{name}.yaml"), "pg-store")
-    assert loaded.spec.system == "pg-store"
+    loaded = on_system(load_scenario(ROOT / "scenarios" / folder / f"{name}.yaml"), system)
+    assert loaded.spec.system == system
     breaks = MUTANTS[mutant].breaks
+    pairs = []
     for seed in seeds:
         clean = run_scenario(loaded, seed)
         assert clean.result.ok, (seed, clean.result.violations[:1], clean.result.budget_failures)
         assert clean.result.verdicts[breaks] == "pass"
         broken = run_scenario(loaded, seed, mutant)
-        assert broken.extra["system"] == "pg-store" and broken.extra["mutant"] == mutant
+        assert broken.extra["system"] == system and broken.extra["mutant"] == mutant
         assert broken.result.verdicts[breaks] == "fail", (seed, broken.result.verdicts)
         assert any(v.invariant == breaks for v in broken.result.violations)
+        pairs.append((clean, broken))
+    return pairs
 
 
 def test_pg_unfenced() -> None:
@@ -1524,6 +1532,32 @@ def test_pg_resume_forgets() -> None:
     _pg_caught("resume_from_checkpoint", "pg_resume_forgets", (None, 1, 2), folder="pg")
 
 
+def test_pg_jobs_unlogged() -> None:
+    # pg only: the kill's crash recovery empties the unlogged eai.jobs, and the retries that
+    # waited in it are never delivered (as non_persistent's on RabbitMQ). Live, the table
+    # really is unlogged (tests/live/test_pg_mutants_live.py) and the kill loses its rows
+    # (tests/test_chaos_runs.py).
+    pairs = _pg_caught(
+        "postgres_restart_holding_retries",
+        "pg_jobs_unlogged",
+        (None, 1, 2),
+        folder="pg",
+        system="pg",
+    )
+    for clean, broken in pairs:
+
+        def counts(o: Any) -> list[Any]:
+            return [e["messages"] for e in o.history if e["ev"].startswith("service_")]
+
+        held = counts(clean)[0]
+        assert held > 0 and counts(clean) == [held, held]  # logged: the restart finds them
+        assert counts(broken)[1] == 0  # the restart found an empty queue
+        lost = [v for v in broken.result.violations if v.invariant == "nothing_lost_on_restart"]
+        assert any(v.rule_id and "never delivered" in v.message for v in lost)
+        # only this guarantee: the sweeper re-publishes the lost retries, and all end
+        assert _broken(broken) == {"nothing_lost_on_restart"}
+
+
 def _shipped_function(function: str) -> str:
     """`function`'s definition as the migration ships it (the text from its CREATE to its
     closing `END $$;`: what `pg_get_functiondef` gives back, the header aside)."""
@@ -1537,16 +1571,33 @@ def _shipped_function(function: str) -> str:
     return found[0]
 
 
+def _shipped_table(table: str) -> str:
+    """`table`'s CREATE TABLE as the migrations ship it."""
+    import re
+
+    from engine.runtime.pgstore import migrations
+
+    sql = "".join(m.sql for m in migrations())
+    found = re.findall(rf"CREATE TABLE {re.escape(table)} \(.*?\n\);", sql, re.S)
+    assert len(found) == 1, table
+    return found[0]
+
+
 def test_pg_mutants_are_the_database_s_and_find_their_seams() -> None:
-    """Every SQL mutant is a mutant of the registry (its worker patch does nothing) and its
-    edits each apply exactly once to the function the migration ships; applied again, to
-    the broken text, they fail loudly."""
+    """Every SQL mutant is a mutant of the registry (its worker patch does nothing) of one
+    PostgreSQL design, and its edits each apply exactly once to the function the migration
+    ships (applied again, to the broken text, they fail loudly); a table it makes unlogged
+    is one the migrations create."""
     from chaos.systems.pg_store.mutants import SQL_MUTANTS, SeamGone, broken
 
     assert set(SQL_MUTANTS) == {m for m in MUTANTS if m.startswith("pg_")}
     for name, m in SQL_MUTANTS.items():
         assert name in sim_mutants.PATCHED
-        assert "pg-store" in MUTANTS[name].description
+        assert MUTANTS[name].system in ("pg-store", "pg")
+        assert MUTANTS[name].description.startswith(f"{MUTANTS[name].system} only: ")
+        assert m.functions or m.unlogged
+        for table in m.unlogged:  # a table the migrations create
+            assert _shipped_table(table).startswith(f"CREATE TABLE {table} (")
         for fe in m.functions:
             shipped = _shipped_function(fe.function)
             twin = broken(name, fe.function, shipped)

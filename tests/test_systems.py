@@ -420,3 +420,8 @@ def test_a_mutant_of_another_design_s_store_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="overwrite_result breaks redis-rabbitmq only"):
         SimRun(loaded, mutant="overwrite_result", system="pg-store")
     assert SimRun(loaded, mutant="no_sweeper", system="pg-store").mutant == "no_sweeper"
+    # pg's own table (its job queue) is not pg-store's, whose queue is RabbitMQ; pg runs
+    # pg-store's functions, so their mutants run there
+    with pytest.raises(ValueError, match="pg_jobs_unlogged breaks pg only"):
+        SimRun(loaded, mutant="pg_jobs_unlogged", system="pg-store")
+    assert SimRun(loaded, mutant="pg_unfenced", system="pg").mutant == "pg_unfenced"

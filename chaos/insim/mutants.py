@@ -6,9 +6,10 @@ mutant around one run: it saves the namespace of every object a patch may touch 
 it back afterwards, so a clean run that follows is the clean engine.
 - Mutants of the pure core, of the worker's protocol (`engine.shell`), of its config and of
   its agent (`CORE`) are chaos.mutants' own patch functions, exactly as live.
-- Mutants of a Lua script, of the broker's topology or of the history writer (`PATCHED`)
-  are the live patch's counterpart on the simulator's model of it (`SimRedis`, `SimBroker`,
-  `sim.history.Source`), saved and restored alike.
+- Mutants of a Lua script, of the broker's topology, of the history writer or of a
+  PostgreSQL design's database (`PATCHED`) are the live patch's counterpart on the
+  simulator's model of it (`SimRedis`, `SimBroker`, `sim.history.Source`,
+  `sim.pgqueue.SimJobs`), saved and restored alike.
 No mutant is a switch inside the engine, the simulator or the simulated runner. A mutant
 `chaos.mutants` gains later fails here loudly until the simulator models it.
 """
@@ -33,6 +34,7 @@ from engine.shell.replies import Renewal
 from sim.broker import SHARED_DELAY_QUEUE, BrokerClient, Message, Queue, SimBroker
 from sim.drive import drive as sim_drive
 from sim.history import Source
+from sim.pgqueue import SimJobs
 from sim.redis import SimRedis
 from sim.worker import EXIT_STOPPED, SimWorker
 
@@ -421,8 +423,25 @@ def _pg_resume_forgets() -> None:
     SimRedis.resume_from = forgets  # type: ignore[method-assign]
 
 
-#: Mutants of a Lua script, of the broker's topology or of the history writer, patched on
-#: their model in `SimRedis`, `SimBroker` or `Source` with `patched`, like the core's.
+# --- pg: the job queue's table (chaos/systems/pg_store/mutants.py, live) ------------------
+
+
+def _pg_jobs_unlogged() -> None:
+    """`eai.jobs` UNLOGGED: the crash recovery of a killed PostgreSQL resets the table to
+    its empty init fork, so the restart finds no job (a clean shutdown keeps them)."""
+    restart = SimJobs.restart
+
+    def truncating(self: SimJobs) -> None:
+        if self.crashed:
+            self.jobs.clear()
+        restart(self)
+
+    SimJobs.restart = truncating  # type: ignore[method-assign]
+
+
+#: Mutants of a Lua script, of the broker's topology, of the history writer or of the job
+#: queue's table, patched on their model in `SimRedis`, `SimBroker`, `Source` or `SimJobs`
+#: with `patched`, like the core's.
 def _old_close_order() -> None:
     """The live patch's close on the simulated worker: the evaluations handed back while
     its consumers stand, its deliveries in flight left running, no `worker_stopping`."""
@@ -459,6 +478,14 @@ PATCHED: dict[str, Callable[[], None]] = {
     "pg_overwrite_result": _pg_overwrite_result,
     "pg_double_claim": _pg_double_claim,
     "pg_resume_forgets": _pg_resume_forgets,
+    "pg_jobs_unlogged": _pg_jobs_unlogged,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.
-_SHELL_OWNERS: tuple[Any, ...] = (SimRedis, SimBroker, Source, SimWorker, BrokerClient)
+_SHELL_OWNERS: tuple[Any, ...] = (
+    SimRedis,
+    SimBroker,
+    Source,
+    SimWorker,
+    BrokerClient,
+    SimJobs,
+)

@@ -201,3 +201,55 @@ def test_a_mutant_installed_twice_fails_loudly_and_is_still_restored(pg: PgSandb
     error, still_broken, restored = asyncio.run(go())
     assert error.startswith("pg_unfenced: eai.write_status changed: ") and "not once" in error
     assert still_broken and restored
+
+
+async def _queue_persistence(owner: Any) -> dict[str, str]:
+    """`relpersistence` of `eai.jobs` and of what goes with it (its indexes, its identity
+    sequence): p logged, u unlogged."""
+    rows = await owner.fetch(
+        "SELECT c.relname, c.relpersistence::text AS relpersistence FROM pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = 'eai' AND c.relname LIKE 'jobs%'"
+    )
+    return {r["relname"]: r["relpersistence"] for r in rows}
+
+
+def test_pg_jobs_unlogged_makes_the_queue_unlogged_until_restored(pg: PgSandbox) -> None:
+    """The queue's table, its indexes and its sequence unlogged (what a crash recovery
+    truncates), the rows it held kept; installed twice, `SeamGone` and nothing more
+    changed; restored, all logged again, rows and all. (The loss itself, after a SIGKILL of
+    the run's own PostgreSQL: tests/test_chaos_runs.py.)"""
+
+    async def go() -> tuple[dict, dict, str, dict, dict, list[int]]:
+        owner = await pg.owner()
+        try:
+            await owner.execute(
+                "INSERT INTO eai.jobs (tenant_id, namespace, queue, body, visible_ms)"
+                " VALUES (gen_random_uuid(), 'unlogged-probe', 'q', '\\x00', 0)"
+            )
+            count = "SELECT count(*) FROM eai.jobs WHERE namespace = 'unlogged-probe'"
+            before = await _queue_persistence(owner)
+            restore = await install(owner, "pg_jobs_unlogged")
+            assert restore is not None
+            rows = [await owner.fetchval(count)]
+            during = await _queue_persistence(owner)
+            try:
+                await install(owner, "pg_jobs_unlogged")
+                error = ""
+            except SeamGone as exc:
+                error = str(exc)
+            still = await _queue_persistence(owner)
+            await restore()
+            rows.append(await owner.fetchval(count))
+            after = await _queue_persistence(owner)
+            await owner.execute("DELETE FROM eai.jobs WHERE namespace = 'unlogged-probe'")
+            return before, during, error, still, after, rows
+        finally:
+            await owner.close()
+
+    before, during, error, still, after, rows = asyncio.run(go())
+    assert {"jobs", "jobs_pkey", "jobs_ready", "jobs_seq_seq"} <= set(before)
+    assert set(before.values()) == {"p"} and before == after
+    assert during == still == dict.fromkeys(before, "u")
+    assert error.startswith("pg_jobs_unlogged: eai.jobs is not a logged table")
+    assert rows == [1, 1]

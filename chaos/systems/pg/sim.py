@@ -85,13 +85,15 @@ class PgSim(PgStoreSim):
         """PostgreSQL dies with every connection: the listeners too (none listens again).
         It held `messages` jobs (`nothing_lost_on_restart` counts them again at the restart,
         as the simulated RabbitMQ's)."""
-        self.jobs.kill()
+        self.jobs.kill(crash=not a.graceful)
         return {**super().on_kill_service(a), "messages": len(self.jobs.jobs)}
 
     def _store_back(self) -> dict[str, Any]:
         """The store loses its last commits without synchronous commits, the queue none
-        (its own are synchronous); the jobs it found (`messages`)."""
-        return {**super()._store_back(), "messages": len(self.jobs.jobs)}
+        (its own are synchronous, its table logged); the jobs it found (`messages`)."""
+        back = super()._store_back()
+        self.jobs.restart()
+        return {**back, "messages": len(self.jobs.jobs)}
 
     # --- the runner's client ------------------------------------------------------------------
 

@@ -1,19 +1,23 @@
-"""`pg-store`'s mutants: broken PL/pgSQL functions, installed in the run's database.
+"""The PostgreSQL designs' mutants: a broken database, installed in the run's database.
 
 On `pg-store` the guarantees a mutant removes live in the database (each store operation is
 one PL/pgSQL function of `engine/runtime/migrations`), so these mutants break the database,
 not the worker: `install` replaces the function(s) of a mutant, as the schema's owner, by a
 broken twin derived from the definition the database holds (`pg_get_functiondef`), and
-returns a `restore()` that puts the shipped definition back. The live adapter calls
-`install` when the run starts (with an administrator's connection to the run's database)
-and `restore` when it stops. The workers run the engine unpatched: their side of these
-mutants in `chaos.mutants.MUTANTS` does nothing, and the simulator's counterpart is the same
-misstep of the function's Python reference (`chaos.insim.mutants.PATCHED`).
+returns a `restore()` that puts the shipped definition back. On `pg` the job queue is a
+table too, and a mutant may change the table itself: `pg_jobs_unlogged` makes `eai.jobs`
+UNLOGGED (`ALTER TABLE ... SET UNLOGGED`, undone by `SET LOGGED`), so the crash recovery
+of a killed PostgreSQL empties it. The live adapter calls `install` when the run starts
+(with an administrator's connection to the run's database) and `restore` when it stops.
+The workers run the engine unpatched: their side of these mutants in
+`chaos.mutants.MUTANTS` does nothing, and the simulator's counterpart is the same misstep
+of the function's Python reference, or of the table's model (`chaos.insim.mutants.PATCHED`).
 
 Each broken twin is the shipped text changed by exact replacements, each of a pattern that
-must occur exactly once: a function that no longer has it raises `SeamGone`, so a mutant
-never silently runs the correct engine. `CREATE OR REPLACE FUNCTION` keeps the function's
-owner and grants, so the engine's role runs the broken one as it ran the right one.
+must occur exactly once: a function that no longer has it raises `SeamGone`, as does a table
+that is unlogged already, so a mutant never silently runs the correct engine.
+`CREATE OR REPLACE FUNCTION` keeps the function's owner and grants, so the engine's role
+runs the broken one as it ran the right one; so does `ALTER TABLE`.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class SqlMutant:
     name: str  # as in chaos.mutants.MUTANTS
     description: str
     functions: tuple[FunctionEdit, ...]
+    #: Tables made UNLOGGED (schema-qualified): no WAL, so a crash recovery truncates them.
+    unlogged: tuple[str, ...] = ()
 
 
 #: A fenced function's refusal and its lease run on (`_fence_on`): the refusal goes, the
@@ -137,6 +143,12 @@ SQL_MUTANTS: dict[str, SqlMutant] = {
                 ),
             ),
         ),
+        SqlMutant(
+            "pg_jobs_unlogged",
+            "eai.jobs is UNLOGGED: a crash of PostgreSQL empties the job queue",
+            (),
+            unlogged=("eai.jobs",),
+        ),
     )
 }
 
@@ -171,15 +183,25 @@ async def _definition(conn: asyncpg.Connection, function: str) -> tuple[int, str
     return rows[0]["oid"], rows[0]["def"]
 
 
+async def _persistence(conn: asyncpg.Connection, table: str) -> str:
+    """`pg_class.relpersistence` of `table`: p (logged), u (unlogged)."""
+    found = await conn.fetchval(
+        "SELECT relpersistence::text FROM pg_class WHERE oid = to_regclass($1)", table
+    )
+    if found is None:
+        raise SeamGone(f"{table}: no such table")
+    return str(found)
+
+
 async def install(
     conn: asyncpg.Connection, name: str | None
 ) -> Callable[[], Awaitable[None]] | None:
-    """Replace the function(s) of SQL mutant `name` by their broken twins, in one
-    transaction, as the schema's owner (`conn`: an administrator's connection to the run's
-    database); the `restore()` that puts the shipped definitions back, on `conn` or on the
-    connection it is given (`restore(other)`: one of the same rights, when `conn` may have
-    been closed meanwhile, e.g. by a fault of the run). None, having done nothing, for None
-    or a mutant that is not the database's."""
+    """Replace the function(s) of SQL mutant `name` by their broken twins and make its
+    tables unlogged, in one transaction, as the schema's owner (`conn`: an administrator's
+    connection to the run's database); the `restore()` that puts the shipped definitions
+    and logged tables back, on `conn` or on the connection it is given (`restore(other)`:
+    one of the same rights, when `conn` may have been closed meanwhile, e.g. by a fault of
+    the run). None, having done nothing, for None or a mutant that is not the database's."""
     mutant = SQL_MUTANTS.get(name) if name is not None else None
     if mutant is None:
         return None
@@ -193,15 +215,25 @@ async def install(
             now = await conn.fetchval("SELECT pg_get_functiondef($1::oid)", oid)
             if now == definition:  # replaced by itself: the mutant would test nothing
                 raise SeamGone(f"{mutant.name}: {fe.function} is unchanged after the install")
+        for table in mutant.unlogged:
+            if await _persistence(conn, table) != "p":
+                raise SeamGone(
+                    f"{mutant.name}: {table} is not a logged table (is the mutant installed "
+                    "already?)"
+                )
+            await conn.execute(f"ALTER TABLE {table} SET UNLOGGED")
+            if await _persistence(conn, table) != "u":
+                raise SeamGone(f"{mutant.name}: {table} is still logged after the install")
 
     async def restore(on: asyncpg.Connection | None = None) -> None:
-        """The shipped definitions back, on `on` (a connection of the schema's owner) or,
-        without one, on the install's, which must still be open."""
+        """The shipped definitions and logged tables back, on `on` (a connection of the
+        schema's owner) or, without one, on the install's, which must still be open."""
         c = on or conn
         if c.is_closed():
             raise RuntimeError(
-                f"{mutant.name}: cannot restore {', '.join(shipped)}: the install's connection "
-                "is closed; pass restore() an open connection of the schema's owner"
+                f"{mutant.name}: cannot restore {', '.join([*shipped, *mutant.unlogged])}: "
+                "the install's connection is closed; pass restore() an open connection of the "
+                "schema's owner"
             )
         async with c.transaction():
             await c.execute(_LOCK)
@@ -210,5 +242,9 @@ async def install(
                 _, back = await _definition(c, function)
                 if back != definition:
                     raise RuntimeError(f"{mutant.name}: {function} was not restored")
+            for table in mutant.unlogged:
+                await c.execute(f"ALTER TABLE {table} SET LOGGED")
+                if await _persistence(c, table) != "p":
+                    raise RuntimeError(f"{mutant.name}: {table} was not made logged again")
 
     return restore
