@@ -68,7 +68,8 @@ class Mutant:
     breaks: str  # the invariant that should then fail
     patch: Callable[[], None]
     #: The system under test whose part it breaks (`chaos.systems`; None: the shell or the
-    #: core, which every design runs): a store's script or function breaks its design only.
+    #: core, which every design runs): a store's script or function breaks its design only;
+    #: a memory's name (`rabbitmq`) each design that has it (`engine.config.SYSTEMS`).
     system: str | None = None
 
     def apply(self) -> None:
@@ -1189,11 +1190,13 @@ def refusal(name: str | None, system: str) -> str | None:
     """Why mutant `name` cannot run on `system` (it breaks another design's part), in one
     line (None: it can)."""
     from chaos.systems import SYSTEMS
+    from engine.config import SYSTEMS as MEMORIES
 
     mutant = MUTANTS.get(name) if name is not None else None
     sut = SYSTEMS.get(system)
     store_of = sut.store_of if sut is not None else None
-    if mutant is None or mutant.system in (None, system, store_of):
+    broker = MEMORIES[system][1] if system in MEMORIES else None
+    if mutant is None or mutant.system in (None, system, store_of, broker):
         return None
     return f"--mutant: {name} breaks {mutant.system} only; the scenario runs on {system}"
 
@@ -1250,6 +1253,7 @@ MUTANTS: dict[str, Mutant] = {
             per_message_ttl,
             "retry_delays_respected",
             "one delay queue with per-message TTLs: a short retry waits behind a longer one",
+            "rabbitmq",
         ),
         _mutant(
             result_without_ttl,
@@ -1390,6 +1394,7 @@ MUTANTS: dict[str, Mutant] = {
             non_persistent,
             "nothing_lost_on_restart",
             "the worker publishes transient messages: a broker restart loses them",
+            "rabbitmq",
         ),
         _mutant(
             ignore_rule_max_attempts,

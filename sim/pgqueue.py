@@ -63,6 +63,8 @@ from sim.world import World
 PRIVATE = "worker."
 #: The longest a due job waits unseen when every notification is lost (`pgqueue.POLL_S`).
 POLL_S = 1.0
+#: What a claim may take under a prefetch of 0 (`pgqueue.UNLIMITED`).
+UNLIMITED = 1 << 20
 #: What the claims and the outbox reader listen on (`pg_notify`'s channels).
 JOBS_CHANNEL = "eai_jobs"
 EVENTS_CHANNEL = "eai_events"
@@ -531,9 +533,10 @@ class PgQueueClient:
                 proc.interrupt()
 
     def _free(self) -> tuple[int, int]:
-        """What each queue's prefetch leaves: (work, its own)."""
+        """What each queue's prefetch leaves: (work, its own); 0 is no limit."""
         mine = sum(1 for d in self._held.values() if d.queue == self._private)
-        return self.prefetch - (len(self._held) - mine), self.prefetch - mine
+        prefetch = self.prefetch or UNLIMITED
+        return prefetch - (len(self._held) - mine), prefetch - mine
 
     def _listen(self) -> Generator[Any, Any, None]:
         """LISTEN on a connection of its own (again, once the last one is gone)."""

@@ -273,3 +273,42 @@ def test_an_event_and_its_flag_land_together_so_a_kill_never_announces_twice(
     assert together and set(together.values()) == {1}
     apart = _completed_rows(False, monkeypatch)
     assert 2 in apart.values()
+
+
+def _applicable(system: str) -> list[str]:
+    """The mutants `system` runs (not another design's part) whose catching scenario it can
+    run in sim: the scenario's faults, links and settings are its own."""
+    from chaos.mutants import refusal as mutant_refusal
+    from chaos.systems import refusal
+    from tests.test_chaos_runs import CATCHES
+
+    return [
+        m
+        for m in sorted(CATCHES)
+        if mutant_refusal(m, system) is None
+        and refusal(scenario(CATCHES[m]), system, "sim") is None
+    ]
+
+
+@pytest.mark.parametrize(
+    ("system", "mutant"),
+    [(system, m) for system in ("pg", "pg-store") for m in _applicable(system)],
+)
+def test_a_mutant_is_caught_on_the_postgresql_designs_too(system: str, mutant: str) -> None:
+    """The shell, the core and the store functions are shared: each mutant of them is caught
+    on each PostgreSQL design by the scenario that catches it on its own, in sim."""
+    from chaos.mutants import MUTANTS
+    from tests.test_chaos_runs import CATCHES
+
+    outcome = SimRun(scenario(CATCHES[mutant]), None, mutant, system=system).run()
+    assert outcome.result.verdicts[MUTANTS[mutant].breaks] == "fail", outcome.result.verdicts
+
+
+def test_the_postgresql_designs_run_nearly_every_mutant() -> None:
+    """What neither design runs is another memory's part (Redis, RabbitMQ) or a scenario of
+    a fault they do not have, named here so that a mutant dropped from the sweep shows."""
+    from tests.test_chaos_runs import CATCHES
+
+    left = set(CATCHES) - set(_applicable("pg"))
+    assert len(_applicable("pg")) >= 45 and len(_applicable("pg-store")) >= 48
+    assert "cancel_read_unheard" in left and "per_message_ttl" in left

@@ -48,6 +48,8 @@ log = logging.getLogger("engine.pgqueue")
 _QUEUE_APPLY = "SELECT eai.queue_apply($1, $2, $3, $4::jsonb, $5)"
 #: The longest a due job may wait unseen when every notification is lost (seconds).
 POLL_S = 1.0
+#: What a claim may take under a prefetch of 0 (RabbitMQ's "no limit").
+UNLIMITED = 1 << 20
 
 
 @dataclass(eq=False)
@@ -194,9 +196,11 @@ class PgQueue:
             )
 
     def _free(self) -> tuple[int, int]:
-        """What each queue's prefetch leaves: (work, the worker's own)."""
+        """What each queue's prefetch leaves: (work, the worker's own); a prefetch of 0 is
+        no limit, as RabbitMQ's `basic.qos`."""
         mine = sum(1 for j in self._held.values() if j.consumer_tag == "private")
-        return self.prefetch - (len(self._held) - mine), self.prefetch - mine
+        prefetch = self.prefetch or UNLIMITED
+        return prefetch - (len(self._held) - mine), prefetch - mine
 
     async def _claiming(self) -> None:
         while self._consuming:
@@ -311,4 +315,4 @@ class PgQueue:
         await self.batch.call(["control", _b64(orjson.dumps(body))])
 
 
-__all__ = ["POLL_S", "Job", "PgQueue"]
+__all__ = ["POLL_S", "UNLIMITED", "Job", "PgQueue"]
