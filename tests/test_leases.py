@@ -161,6 +161,31 @@ def test_a_begin_after_the_holder_let_go_passes() -> None:
     passing(check(taken(let_go=True), "leases_respected"), "leases_respected")
 
 
+def parking(then: str | None) -> H:
+    """w1 renews A and sends a park; `then`: what it records next of A (None: it dies first,
+    the park's reply never recorded); w2 begins A while w1's last stamp still runs."""
+    h = held(2, park=False)
+    h.ev("parking", "w1", 11, attempt_id=A, sent_ms=round(h.t * 1000))
+    if then is not None:
+        h.ev(then, "w1", 11, attempt_id=A, rule_id="a", attempt=1, try_no=1, execution=1)
+    h.ev("delivered", "w2", 22, attempt_id=A, kind="retry", dt=0.2)
+    h.ev("evaluation_started", "w2", 22, attempt_id=A, kind="retry", fence="2:w2")
+    return h
+
+
+def test_a_park_its_sender_died_before_answering_may_have_let_go() -> None:
+    """The park was on the wire when its process died: it may have landed and released the
+    lease, and a begin after it is not early (seen with a crash at every failpoint)."""
+    passing(check(parking(None), "leases_respected"), "leases_respected")
+
+
+def test_a_park_its_sender_outlived_let_go_only_if_it_says_so() -> None:
+    """A process that went on with the evaluation after sending a park (its reply was an
+    error) still held the lease: the begin beside it is early."""
+    (v,) = failing(check(parking("rule_started"), "leases_respected"), "leases_respected")
+    assert "still holding it" in v.message
+
+
 def test_a_redis_restart_excuses_an_early_begin() -> None:
     h = held(2, park=False)
     h.runner("service_killed", service="redis")

@@ -257,10 +257,17 @@ def check_leases_respected(cx: Context) -> Outcome:
         # A holder lets go when it sends its release (a park's, the final `done`'s): the
         # event, recorded at the reply, carries when (`sent_ms`); the others are recorded
         # before their release is sent.
+        # A park sent whose reply its process never recorded (it died first: the last event
+        # it left of the evaluation) may have landed, and let go, from when it was sent.
+        last_of = {proc_of(e): i for i, e in enumerate(evs)}
         let_go_at: dict[Any, list[float]] = defaultdict(list)
-        for e in evs:
+        for i, e in enumerate(evs):
             ev = e.get("ev")
-            if ev in _LET_GO or (ev == "evaluation_terminal" and e.get("won") is False):
+            if (
+                ev in _LET_GO
+                or (ev == "evaluation_terminal" and e.get("won") is False)
+                or (ev == "parking" and last_of[proc_of(e)] == i)
+            ):
                 let_go_at[proc_of(e)].append(_sent(e))
         for times in let_go_at.values():
             times.sort()

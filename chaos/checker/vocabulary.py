@@ -119,6 +119,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "lease_ms": INT,
         "expires_ms": OPT_INT,
     },
+    "parking": {**_ID, "sent_ms": INT},
     "parked": {**_ID, "waiting": DICT, "sent_ms": INT},
     "cancel_received": {**_ID, "held": BOOL},
     "cancel_seen": {**_ID, "state": EVALUATION_STATUSES},

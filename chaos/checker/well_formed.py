@@ -252,6 +252,7 @@ _SENT = frozenset(
         "status_written",
         "evaluation_terminal",
         "write_refused",
+        "parking",
         "parked",
         "final_published",
     }

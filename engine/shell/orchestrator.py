@@ -430,6 +430,8 @@ class PassExecutionOrchestrator:
             case Park(waiting=waiting):
                 sent_ms = (yield NOW) if self._recording else 0
                 self.leaving = True
+                if self._recording:  # sent: it may land though this process dies first
+                    yield Record("parking", {"attempt_id": a, "sent_ms": sent_ms})
                 yield Store("park", (a, self.worker_id, self.fence, list(waiting)))
                 if self._recording:  # with when the lease was let go: before the reply
                     yield Record(
