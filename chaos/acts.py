@@ -163,7 +163,9 @@ class RestartSentinel:
 class AwaitFailover:
     """Redis behind Sentinel, its primary killed: wait until a primary serves again, the
     replica promoted by the sentinels or the old primary back first; whether the replica
-    was promoted is sent back."""
+    was promoted is sent back. A system that counts what the promotion lost (PostgreSQL's
+    standby) sends back the failover's record instead: `promoted` and, e.g., `lost_writes`
+    (the acknowledged writes the promoted node lacks)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -496,10 +496,9 @@ def _compare(loaded: list[Any], out: Path, args: argparse.Namespace, console: Co
         "standby": "A PostgreSQL failover, with and without a synchronous standby",
         "durable": "The durable designs on the same faults",
     }
-    durable = args.designs == "durable"
     names = [sc.spec.name for sc in loaded]
-    write_comparison(rows, out, names, title[args.designs], durable)
-    console.print(table_md(rows, durable), markup=False)
+    write_comparison(rows, out, names, title[args.designs], args.designs)
+    console.print(table_md(rows, args.designs), markup=False)
     console.print(f"comparison: {out / 'compare.md'}, {out / 'compare.html'}", markup=False)
     return EXIT_VIOLATION if rows[0].failed else EXIT_OK
 

@@ -527,6 +527,7 @@ class Conductor:
             yield from self._healed(fault_id)
 
     def _failover(self, fault_id: int) -> Step:
-        promoted = yield acts.AwaitFailover()
-        yield acts.Record("redis_failover", {"promoted": promoted})
+        found = yield acts.AwaitFailover()  # whether promoted, or what the system counted
+        fields = dict(found) if isinstance(found, dict) else {"promoted": found}
+        yield acts.Record("redis_failover", fields)
         yield from self._healed(fault_id)

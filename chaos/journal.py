@@ -242,11 +242,14 @@ def _by_cause(counts: Any) -> str:
 
 
 def faults_text(stats: Mapping[str, Any]) -> str:
-    """`faults kill_worker x6, crash@rule_after_write`: what was done to the run."""
+    """`faults kill_worker x6, crash@rule_after_write`: what was done to the run; and
+    `(lost writes 16)` when the store counted the acknowledged writes it lost."""
     fired = stats.get("faults_fired")
     if not isinstance(fired, Mapping) or not fired:
         return "faults none"
-    return "faults " + ", ".join(k if n == 1 else f"{k} x{n}" for k, n in fired.items())
+    text = "faults " + ", ".join(k if n == 1 else f"{k} x{n}" for k, n in fired.items())
+    lost = stats.get("lost_writes")
+    return text + (f" (lost writes {lost})" if isinstance(lost, int) else "")
 
 
 def summary_line(

@@ -5,7 +5,9 @@ evaluation whose worker died after the ACK). `sentinel`, the answers to a Sentin
 failover losing acknowledged writes: WAIT for a replica, the results written back before
 the announcement, the server's own min-replicas-to-write, each alone, all, and none.
 `durable`, the durable designs (`chaos.systems`) on the same faults: what each pays twice,
-leaves unfinished, and how fast it recovers and retries. Read
+leaves unfinished, and how fast it recovers and retries. `standby`, PostgreSQL failing over
+to a synchronous or an asynchronous standby: the acknowledged writes each promotion lost
+(its protection) beside how long each result write waited (its cost). Read
 from the runs' journals and histories, so every number can be checked against them; over
 many seeds in the simulator, as distributions."""
 
@@ -22,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from reports import plots
-from reports.cost import CAUSES, RERUN_CAUSES
-from reports.latency import percentiles
+from reports.cost import CAUSES, RERUN_CAUSES, lost_writes
+from reports.latency import percentiles, result_write_waits
 from reports.measure import measure
 from reports.runs import Run
 
@@ -134,6 +136,8 @@ class Row:
     failed: Counter[str] = field(default_factory=Counter)  # invariant -> runs it failed
     duplicated_by_cause: Counter[str] = field(default_factory=Counter)  # summed over runs
     reruns_by_cause: Counter[str] = field(default_factory=Counter)
+    lost_writes: list[int] = field(default_factory=list)  # per run whose store counted them
+    write_waits: list[float] = field(default_factory=list)  # seconds, every result write
 
     def add(self, run: Run) -> None:
         self.runs += 1
@@ -156,6 +160,18 @@ class Row:
         self.recovery_seconds += m["recoveries"]
         verdicts = run.journal.get("verdicts") or {}
         self.failed.update(name for name, v in verdicts.items() if v == "fail")
+        lost = lost_writes(run.history)
+        if lost is not None:
+            self.lost_writes.append(lost)
+        self.write_waits += result_write_waits(run.history)
+
+    def lost_text(self) -> str:
+        """`16 (1 of 1 runs)`: the acknowledged writes lost in all, and in how many runs;
+        `-` when no run's store counted them."""
+        if not self.lost_writes:
+            return "-"
+        losing = sum(1 for n in self.lost_writes if n)
+        return f"{sum(self.lost_writes):,} ({losing} of {len(self.lost_writes)} runs)"
 
     def sentence(self) -> str:
         """What broke, in one sentence."""
@@ -198,6 +214,8 @@ class Row:
             },
             "failed": dict(self.failed),
             "what_broke": self.sentence(),
+            "lost_writes": list(self.lost_writes),
+            "result_write_wait_s": percentiles(self.write_waits),
         }
 
 
@@ -280,20 +298,57 @@ def durable_rows(rows: list[Row]) -> list[list[str]]:
     ]
 
 
-def _table(rows: list[Row], durable: bool) -> tuple[tuple[str, ...], list[list[str]]]:
-    return (DURABLE_HEADERS, durable_rows(rows)) if durable else (HEADERS, table_rows(rows))
+#: The standby's table (`--designs standby`): what a failover lost that the engine had been
+#: told was written (the protection), beside how long result writes waited (the cost).
+STANDBY_HEADERS = (
+    "design",
+    "runs",
+    "acknowledged writes lost (runs that lost some)",
+    "result write wait p50 / p99 / max (s)",
+    "duplicated tokens (median / p95)",
+    "unfinished evaluations",
+    "what broke",
+)
 
 
-def table_md(rows: list[Row], durable: bool = False) -> str:
-    headers, cells_of = _table(rows, durable)
+def standby_rows(rows: list[Row]) -> list[list[str]]:
+    return [
+        [
+            r.variant,
+            str(r.runs),
+            r.lost_text(),
+            " / ".join(_n(r.write_waits, p) for p in ("p50", "p99", "max")),
+            f"{_n(r.duplicated_tokens)} / {_n(r.duplicated_tokens, 'p95')}",
+            str(sum(r.unfinished)),
+            r.sentence(),
+        ]
+        for r in rows
+    ]
+
+
+#: Which table a comparison shows (`--designs`): the default's, `durable` or `standby`.
+TABLES = {
+    "durable": (DURABLE_HEADERS, durable_rows),
+    "standby": (STANDBY_HEADERS, standby_rows),
+}
+
+
+def _table(rows: list[Row], kind: str) -> tuple[tuple[str, ...], list[list[str]]]:
+    """The headers and cells of `kind`'s table (`TABLES`; any other kind: the default)."""
+    headers, cells = TABLES.get(kind, (HEADERS, table_rows))
+    return headers, cells(rows)
+
+
+def table_md(rows: list[Row], kind: str = "") -> str:
+    headers, cells_of = _table(rows, kind)
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cells) + " |" for cells in cells_of]
     return "\n".join(lines) + "\n"
 
 
-def compare_html(rows: list[Row], title: str, plot: bytes, durable: bool = False) -> str:
+def compare_html(rows: list[Row], title: str, plot: bytes, kind: str = "") -> str:
     """compare.html: self-contained (the plot embedded), what broke first, then the table."""
-    headers, cells_of = _table(rows, durable)
+    headers, cells_of = _table(rows, kind)
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
@@ -318,7 +373,7 @@ def compare_html(rows: list[Row], title: str, plot: bytes, durable: bool = False
         f'src="data:image/png;base64,{image}"><figcaption>'
         + (
             "each measure per run, the designs side by side, over the runs (seeds)"
-            if durable
+            if kind in TABLES
             else "duplicated tokens and unfinished evaluations per run, over the runs (seeds)"
         )
         + "</figcaption></figure>"
@@ -332,13 +387,16 @@ def write_comparison(
     out: Path,
     scenarios: list[str],
     title: str = "The source documents' argument, measured",
-    durable: bool = False,
+    kind: str = "",
 ) -> None:
+    """compare.md, .json, .png and .html in `out`; `kind`: which table and plot (the
+    `--designs`: `TABLES` has those of its own, the others share the default)."""
     out.mkdir(parents=True, exist_ok=True)
     title = f"{title}: {', '.join(scenarios)}"
-    (out / "compare.md").write_text(f"# {title}\n\n" + table_md(rows, durable))
+    (out / "compare.md").write_text(f"# {title}\n\n" + table_md(rows, kind))
     doc = {"scenarios": scenarios, "rows": [r.to_dict() for r in rows]}
     (out / "compare.json").write_text(json.dumps(doc, indent=2) + "\n")
-    plot = plots.durable_boxes(rows) if durable else plots.compare_boxes(rows)
+    boxes = {"durable": plots.durable_boxes, "standby": plots.standby_boxes}
+    plot = boxes.get(kind, plots.compare_boxes)(rows)
     (out / "compare.png").write_bytes(plot)
-    (out / "compare.html").write_text(compare_html(rows, title, plot, durable))
+    (out / "compare.html").write_text(compare_html(rows, title, plot, kind))

@@ -28,7 +28,7 @@ evaluation came back.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,8 @@ CAUSE_TEXT: dict[str, str] = {
     "the evaluation (its worker died, or stalled past its lease, after the ACK)",
     "in_flight": "the execution before never finished, and the evaluation came back "
     "another way (a lease lost, a pause, a message forwarded)",
-    "lost_state": "a result had been written, and Redis lost it (a restart that lost writes)",
+    "lost_state": "a result had been written, and the store lost it (a restart that lost "
+    "writes, a promoted standby that lacked them)",
     "resume": "a result had been written, and a resume from an earlier checkpoint deleted "
     "it (`engine.submit --resume --from-checkpoint`): asked for, not a fault's cost",
     "mutant": "a result had been written, and the run's engine is a mutant",
@@ -220,6 +221,22 @@ def mutant_of(history: list[dict[str, Any]]) -> str | None:
     return None
 
 
+#: The events that say how many acknowledged writes the store lost (`lost_writes`): a
+#: restart of a Redis that lost its last writes, a failover to a standby that lacked some.
+LOSING = ("service_restarted", "redis_failover")
+
+
+def lost_writes(history: Iterable[Mapping[str, Any]]) -> int | None:
+    """The acknowledged writes the run's store lost, as its restarts and failovers counted
+    them; None when none counted (a design or a fault that cannot tell)."""
+    counted = [
+        as_int(e.get("lost_writes"))
+        for e in history
+        if e.get("ev") in LOSING and e.get("lost_writes") is not None
+    ]
+    return sum(counted) if counted else None
+
+
 #: The events `duplicated_cost` reads.
 _READ = frozenset(
     {
@@ -228,6 +245,7 @@ _READ = frozenset(
         "rule_failed",
         "result_persisted",
         "service_restarted",
+        "redis_failover",
         "sweeper_resumed",
         "delivered",
         "resume_written",
@@ -278,7 +296,7 @@ def duplicated_cost(history: list[dict[str, Any]], mutant: str | None = None) ->
         elif ev == "resume_written":
             for gone in e.get("discarded") or ():
                 discarded.setdefault((a, str(gone)), t)
-        elif ev == "service_restarted" and as_int(e.get("lost_writes")) > 0:
+        elif ev in LOSING and as_int(e.get("lost_writes")) > 0:
             lost_at.append(t)
         elif ev == "sweeper_resumed":
             comebacks[a, src].append((t, "sweeper_resume"))

@@ -213,6 +213,17 @@ def recoveries(history: list[dict[str, Any]]) -> list[Recovery]:
     return out
 
 
+def result_write_waits(history: list[dict[str, Any]]) -> list[float]:
+    """Seconds each result write took, from its send to the store's answer (a
+    `result_persisted`'s record less its `sent_ms`, on the worker's clock): what a store
+    that waits for its replica (a synchronous standby, WAIT) costs each write."""
+    waits = []
+    for e in history:
+        if e.get("ev") == "result_persisted" and as_int(e.get("sent_ms")) > 0:
+            waits.append(max(0.0, event_time(e) - as_int(e.get("sent_ms")) / 1000))
+    return waits
+
+
 def percentiles(values: list[float]) -> dict[str, float | int]:
     """n, p50, p95, p99 and max (nearest rank), of `values`."""
     if not values:

@@ -448,6 +448,25 @@ def durable_boxes(rows: list[Any]) -> bytes:
     return png(fig)
 
 
+def standby_boxes(rows: list[Any]) -> bytes:
+    """A failover's protection beside its cost, the standbys side by side: the acknowledged
+    writes each run lost, how long each result write waited, and the tokens paid again."""
+    panels = (
+        ("acknowledged writes lost per run", lambda r: r.lost_writes),
+        ("result write wait (s)", lambda r: r.write_waits),
+        ("duplicated tokens per run", lambda r: r.duplicated_tokens),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    labels = [f"{textwrap.fill(r.variant, 16)}\n({r.runs} runs)" for r in rows]
+    for ax, (title, values) in zip(axes.flat, panels, strict=True):
+        ax.boxplot([values(r) or [0] for r in rows], tick_labels=labels)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    return png(fig)
+
+
 def compare_boxes(rows: list[Any]) -> bytes:
     """The three designs side by side: duplicated tokens and unfinished evaluations per
     run, as distributions over the runs (seeds)."""

@@ -542,3 +542,26 @@ def test_the_latency_plot_draws_the_scenario_tiers_and_percentiles(tmp_path: Pat
         ("blackhole_up (add_toxic)", True, True),
     ]
     assert all(m.end - m.start == pytest.approx(5.0) for m in windows if m.end is not None)
+
+
+def test_lost_writes_are_the_sum_of_what_restarts_and_failovers_counted() -> None:
+    """One figure, read once (`reports.cost.lost_writes`): the summary line's `(lost writes
+    N)`, the journal's stats and `compare --designs standby` all show it; a run whose store
+    counted nothing shows none, not a zero."""
+    from chaos.journal import faults_text
+    from reports.compare import Row, standby_rows
+    from reports.cost import lost_writes
+
+    history = [
+        {"ev": "service_restarted", "t": 1.0, "lost_writes": 2},
+        {"ev": "redis_failover", "t": 2.0, "promoted": True, "lost_writes": 16},
+        {"ev": "redis_failover", "t": 3.0, "promoted": True},
+    ]
+    assert lost_writes(history) == 18
+    assert lost_writes([{"ev": "redis_failover", "t": 1.0, "promoted": True}]) is None
+    fired = {"faults_fired": {"kill_service": 1}}
+    assert faults_text({**fired, "lost_writes": 18}) == "faults kill_service (lost writes 18)"
+    assert faults_text(fired) == "faults kill_service"
+    row = Row("asynchronous standby", None, runs=2, lost_writes=[16, 0], write_waits=[0.5])
+    assert standby_rows([row])[0][2] == "16 (1 of 2 runs)"
+    assert standby_rows([Row("none", None)])[0][2] == "-"

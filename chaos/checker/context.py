@@ -13,6 +13,7 @@ from chaos.checker.oracle import max_attempts_of
 from chaos.checker.records import CheckSpec, EvaluationFinal, FinalState, Violation
 from engine.core.results import RuleResult
 from engine.plan import Plan, PlanError, plan_from_dict
+from reports.cost import lost_writes
 from reports.history import FaultWindow as FaultWindow
 from reports.history import as_int as as_int
 from reports.history import event_time as event_time
@@ -98,6 +99,9 @@ class Context:
             "crashes": sum(1 for e in self.faults if e.get("ev") == "crash"),
             "faults_fired": faults_fired(self.events),
         }
+        lost = lost_writes(self.events)
+        if lost is not None:  # the store counted what it lost (a restart, a failover)
+            self.stats["lost_writes"] = lost
 
     def rounds(self, pair: tuple[str, str]) -> list[Round]:
         """`rounds_of` the pair's events, worked out once for every check that asks."""

@@ -468,9 +468,9 @@ class PostgresSpec(_Model):
         default="none",
         description="system pg, live: a streaming standby of the run's own (pg_basebackup); "
         "kill_service postgres then kills the primary and fails over to it (promoted, the "
-        "workers' proxies moved to it). async: PostgreSQL's default replication, which may "
-        "lose the last commits; sync: synchronous_standby_names with synchronous_commit = "
-        "remote_apply, the mitigation",
+        "workers' proxies moved to it; cut_link on the link replication cuts it off first). "
+        "async: PostgreSQL's default replication, which may lose the last commits; sync: "
+        "synchronous_standby_names with synchronous_commit = remote_apply, the mitigation",
     )
 
 
@@ -663,8 +663,8 @@ class RunnerFault(_Model):
         default=None,
         description="add_toxic, update_toxic, remove_toxic, cut_link: the workers' link to "
         "a service of the system (redis, broker, postgres: each worker has its own proxy to "
-        "each); replication (redis.topology sentinel, cut_link only): the replica's link to "
-        "the primary",
+        "each); replication (redis.topology sentinel or postgres.standby, cut_link only): the "
+        "replica's or the standby's link to the primary",
     )
     workers: Annotated[
         Annotated[tuple[Annotated[int, Field(ge=0)], ...], Field(min_length=1)] | Literal["all"],
@@ -1018,13 +1018,16 @@ class Scenario(_Model):
                     )
                 continue
             if fault.link == "replication":
-                if self.redis.topology != "sentinel":
-                    _fail(f"{where}.link", "replication only with redis.topology sentinel")
+                if self.redis.topology != "sentinel" and self.postgres.standby == "none":
+                    _fail(
+                        f"{where}.link",
+                        "replication only with redis.topology sentinel or postgres.standby",
+                    )
                 if fault.action != "cut_link":
                     _fail(
                         f"{where}.action",
                         "only cut_link on the replication link (a partition between the "
-                        f"primary and its replica); got {fault.action}",
+                        f"primary and its replica or standby); got {fault.action}",
                     )
                 if fault.workers != "all":
                     _fail(f"{where}.workers", "not with the replication link (there is one)")

@@ -136,7 +136,7 @@ SYSTEMS: dict[str, System] = {
                 "postgres": "the store and the queue (a private PostgreSQL, fsync on; schema "
                 "eai, row-level security)",
             },
-            links=("postgres",),
+            links=("postgres", "replication"),
             settings=("postgres",),
             not_applicable={
                 "state_keys_expire": "PostgreSQL keeps a run's rows for 7 days by a "

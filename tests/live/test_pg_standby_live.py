@@ -1,9 +1,12 @@
 """The `pg` design's primary and streaming standby (chaos/systems/pg/standby.py) on real
 PostgreSQL: base backup, streaming, SIGKILL of the primary, `pg_ctl promote`, no mocks.
 
-Why: "failover to a standby" is only a mitigation if what it loses is measured. With
-asynchronous replication a failover may lose commits the primary acknowledged (counted and
-reported here, whatever the count); with `remote_apply` it must lose none. Every test waits
+Why: "failover to a standby" is only a mitigation if what it loses, and what it costs, is
+measured. On loopback a standby keeps up, so the standby is cut off first (as Sentinel's
+scenarios cut the replica's link): an asynchronous primary goes on acknowledging commits
+that the failover then loses, every one of them, counted and reported; with `remote_apply`
+the commits wait for the standby instead (none acknowledged, none lost), and each commit
+pays a wait for the standby's replay, measured beside the asynchronous one. Every test waits
 for events (a condition polled against a deadline), never for a fixed time, and checks at
 teardown that both nodes left nothing behind: no process, no temp dir, no port, no segment.
 """
@@ -16,10 +19,13 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +57,13 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 #: How long a test waits for an event that must come; only a broken pair uses it up.
 PATIENCE_S = 60.0
-#: Acknowledged commits before the primary is killed, mid-stream.
-BEFORE_KILL = 300
+#: Acknowledged commits before the standby is cut off, mid-stream.
+BEFORE_CUT = 200
+#: Acknowledged commits the asynchronous primary goes on to make while its standby is cut off.
+WHILE_CUT = 100
+#: The commit cost's measure: rounds, each of so many commits on each pair in turn.
+ROUNDS = 6
+PER_ROUND = 100
 #: What a connection to a SIGKILLed server raises.
 _CUT = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
@@ -140,7 +151,31 @@ def pairs() -> Iterator[Pairs]:
         made.close()
 
 
-# --- a writer cut by the kill -------------------------------------------------------------
+# --- a writer cut off, then cut by the kill ---------------------------------------------
+
+
+#: The writer's backend waiting for its synchronous standby (`pg_stat_activity`).
+_SYNC_WAITERS = (
+    "SELECT count(*) FROM pg_stat_activity"
+    " WHERE backend_type = 'client backend' AND wait_event = 'SyncRep'"
+)
+
+
+@dataclass
+class Failover:
+    """What one failover after a cut showed: the numbers the tests print and judge."""
+
+    acked: list[int]  # every commit the primary acknowledged, in order
+    before_cut: int  # how many of them before `pause_replication` returned
+    stalled_at: int | None  # acknowledged when the writer was seen waiting in SyncRep
+    latencies: list[float]  # seconds each commit took while the standby streamed
+    lag_bytes: int | None  # WAL the standby lacked just before the kill
+    promote_s: float
+
+    @property
+    def while_cut(self) -> int:
+        """Commits acknowledged after the standby was cut off."""
+        return len(self.acked) - self.before_cut
 
 
 async def _create_table(url: str) -> None:
@@ -151,13 +186,19 @@ async def _create_table(url: str) -> None:
         await conn.close()
 
 
-async def _write_until_cut(url: str, acked: list[int]) -> BaseException:
+async def _write_until_cut(
+    url: str, acked: list[int], latencies: list[float] | None = None
+) -> BaseException:
     """Single-row commits, one after the other, each id noted once the primary acknowledged
-    it, until the connection breaks; what broke it."""
+    it (and, given `latencies`, how long it took), until the connection breaks; what broke
+    it."""
     conn = await asyncpg.connect(url)
     try:
         for row_id in range(1, 10**9):
+            began = time.perf_counter()
             await conn.execute("INSERT INTO acked (id) VALUES ($1)", row_id)
+            if latencies is not None:
+                latencies.append(time.perf_counter() - began)
             acked.append(row_id)
     except _CUT as exc:
         return exc
@@ -166,21 +207,42 @@ async def _write_until_cut(url: str, acked: list[int]) -> BaseException:
     raise AssertionError("the writer was never cut")
 
 
-async def _fail_over(pairs: Pairs, pair: PostgresPair, acked: list[int]) -> float:
-    """Write, SIGKILL the primary mid-stream (from a thread: the writer goes on meanwhile),
-    promote the standby; the seconds the promotion took."""
+async def _fail_over_cut_off(pairs: Pairs, pair: PostgresPair) -> Failover:
+    """Write; cut the standby off (`pause_replication`, from a thread: the writer goes on);
+    then, once the primary acknowledged `WHILE_CUT` more commits or the writer waits in
+    SyncRep for the standby, SIGKILL the primary and promote the standby."""
     await _create_table(pair.primary_url)
-    writer = asyncio.create_task(_write_until_cut(pair.primary_url, acked))
-    await _until(lambda: len(acked) >= BEFORE_KILL or writer.done(), "acknowledged commits")
-    assert not writer.done(), writer.result()
-    pairs.note(pair)  # the writer's backend and the walsender too
+    acked: list[int] = []
+    latencies: list[float] = []
+    writer = asyncio.create_task(_write_until_cut(pair.primary_url, acked, latencies))
+    monitor = await asyncpg.connect(pair.primary_url)
+    try:
+        await _until(lambda: len(acked) >= BEFORE_CUT or writer.done(), "acknowledged commits")
+        assert not writer.done(), writer.result()
+        streamed = latencies[:BEFORE_CUT]
+        await asyncio.to_thread(pair.pause_replication)
+        before_cut = len(acked)
+        stalled_at: int | None = None
+        deadline = time.monotonic() + PATIENCE_S
+        while len(acked) < before_cut + WHILE_CUT:
+            if await monitor.fetchval(_SYNC_WAITERS):
+                stalled_at = len(acked)
+                break
+            assert not writer.done(), writer.result()
+            if time.monotonic() > deadline:
+                pytest.fail(f"neither commits nor a wait for the standby in {PATIENCE_S:.0f} s")
+            await asyncio.sleep(0.005)
+        lag = await asyncio.to_thread(pair.lag_bytes)
+    finally:
+        await monitor.close()
+    pairs.note(pair)  # the writer's backend too
     await asyncio.to_thread(pair.kill_primary)
     assert not pair.primary.alive
     cut = await asyncio.wait_for(writer, PATIENCE_S)
     assert isinstance(cut, _CUT)
     seconds = await asyncio.to_thread(pair.promote)
     assert pair.promoted and pair.writable is pair.standby
-    return seconds
+    return Failover(acked, before_cut, stalled_at, streamed, lag, seconds)
 
 
 async def _accepts_writes(pair: PostgresPair) -> tuple[bool, int]:
@@ -208,22 +270,31 @@ async def _settings(url: str) -> tuple[str, str]:
         await conn.close()
 
 
+def _ms(latencies: list[float]) -> float:
+    """The median commit latency, in milliseconds."""
+    return 1000 * statistics.median(latencies)
+
+
 def _report(
     capsys: pytest.CaptureFixture[str],
     record_property: Callable[[str, object], None],
     mode: str,
-    acked: int,
+    f: Failover,
     lost: int,
-    seconds: float,
 ) -> None:
-    """Say what the failover cost (the number matters, not only the verdict)."""
-    record_property(f"{mode}_acknowledged", acked)
+    """Say what the failover cost (the numbers matter, not only the verdict)."""
+    record_property(f"{mode}_acknowledged", len(f.acked))
+    record_property(f"{mode}_acknowledged_while_cut_off", f.while_cut)
     record_property(f"{mode}_lost", lost)
-    record_property(f"{mode}_promote_s", round(seconds, 4))
+    record_property(f"{mode}_commit_ms", round(_ms(f.latencies), 4))
+    record_property(f"{mode}_promote_s", round(f.promote_s, 4))
+    waited = "" if f.stalled_at is None else ", then the next commit waited in SyncRep"
     with capsys.disabled():
         print(
-            f"\n[{mode} failover] {acked} commits acknowledged before the kill, {lost} lost;"
-            f" promote took {seconds:.3f} s"
+            f"\n[{mode} failover, standby cut off] {len(f.acked)} commits acknowledged"
+            f" ({f.before_cut} before the cut, median {_ms(f.latencies):.2f} ms each;"
+            f" {f.while_cut} while cut off{waited}), {lost} lost;"
+            f" {f.lag_bytes} bytes of WAL behind at the kill; promote took {f.promote_s:.3f} s"
         )
 
 
@@ -250,7 +321,7 @@ def test_the_standby_streams_from_127_0_0_1_only(pairs: Pairs) -> None:
     assert pair.primary.password() not in repr(pair)
 
 
-def test_asynchronous_failover_counts_what_it_lost(
+def test_a_cut_off_asynchronous_standby_loses_what_the_primary_acknowledged(
     pairs: Pairs,
     capsys: pytest.CaptureFixture[str],
     record_property: Callable[[str, object], None],
@@ -258,19 +329,22 @@ def test_asynchronous_failover_counts_what_it_lost(
     pair = pairs.start(synchronous=False)
     state = pair.replication()
     assert state is not None and state["sync_state"] == "async"
-    acked: list[int] = []
-    seconds = asyncio.run(_fail_over(pairs, pair, acked))
+    f = asyncio.run(_fail_over_cut_off(pairs, pair))
+    assert f.stalled_at is None  # an asynchronous primary never waits for its standby
+    assert f.lag_bytes is not None and f.lag_bytes > 0
     assert asyncio.run(_accepts_writes(pair)) == (False, -1)
-    missing = pair.missing_commits("acked", "id", acked)
-    lost = pair.lost_commits("acked", "id", acked)
-    assert lost == len(missing) >= 0
-    assert pair.lost_commits("acked", "id", [*acked, 0]) == lost + 1  # 0: never written
-    # Asynchronous replication loses a suffix, never a commit from the middle.
-    assert missing == acked[len(acked) - lost :]
-    _report(capsys, record_property, "async", len(acked), lost, seconds)
+    missing = pair.missing_commits("acked", "id", f.acked)
+    lost = pair.lost_commits("acked", "id", f.acked)
+    assert lost == len(missing)
+    assert pair.lost_commits("acked", "id", [*f.acked, 0]) == lost + 1  # 0: never written
+    # Every commit acknowledged once the standby was cut off is lost, and maybe a few just
+    # before (not yet sent); a suffix, never a commit from the middle.
+    assert lost >= f.while_cut >= WHILE_CUT
+    assert missing == f.acked[len(f.acked) - lost :]
+    _report(capsys, record_property, "async", f, lost)
 
 
-def test_remote_apply_loses_no_acknowledged_commit(
+def test_remote_apply_acknowledges_nothing_while_the_standby_is_cut_off(
     pairs: Pairs,
     capsys: pytest.CaptureFixture[str],
     record_property: Callable[[str, object], None],
@@ -283,13 +357,166 @@ def test_remote_apply_loses_no_acknowledged_commit(
         "remote_apply",
         f'"{pair.application_name}"',
     )
-    acked: list[int] = []
-    seconds = asyncio.run(_fail_over(pairs, pair, acked))
-    assert len(acked) >= BEFORE_KILL
-    assert pair.missing_commits("acked", "id", acked) == []
+    f = asyncio.run(_fail_over_cut_off(pairs, pair))
+    # The writer waited for the standby from the cut until the kill: nothing acknowledged
+    # meanwhile but the one commit whose answer may have been on its way at the cut.
+    assert f.stalled_at is not None and len(f.acked) == f.stalled_at
+    assert f.while_cut <= 1
+    assert len(f.acked) >= BEFORE_CUT
+    assert pair.missing_commits("acked", "id", f.acked) == []
     # The promoted node names no synchronous standby: its commits do not wait for a ghost.
     assert asyncio.run(_accepts_writes(pair)) == (False, -1)
-    _report(capsys, record_property, "sync", len(acked), 0, seconds)
+    _report(capsys, record_property, "sync", f, 0)
+
+
+#: How long the writer's commit waits in SyncRep, as PostgreSQL sees it, before the
+#: standby is brought back.
+HOLD_S = 0.3
+#: The longest wait in SyncRep of a client's statement now (seconds; 0 when none waits).
+_SYNC_WAITED = (
+    "SELECT coalesce(extract(epoch FROM max(clock_timestamp() - query_start)), 0)::float8"
+    " FROM pg_stat_activity WHERE backend_type = 'client backend' AND wait_event = 'SyncRep'"
+)
+
+
+async def _wait_out_a_cut(pair: PostgresPair) -> tuple[int, float]:
+    """Write to a synchronous pair, cut the standby off until PostgreSQL shows the writer's
+    commit waiting `HOLD_S` in SyncRep, then bring the standby back: (commits acknowledged
+    while it was away, the slowest commit's seconds)."""
+    await _create_table(pair.primary_url)
+    acked: list[int] = []
+    latencies: list[float] = []
+    writer = asyncio.create_task(_write_until_cut(pair.primary_url, acked, latencies))
+    monitor = await asyncpg.connect(pair.primary_url)
+    try:
+        await _until(lambda: len(acked) >= WHILE_CUT or writer.done(), "acknowledged commits")
+        await asyncio.to_thread(pair.pause_replication)
+        away = len(acked)
+        deadline = time.monotonic() + PATIENCE_S
+        while await monitor.fetchval(_SYNC_WAITED) < HOLD_S:
+            assert not writer.done() and time.monotonic() < deadline, "no wait in SyncRep"
+            await asyncio.sleep(0.005)
+        while_away = len(acked) - away
+        await asyncio.to_thread(pair.resume_replication)
+        await _until(lambda: len(acked) >= away + WHILE_CUT, "commits once it is back")
+        assert not writer.done()
+    finally:
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+        await monitor.close()
+    assert await asyncio.to_thread(pair.missing_commits, "acked", "id", acked) == []
+    return while_away, max(latencies)
+
+
+def test_remote_apply_commits_wait_out_a_cut_and_land_once_the_standby_is_back(
+    pairs: Pairs, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pair = pairs.start(synchronous=True)
+    while_away, slowest = asyncio.run(_wait_out_a_cut(pair))
+    # Nothing acknowledged while the standby was away but the one commit whose answer may
+    # have been on its way at the cut; the commit the cut caught waited it out, then landed.
+    assert while_away <= 1
+    assert slowest >= HOLD_S
+    with capsys.disabled():
+        print(
+            f"\n[sync, standby cut off, then back] {while_away} commits acknowledged while it"
+            f" was away; the commit it caught waited {slowest:.3f} s, then landed"
+        )
+
+
+async def _rounds(modes: dict[str, PostgresPair]) -> tuple[dict[str, list[float]], Counter[str]]:
+    """`ROUNDS` rounds of `PER_ROUND` single-row commits on each pair, the pairs taking
+    turns (a load on the machine falls on both alike): every commit's latency, and how many
+    commits were not yet on the standby when the round's last was acknowledged."""
+    latencies: dict[str, list[float]] = {mode: [] for mode in modes}
+    unapplied: Counter[str] = Counter()
+    conns = {}
+    for mode, pair in modes.items():
+        await _create_table(pair.primary_url)
+        conns[mode] = await asyncpg.connect(pair.primary_url)
+    try:
+        for r in range(ROUNDS):
+            order = list(modes) if r % 2 == 0 else list(reversed(modes))
+            for mode in order:
+                ids = range(r * PER_ROUND + 1, (r + 1) * PER_ROUND + 1)
+                for row_id in ids:
+                    began = time.perf_counter()
+                    await conns[mode].execute("INSERT INTO acked (id) VALUES ($1)", row_id)
+                    latencies[mode].append(time.perf_counter() - began)
+                missing = await asyncio.to_thread(
+                    modes[mode].missing_commits, "acked", "id", list(ids)
+                )
+                unapplied[mode] += len(missing)
+    finally:
+        for conn in conns.values():
+            await conn.close()
+    return latencies, unapplied
+
+
+def test_remote_apply_costs_each_commit_a_wait_for_the_standby(
+    pairs: Pairs,
+    capsys: pytest.CaptureFixture[str],
+    record_property: Callable[[str, object], None],
+) -> None:
+    """The mitigation's price, measured beside what it buys: with remote_apply a commit is
+    acknowledged only once the standby applied it (so it is there the moment it is read),
+    which costs every commit a round trip to the standby and its replay."""
+    modes = {"async": pairs.start(synchronous=False), "sync": pairs.start(synchronous=True)}
+    latencies, unapplied = asyncio.run(_rounds(modes))
+    assert unapplied["sync"] == 0  # each acknowledged commit was on the standby already
+    ms = {mode: _ms(lat) for mode, lat in latencies.items()}
+    rate = {mode: len(lat) / sum(lat) for mode, lat in latencies.items()}
+    for mode in modes:
+        record_property(f"{mode}_commit_ms", round(ms[mode], 4))
+        record_property(f"{mode}_commits_per_s", round(rate[mode], 1))
+        record_property(f"{mode}_unapplied_when_acknowledged", unapplied[mode])
+    n = ROUNDS * PER_ROUND
+    with capsys.disabled():
+        print(
+            f"\n[commit cost, {n} commits each, interleaved] async: median"
+            f" {ms['async']:.2f} ms, {rate['async']:.0f} commits/s, {unapplied['async']} not yet"
+            f" on the standby when acknowledged; sync (remote_apply): median {ms['sync']:.2f} ms,"
+            f" {rate['sync']:.0f} commits/s, 0 not on the standby;"
+            f" {ms['sync'] / ms['async']:.2f}x the latency"
+        )
+
+
+async def _through_a_proxy(pair: PostgresPair) -> None:
+    """The standby streams through a proxy of the harness's own (`chaos.proxy`) and gets
+    the primary's commits through it; disabling it ends the stream, enabling it brings it
+    back (all while the proxy lives: it goes with this function)."""
+    from chaos.proxy.client import ToxiproxyClient
+    from chaos.proxy.server import ProxyServer
+
+    server = ProxyServer(seed=0, port=0)
+    await server.start()
+    try:
+        async with ToxiproxyClient(server.url) as client:
+            upstream = f"127.0.0.1:{pair.primary_port}"
+            made = await client.create_proxy("replication", upstream=upstream)
+            host, _, port = made["listen"].rpartition(":")
+            await asyncio.to_thread(pair.replicate_through, host, int(port))
+            receiver = await asyncio.to_thread(pair.standby.receiver)
+            assert receiver is not None and receiver["status"] == "streaming"
+            assert receiver["sender_port"] == int(port) != pair.primary_port
+            await client.update_proxy("replication", enabled=False)
+            await asyncio.to_thread(_wait_for, lambda: pair.replication() is None, "a cut")
+            await asyncio.to_thread(pair.primary.execute, "CREATE TABLE acked (id bigint)")
+            await client.update_proxy("replication", enabled=True)
+            await asyncio.to_thread(pair.wait_streaming, PATIENCE_S)
+            await asyncio.to_thread(pair.primary.execute, "INSERT INTO acked (id) VALUES (1)")
+            await asyncio.to_thread(
+                _wait_for,
+                lambda: pair.missing_commits("acked", "id", [1]) == [],
+                "the row on the standby",
+            )
+    finally:
+        await server.close()
+
+
+def test_the_standby_streams_through_a_proxy_whose_cut_stops_it(pairs: Pairs) -> None:
+    pair = pairs.start()
+    asyncio.run(_through_a_proxy(pair))
 
 
 @pytest.mark.parametrize(

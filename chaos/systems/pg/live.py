@@ -12,9 +12,15 @@ With `postgres.standby` the run has a PostgreSQL of its own: a primary and a str
 standby (`chaos.systems.pg.standby.PostgresPair`), the schema migrated on the primary. A
 kill of `postgres` is then a failover, as Sentinel's is for Redis: the primary is killed,
 the standby promoted (`pg_ctl promote`) and the workers' proxies moved to it, and the kill
-records how much WAL the standby had not replayed (`unreplicated_wal_bytes`: the commits a
-promotion loses with asynchronous replication; none with `sync`). The killed primary is
-not brought back (it would need a rewind to follow the new primary).
+records how much WAL the standby had not replayed (`unreplicated_wal_bytes`). The failover's
+record counts what the promotion lost that the engine had been told was written
+(`lost_writes`, and which: `lost_results`): the results the history shows persisted before
+it that the promoted standby lacks, read before any worker reaches it. On loopback a standby
+keeps up; a `cut_link` on the link `replication` cuts it off first, as Sentinel's scenarios
+cut the replica's: the standby then streams through the run's proxy (`replicate_through`),
+and while the proxy is down an asynchronous primary acknowledges commits the promotion loses,
+a synchronous one none (they wait). The killed primary is not brought back (it would need a
+rewind to follow the new primary).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import orjson
 
 from chaos import acts
 from chaos.conductor import EVENT_KEYS, RECEIVED_AS, delivered
-from chaos.links import Network
+from chaos.links import REPLICATION, Network
 from chaos.scenario import LoadedScenario
 from chaos.systems.pg.services import PgAloneServices
 from chaos.systems.pg_store.live import READ_TIMEOUT_S, PgStoreLive
@@ -80,6 +86,8 @@ class PgLive(PgStoreLive):
         if self.spec.postgres.standby != "none":
             await asyncio.to_thread(self._start_pair)
         await super().start()
+        if self.pair is not None and self._cuts_replication:
+            await self._stream_through_proxy()
 
     def _start_pair(self) -> None:
         from chaos.systems.pg.services import PgAloneServices
@@ -92,9 +100,20 @@ class PgLive(PgStoreLive):
         self.pg = self.services = PgAloneServices(  # type: ignore[assignment]
             database_url=url, amqp_url="", postgres=pair.primary
         )
-        self.network = Network(
-            self.run.ns, self.run.seed, self.spec.workers, None, None, upstreams={"postgres": url}
-        )
+        # the same Network (the runner holds it), its proxies not made yet: to the pair
+        self.network.upstreams["postgres"] = url
+        if self._cuts_replication:
+            self.network.replication_upstream = f"{pair.primary.host}:{pair.primary_port}"
+
+    @property
+    def _cuts_replication(self) -> bool:
+        """Whether a fault cuts the standby's link (it streams through a proxy then)."""
+        return any(getattr(f, "link", None) == REPLICATION for f in self.spec.faults)
+
+    async def _stream_through_proxy(self) -> None:
+        """The standby streams through the run's replication proxy from now on."""
+        host, _, port = self.network.replication_listen.rpartition(":")
+        await asyncio.to_thread(self.pair.replicate_through, host or "127.0.0.1", int(port))
 
     async def stop(self) -> None:
         try:
@@ -109,31 +128,50 @@ class PgLive(PgStoreLive):
             return await super().on_kill_service(a)
         self._stopped.add("postgres")
         await self._drop_admin()
-        behind = await asyncio.to_thread(self._unreplicated)
+        # WAL the standby has not replayed, just before the kill: what a promotion loses,
+        # commits acknowledged or not (None: not known)
+        behind = await asyncio.to_thread(self.pair.lag_bytes)
         await asyncio.to_thread(self.pair.kill_primary)
         self._failed_over = True
         return {acts.FAILS_OVER: True, "unreplicated_wal_bytes": behind}
 
-    def _unreplicated(self) -> int | None:
-        """WAL the primary wrote that the standby has not replayed (bytes), just before the
-        kill: what a promotion loses, commits acknowledged or not (None: not known)."""
-        try:
-            rows = self.pair.primary.fetch(
-                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), replay_lsn)::bigint AS behind "
-                "FROM pg_stat_replication"
-            )
-        except Exception:
-            return None
-        return int(rows[0]["behind"]) if rows and rows[0]["behind"] is not None else None
-
-    async def on_await_failover(self, a: acts.AwaitFailover) -> bool:
-        """The standby promoted and the workers' proxies moved to it."""
+    async def on_await_failover(self, a: acts.AwaitFailover) -> dict[str, Any]:
+        """The standby promoted, what it lost counted, and the workers' proxies moved to it."""
         await asyncio.to_thread(self.pair.promote)
+        lost = await asyncio.to_thread(self._lost_results)
         await self.network.repoint("postgres", self._standby_url)
         self.pg.postgres = self.pair.standby
         self.pg.database_url = self._standby_url
         self._stopped.discard("postgres")
-        return True
+        found: dict[str, Any] = {"promoted": True}
+        if lost is not None:
+            found.update(lost_writes=len(lost), lost_results=lost)
+        return found
+
+    def _lost_results(self) -> list[list[str]] | None:
+        """The results the history shows persisted (the engine was told they were written)
+        that the promoted standby lacks, [attempt_id, rule_id] each in the order written;
+        None when the standby does not answer. Read before any worker reaches it."""
+        persisted: dict[tuple[str, str], None] = {}
+        for e in self.run.on_tail(acts.Tail(None))[0]:
+            key = (str(e.get("attempt_id")), str(e.get("rule_id")))
+            if e.get("ev") == "result_persisted":
+                persisted.setdefault(key, None)
+            elif e.get("ev") == "resume_written":  # results deleted on purpose
+                for rule in e.get("discarded") or ():
+                    persisted.pop((key[0], str(rule)), None)
+        try:
+            rows = self.pair.standby.fetch(
+                "SELECT r.attempt_id, c.rule_id FROM eai.checkpoints c"
+                " JOIN eai.runs r ON r.id = c.run_id"
+                " WHERE r.namespace = $1 AND c.result IS NOT NULL",
+                self.run.ns,
+                database=DATABASE,
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            return None
+        kept = {(r["attempt_id"], r["rule_id"]) for r in rows}
+        return [[a, r] for a, r in persisted if (a, r) not in kept]
 
     async def on_restart_service(self, a: acts.RestartService) -> dict[str, Any]:
         if self._failed_over and a.name == "postgres":

@@ -12,6 +12,15 @@ is made by `pg_basebackup -R` from the running primary (as the `postgres` OS use
 initdb), through a replication role that pg_hba admits from 127.0.0.1 only. Each node lives
 in its own temp dir, on its own free loopback port, marked with the stack's owner variables,
 so `chaos clean` / `stop_owned` reap both after their owner died.
+
+On loopback the standby keeps up, so a plain kill of the primary loses next to nothing: the
+loss is made reliable as Sentinel's scenarios make it, by cutting the standby off first.
+`pause_replication` empties its `primary_conninfo` (a reload: the walreceiver goes, and no
+other comes), so every commit the primary acknowledges from then on is lost on promotion
+(asynchronous) or waits for a standby that never answers (synchronous); `replicate_through`
+sends the stream through an address of the caller's (a run's proxy, whose link a scenario
+cuts). Not SIGSTOP: a stopped standby's kernel still takes the WAL into its socket buffer
+and replays it once continued, and a walsender stopped holding a spinlock stalls the primary.
 """
 
 from __future__ import annotations
@@ -60,6 +69,9 @@ _NODE_SETTINGS = {
     "max_replication_slots": "4",
     "hot_standby": "on",
     "dynamic_shared_memory_type": "mmap",
+    # how soon a standby whose stream broke tries again (default 5 s): it streams again
+    # within a tenth of a second of its link or its conninfo coming back
+    "wal_retrieve_retry_interval": "100ms",
 }
 
 #: Transient errors while a node changes role (a connection cut by the promotion).
@@ -72,6 +84,17 @@ def _conninfo(**params: str) -> str:
     """A libpq keyword/value connection string, each value quoted (paths may hold spaces)."""
     quoted = (v.replace("\\", "\\\\").replace("'", "\\'") for v in params.values())
     return " ".join(f"{k}='{v}'" for k, v in zip(params, quoted, strict=True))
+
+
+def _lsn(text: str) -> int:
+    """A WAL location `X/Y` (pg_lsn as text) as a byte position."""
+    high, _, low = text.partition("/")
+    return (int(high, 16) << 32) + int(low, 16)
+
+
+def _literal(value: str) -> str:
+    """A SQL string literal (standard_conforming_strings: only quotes are doubled)."""
+    return "'" + value.replace("'", "''") + "'"
 
 
 def _poll(probe: Callable[[], _T | None], timeout: float, what: str) -> _T:
@@ -90,11 +113,14 @@ class _ReplicationNode(PostgresServer):
     """A `PostgresServer` whose pg_hba admits the replication role from 127.0.0.1 only."""
 
     def _write_private(self, path: Path, text: str) -> None:
-        """A 0600 file the server's OS user owns (libpq ignores a readable passfile)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        """A 0600 file the server's OS user owns (libpq ignores a readable passfile), replaced
+        whole: a walreceiver connecting meanwhile reads the old one or the new one."""
+        part = path.with_name(path.name + ".part")
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
-        self._chown(path)
+        self._chown(part)
+        os.replace(part, path)
 
     def _launch(self) -> None:
         assert self._dir is not None
@@ -127,6 +153,8 @@ class _StandbyNode(_ReplicationNode):
         self.primary = primary
         self.application_name = application_name
         self._replication_password = replication_password
+        #: Where the standby streams from: the primary, or an address in front of it.
+        self.upstream: tuple[str, int] = (primary.host, primary.port)
 
     def password(self, user: str | None = None) -> str:
         """The primary's superuser password (the standby is a copy of it), or a role's made
@@ -150,20 +178,6 @@ class _StandbyNode(_ReplicationNode):
         and a replication slot keeps the primary from recycling WAL the standby still needs."""
         assert self._dir is not None
         self._chown(self._dir)
-        passfile = self._dir / "replication.pgpass"
-        self._write_private(
-            passfile,
-            f"{self.primary.host}:{self.primary.port}:*:{REPLICATION_ROLE}:"
-            f"{self._replication_password}\n",
-        )
-        conninfo = _conninfo(
-            host=self.primary.host,
-            port=str(self.primary.port),
-            user=REPLICATION_ROLE,
-            application_name=self.application_name,
-            passfile=str(passfile),
-            connect_timeout="10",
-        )
         argv = [
             str(self.bin_dir / "pg_basebackup"),
             f"--pgdata={data}",
@@ -173,9 +187,39 @@ class _StandbyNode(_ReplicationNode):
             "--create-slot",
             f"--slot={self.application_name}",
             "--no-password",
-            f"--dbname={conninfo}",
+            f"--dbname={self.conninfo()}",
         ]
         self._run(argv, "pg_basebackup")
+
+    def conninfo(self) -> str:
+        """`primary_conninfo` to `upstream`: our application_name and a passfile (written
+        here, any port of that host), never the password itself."""
+        assert self._dir is not None
+        host, port = self.upstream
+        passfile = self._dir / "replication.pgpass"
+        self._write_private(
+            passfile, f"{host}:*:*:{REPLICATION_ROLE}:{self._replication_password}\n"
+        )
+        return _conninfo(
+            host=host,
+            port=str(port),
+            user=REPLICATION_ROLE,
+            application_name=self.application_name,
+            passfile=str(passfile),
+            connect_timeout="10",
+        )
+
+    def set_conninfo(self, conninfo: str) -> None:
+        """`primary_conninfo` changed and the configuration reloaded: the walreceiver stops
+        and, unless it is empty, starts again with it (PostgreSQL 13+)."""
+        self.execute(f"ALTER SYSTEM SET primary_conninfo = {_literal(conninfo)}")
+        self.execute("SELECT pg_reload_conf()")
+
+    def receiver(self) -> dict[str, Any] | None:
+        """The standby's `pg_stat_wal_receiver` row (status, sender_port), None when no
+        walreceiver runs."""
+        rows = self.fetch("SELECT status, sender_host, sender_port FROM pg_stat_wal_receiver")
+        return dict(rows[0]) if rows else None
 
     def _set_superuser_password(self, began: float) -> None:
         """Nothing to set: a standby is read-only and its superuser is the primary's."""
@@ -215,7 +259,9 @@ class PostgresPair:
     Life cycle: `start` (primary, replication role, base backup, standby, streaming), then
     `kill_primary` (SIGKILL of the primary's every process), `promote` (the standby takes
     writes), `stop` (both nodes and their temp dirs; also after a failed start). A context
-    manager. Credentials as `PostgresServer`'s: drawn per pair and never printed.
+    manager. Credentials as `PostgresServer`'s: drawn per pair and never printed. In between,
+    `pause_replication` / `resume_replication` cut the standby off and bring it back, and
+    `replicate_through` sends its stream through a proxy.
     """
 
     def __init__(
@@ -342,6 +388,53 @@ class PostgresPair:
             _poll(probe, timeout or self.start_timeout, f"standby streaming ({sync_state})")
         except StackError as exc:
             raise StackError(f"{exc}; standby log: {_tail(self.standby._log_paths())}") from None
+
+    def pause_replication(self, timeout: float | None = None) -> None:
+        """Cut the standby off its primary: `primary_conninfo` emptied, until the walreceiver
+        has gone from the standby and the walsender from the primary. From then on no WAL
+        reaches the standby: an asynchronous primary goes on acknowledging commits a
+        promotion loses; a synchronous one acknowledges none (each waits in `SyncRep`)."""
+        limit = timeout or self.start_timeout
+        self.standby.set_conninfo("")
+
+        def probe() -> bool | None:
+            gone = self.standby.receiver() is None and self.replication() is None
+            return True if gone else None
+
+        _poll(probe, limit, "end of the standby's stream")
+
+    def resume_replication(self, timeout: float | None = None) -> None:
+        """The standby streams again from `upstream` (and, when synchronous, is the primary's
+        synchronous standby again: the commits that waited are acknowledged)."""
+        self.standby.set_conninfo(self.standby.conninfo())
+        self.wait_streaming(timeout, sync_state="sync" if self.synchronous else None)
+
+    def replicate_through(self, host: str, port: int, timeout: float | None = None) -> None:
+        """Stream through `host:port` from now on (a TCP proxy in front of the primary, so a
+        scenario can cut the link): until the standby's walreceiver streams from there."""
+        limit = timeout or self.start_timeout
+        self.standby.upstream = (host, port)
+        self.standby.set_conninfo(self.standby.conninfo())
+
+        def probe() -> bool | None:
+            row = self.standby.receiver()
+            there = row is not None and row["status"] == "streaming" and row["sender_port"] == port
+            return True if there else None
+
+        _poll(probe, limit, f"stream through {host}:{port}")
+        self.wait_streaming(limit, sync_state="sync" if self.synchronous else None)
+
+    def lag_bytes(self) -> int | None:
+        """WAL the primary wrote that the standby has not replayed (bytes): what a promotion
+        now would lose, commits acknowledged or not. None when a node does not answer."""
+        try:
+            [primary] = self.primary.fetch("SELECT pg_current_wal_lsn()::text AS l")
+            [standby] = self.standby.fetch("SELECT pg_last_wal_replay_lsn()::text AS l")
+        except _TRANSIENT:
+            return None
+        if primary["l"] is None or standby["l"] is None:
+            return None
+        return max(0, _lsn(primary["l"]) - _lsn(standby["l"]))
 
     def kill_primary(self) -> None:
         """SIGKILL the primary's postmaster and every process it forked (`PostgresServer.kill`):
