@@ -198,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="memories",
         help="memories: both memories, RabbitMQ only, the source documents as written (default); "
         "sentinel: the answers to lost writes behind Sentinel, alone, together and none; "
-        "standby: PostgreSQL alone failing over to a synchronous or an asynchronous standby "
-        "(live); durable: each durable design this machine can run (python -m chaos list)",
+        "standby: PostgreSQL alone failing over to a synchronous or an asynchronous standby; "
+        "durable: each durable design this machine can run (python -m chaos list)",
     )
     val = sub.add_parser("validate", help="check scenario files without running them")
     val.add_argument("scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML)")

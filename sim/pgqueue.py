@@ -35,7 +35,9 @@ latency and retries: a postgres fault acts on the queue as on the store. A claim
 With `lag_s` (PostgreSQL's `synchronous_commit: false`) each transaction keeps the tables
 as they were before it for `lag_s`: a kill rolls back those of the last `lag_s`, as
 `SimRedis.lose_unreplicated` rolls the store back (the `pg` design leaves it None: the
-queue's transactions commit synchronously whatever the role's setting). Not modelled:
+queue's transactions commit synchronously whatever the role's setting; with an asynchronous
+standby it is how far the standby trails, and a failover loses what it lacks:
+`chaos.systems.pg.sim`). Not modelled:
 sequences rolled back with them (ids are never reused), row locks and SKIP LOCKED (every
 operation is atomic, so no claim waits for or skips another), a batch as one transaction
 (its operations apply one by one as they land, in order), NOTIFY's de-duplication within
@@ -178,14 +180,13 @@ class SimJobs:
             return
         self._saved = True
         now = self.env.now
-        tables = (
-            {s: r.copy() for s, r in self.jobs.items()},
-            dict(self.consumers),
-            len(self.outbox),
-        )
-        self._recent.append((now, tables))
+        self._recent.append((now, self.tables()))
         while self._recent and self._recent[0][0] < now - self.lag_s:
             self._recent.popleft()
+
+    def tables(self) -> Tables:
+        """A copy of the tables as they are, to roll back to."""
+        return {s: r.copy() for s, r in self.jobs.items()}, dict(self.consumers), len(self.outbox)
 
     def lose_since(self, cutoff: float) -> int:
         """A kill lost the commits after `cutoff` (the WAL not flushed): the tables as they

@@ -19,8 +19,10 @@ import yaml
 
 from chaos.insim.run import SimOutcome, SimRun
 from chaos.scenario import LoadedScenario, load_scenario, scenario_from_dict
-from chaos.systems.pg.sim import PgSim
+from chaos.systems import refusal
+from chaos.systems.pg.sim import PgSim, Primary, StandbyJobs
 from engine.shell.effects import Unroutable
+from reports.latency import result_write_waits
 from sim.broker import WORK_QUEUE
 from sim.pgqueue import PgQueueClient, SimJobs
 from sim.redis import SimRedis
@@ -312,3 +314,118 @@ def test_the_postgresql_designs_run_nearly_every_mutant() -> None:
     left = set(CATCHES) - set(_applicable("pg"))
     assert len(_applicable("pg")) >= 45 and len(_applicable("pg-store")) >= 48
     assert "cancel_read_unheard" in left and "per_message_ttl" in left
+
+
+# --- a failover to a standby (`postgres.standby`) ---------------------------------------------
+
+
+def test_a_synchronous_standby_cut_off_holds_what_writes_and_answers_what_reads() -> None:
+    """remote_apply: a transaction that wrote gets no reply while the standby is cut off,
+    and the others do not see it; one that only read is answered. The standby back, what
+    waited commits in order; the primary dead instead, it is gone."""
+    env = simpy.Environment()
+    primary = Primary(env, running_index="r", retries_index="q", ttl_s=3600, lease_ms=LEASE_MS)
+    jobs = primary.jobs = StandbyJobs(env, random.Random(0), (0.0, 0.0), LEASE_MS)
+    replies: list[Any] = []
+
+    def serve(fn: Any, *args: Any) -> simpy.Event | None:
+        return primary.serve(fn, args, lambda value, _: replies.append(value))
+
+    primary.standby_cut()
+    waited = serve(jobs.apply, "publish", WORK_QUEUE, "first", {}, 0)
+    serve(jobs.apply, "publish", WORK_QUEUE, "second", {}, 0)
+    assert waited is not None and not waited.triggered
+    assert replies == [] and jobs.jobs == {} and primary.waiting() == 2
+    assert serve(primary.ping) is None and replies == ["PONG"]  # a read: no xid, no wait
+    assert serve(jobs.apply, "claim", "w", 10, 10) is None  # nothing to claim: a read
+    primary.standby_back()
+    env.run()
+    assert waited.processed and replies == ["PONG", [None], True, True]
+    assert [r.message.message_id for r in jobs.jobs.values()] == ["first", "second"]
+    primary.standby_cut()
+    lost = serve(jobs.apply, "publish", WORK_QUEUE, "third", {}, 0)
+    primary.kill()
+    env.run()
+    assert lost is not None and lost.processed  # its client wakes: the connection is gone
+    assert len(replies) == 4 and len(jobs.jobs) == 2 and primary.waiting() == 0
+
+
+def _failover(outcome: SimOutcome) -> dict[str, Any]:
+    (record,) = of(outcome.history, "redis_failover")
+    return record
+
+
+def test_an_asynchronous_standby_loses_what_its_primary_acknowledged_and_owners_restore_it() -> (
+    None
+):
+    """As live: cut off, the standby misses a wave of results the engine was told were
+    written; the promotion loses them (counted by the failover's record, as live counts
+    them), and their owners, alive, write them back before the final state."""
+    outcome = run(scenario("pg/postgres_failover"))
+    assert ok(outcome)
+    (killed,) = of(outcome.history, "service_killed")
+    assert killed["unreplicated_commits"] > 0
+    failover = _failover(outcome)
+    assert failover["promoted"] is True
+    assert failover["lost_writes"] == len(failover["lost_results"]) > 0
+    restored = {
+        (e["attempt_id"], rule)
+        for e in of(outcome.history, "results_restored")
+        for rule in e["rule_ids"]
+    }
+    assert {tuple(r) for r in failover["lost_results"]} <= restored
+    assert outcome.result.stats["lost_writes"] == failover["lost_writes"]
+
+
+def test_a_plain_kill_of_a_primary_whose_standby_keeps_up_loses_nothing() -> None:
+    outcome = run(scenario("pg/postgres_failover", faults=[_kill_only()]))
+    assert ok(outcome)
+    assert _failover(outcome)["lost_writes"] == 0
+
+
+def _kill_only() -> dict[str, Any]:
+    path = ROOT / "scenarios" / "pg" / "postgres_failover.yaml"
+    (kill,) = [f for f in yaml.safe_load(path.read_text())["faults"] if f["name"] == "primary_dies"]
+    return kill
+
+
+def test_a_synchronous_standby_loses_nothing_acknowledged_and_its_writes_wait() -> None:
+    """remote_apply under the same faults: nothing the engine was told was written is lost;
+    the cost is the result writes held from the cut until the failover."""
+    outcome = run(scenario("pg/postgres_failover_sync"))
+    assert ok(outcome)
+    failover = _failover(outcome)
+    assert failover["promoted"] is True and failover["lost_writes"] == 0
+    assert failover["lost_results"] == [] and not of(outcome.history, "results_restored")
+    asynchronous = run(scenario("pg/postgres_failover"))
+    assert max(result_write_waits(outcome.history)) > 0.5
+    assert max(result_write_waits(asynchronous.history)) < 0.1
+
+
+@pytest.mark.parametrize("name", ["pg/postgres_failover", "pg/postgres_failover_sync"])
+def test_a_failover_is_one_history_per_seed(name: str) -> None:
+    loaded = scenario(name)
+    first, again, other = run(loaded, 3), run(loaded, 3), run(loaded, 4)
+    assert first.history_hash == again.history_hash
+    assert first.history_hash != other.history_hash
+
+
+def test_no_restore_is_caught_on_the_asynchronous_failover_in_sim() -> None:
+    """As live: owners that announce without writing back what the promotion lost leave a
+    final state that does not match the reference."""
+    outcome = SimRun(scenario("pg/postgres_failover"), None, "no_restore").run()
+    assert _failover(outcome)["lost_writes"] > 0
+    assert outcome.result.verdicts["matches_reference"] == "fail"
+
+
+def test_a_standby_is_refused_in_sim_where_it_is_not_modelled() -> None:
+    """pg-store has no standby; one beside commits that are not synchronous has no model."""
+    loaded = scenario("pg/postgres_failover")
+    assert refusal(loaded, "pg", "sim") is None
+    on_store = scenario("pg/postgres_failover", system="pg-store", faults=[_kill_only()])
+    store = refusal(on_store, "pg-store", "sim")
+    assert "postgres.standby: pg-store has no standby" in (store or "")
+    lax = {"standby": "async", "synchronous_commit": False}
+    assert "postgres.synchronous_commit" in (
+        refusal(scenario("pg/postgres_failover", postgres=lax), "pg", "sim") or ""
+    )

@@ -466,11 +466,12 @@ class PostgresSpec(_Model):
     )
     standby: Literal["none", "async", "sync"] = Field(
         default="none",
-        description="system pg, live: a streaming standby of the run's own (pg_basebackup); "
-        "kill_service postgres then kills the primary and fails over to it (promoted, the "
-        "workers' proxies moved to it; cut_link on the link replication cuts it off first). "
-        "async: PostgreSQL's default replication, which may lose the last commits; sync: "
-        "synchronous_standby_names with synchronous_commit = remote_apply, the mitigation",
+        description="system pg, live and in sim: a streaming standby of the run's own "
+        "(pg_basebackup); kill_service postgres then kills the primary and fails over to it "
+        "(promoted, the workers' proxies moved to it; cut_link on the link replication cuts "
+        "it off first). async: PostgreSQL's default replication, which may lose the last "
+        "commits; sync: synchronous_standby_names with synchronous_commit = remote_apply, the "
+        "mitigation",
     )
 
 

@@ -46,6 +46,9 @@ class System:
     #: when `sim_resumes`.
     resumes: bool = False
     sim_resumes: bool = False
+    #: Its PostgreSQL can fail over to a streaming standby of its own (`postgres.standby`),
+    #: live and in sim.
+    standby: bool = False
     #: The design whose store this one runs as it is (its store's mutants apply here too).
     store_of: str | None = None
     #: Its services that hold the work queue and the delayed retries.
@@ -144,6 +147,7 @@ SYSTEMS: dict[str, System] = {
             },
             resumes=True,
             sim_resumes=True,
+            standby=True,
             store_of="pg-store",
             brokers=("postgres",),
             live="chaos.systems.pg.live:PgLive",
@@ -216,10 +220,16 @@ def refusal(loaded: LoadedScenario, name: str, mode: str) -> str | None:
                 "run it with --mode live"
             )
     if mode == "sim" and spec.postgres.standby != "none":
-        return (
-            f"{path}: postgres.standby: a PostgreSQL standby and its promotion are not "
-            f"simulated on {name}; run it with --mode live"
-        )
+        if not sut.standby:
+            with_one = " or ".join(s.name for s in SYSTEMS.values() if s.standby)
+            return (
+                f"{path}: postgres.standby: {name} has no standby; run it with --system {with_one}"
+            )
+        if not spec.postgres.synchronous_commit:
+            return (
+                f"{path}: postgres.synchronous_commit: false with a standby is not simulated "
+                f"on {name}; run it with --mode live"
+            )
     for section in ("redis", "broker", "postgres"):
         if section not in sut.settings and getattr(spec, section).model_fields_set:
             return f"{path}: {section}: {name} does not read it (a setting of another design)"

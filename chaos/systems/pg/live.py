@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -53,6 +54,21 @@ OUTBOX = "eai.run_events"
 #: What the outbox's events stand for on RabbitMQ: persistent messages (delivery mode 2),
 #: since a row is durable once committed.
 DURABLE = 2
+
+
+def persisted_results(history: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """The results the history shows persisted (the engine was told they were written) and
+    no resume deleted since, (attempt_id, rule_id) each in the order first written: what a
+    failover must not lose (live and in sim, the same count)."""
+    persisted: dict[tuple[str, str], None] = {}
+    for e in history:
+        key = (str(e.get("attempt_id")), str(e.get("rule_id")))
+        if e.get("ev") == "result_persisted":
+            persisted.setdefault(key, None)
+        elif e.get("ev") == "resume_written":  # results deleted on purpose
+            for rule in e.get("discarded") or ():
+                persisted.pop((key[0], str(rule)), None)
+    return list(persisted)
 
 
 def refusal(loaded: LoadedScenario, killable: set[str]) -> str | None:
@@ -149,17 +165,10 @@ class PgLive(PgStoreLive):
         return found
 
     def _lost_results(self) -> list[list[str]] | None:
-        """The results the history shows persisted (the engine was told they were written)
-        that the promoted standby lacks, [attempt_id, rule_id] each in the order written;
-        None when the standby does not answer. Read before any worker reaches it."""
-        persisted: dict[tuple[str, str], None] = {}
-        for e in self.run.on_tail(acts.Tail(None))[0]:
-            key = (str(e.get("attempt_id")), str(e.get("rule_id")))
-            if e.get("ev") == "result_persisted":
-                persisted.setdefault(key, None)
-            elif e.get("ev") == "resume_written":  # results deleted on purpose
-                for rule in e.get("discarded") or ():
-                    persisted.pop((key[0], str(rule)), None)
+        """The results the history shows persisted (`persisted_results`) that the promoted
+        standby lacks, [attempt_id, rule_id] each in the order written; None when the
+        standby does not answer. Read before any worker reaches it."""
+        persisted = persisted_results(self.run.on_tail(acts.Tail(None))[0])
         try:
             rows = self.pair.standby.fetch(
                 "SELECT r.attempt_id, c.rule_id FROM eai.checkpoints c"

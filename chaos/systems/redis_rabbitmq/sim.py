@@ -45,6 +45,9 @@ class RedisRabbitSim:
     #: What the store is called, as a service a fault names and as a worker's link.
     store_service = "redis"
     store_link = "redis"
+    #: The store's server (a design may model more of its own: `chaos.systems.pg.sim`'s
+    #: primary with a standby).
+    server: type[SimRedis] = SimRedis
 
     def __init__(self, run: SimRun) -> None:
         self.run = run
@@ -64,7 +67,7 @@ class RedisRabbitSim:
         self.plans = run.plans
         self.attempt_ids = run.attempt_ids
         self.id_prefix = run.id_prefix
-        self.redis = SimRedis(
+        self.redis = self.server(
             self.env,
             running_index=self.config.name("engine:running"),
             retries_index=self.config.name("engine:retries"),
@@ -183,7 +186,9 @@ class RedisRabbitSim:
         assert self.sentinel is not None, "a sentinel without Sentinel"
         self.sentinel.restart_sentinel()
 
-    def on_await_failover(self, a: acts.AwaitFailover) -> Generator[Any, Any, bool]:
+    def on_await_failover(
+        self, a: acts.AwaitFailover
+    ) -> Generator[Any, Any, bool | dict[str, Any]]:
         assert self.sentinel is not None, "a failover without Sentinel"
         return (yield from self.sentinel.wait_back())
 
