@@ -429,3 +429,25 @@ def test_a_standby_is_refused_in_sim_where_it_is_not_modelled() -> None:
     assert "postgres.synchronous_commit" in (
         refusal(scenario("pg/postgres_failover", postgres=lax), "pg", "sim") or ""
     )
+
+
+def test_a_failover_that_lost_a_pass_announced_in_the_cut_announces_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seed 72 of the asynchronous failover: a `pass_result` acknowledged while the standby
+    was cut off is lost with the primary before the harness read it, with its flag. Its
+    owner, restoring the lost results before its final state, announces its passes again
+    (`passes_restored`); without that, pass_results_correct fails."""
+    from chaos.explore import simulate, swarm
+    from chaos.simcli import document
+    from engine.shell.orchestrator import PassExecutionOrchestrator
+
+    variant = swarm(document(scenario("pg/postgres_failover")), 72)
+    assert simulate(variant).ok
+
+    def silent(self: Any) -> Generator[Any, Any, None]:
+        return
+        yield
+
+    monkeypatch.setattr(PassExecutionOrchestrator, "_announce_passes_again", silent)
+    assert simulate(variant).failed == ("pass_results_correct",)

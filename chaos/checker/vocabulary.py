@@ -176,6 +176,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
     },
     "results_restored": {**_ID, "rule_ids": LIST, "status": EVALUATION_STATUSES},
     "final_state_restored": {**_ID, "rule_ids": LIST, "status": EVALUATION_STATUSES},
+    "passes_restored": {**_ID, "pass_ids": LIST},
     "final_published": {**_ID, "status": EVALUATION_STATUSES, "sent_ms": INT},
     # --- the sweeper
     "sweeper_resumed": {**_ID, "claimed_from_ms": INT},

@@ -98,6 +98,9 @@ class PassExecutionOrchestrator:
         self._counted: dict[str, int] = {}
         self._execution: dict[str, int] = {}
         self._looked = False  # the state was read for the actions being executed
+        # The passes this copy announced (their bodies, by pass id), in order: a store that
+        # lost acknowledged writes may have lost their flags, and with an outbox the events
+        self._passes: dict[str, dict[str, Any]] = {}
         self._over: str | None = None  # the terminal state the store showed (a cancel)
         self._lease_until = 0.0  # monotonic time the lease runs to, by the last fenced write
         # Due retries the core could not start at once (every slot taken): (rule, attempt),
@@ -405,6 +408,7 @@ class PassExecutionOrchestrator:
                     "mark_pass_published",
                 )
                 yield Store("mark_pass_published", (a, action.pass_id, action.outcome, self.fence))
+                self._passes[action.pass_id] = body
                 if self._recording:
                     yield Record(
                         "pass_published",
@@ -626,7 +630,23 @@ class PassExecutionOrchestrator:
                 "final_state_restored" if again else "results_restored",
                 {"attempt_id": a, "rule_ids": restored, "status": kept or action.status.value},
             )
+        if restored and kept is None and self._passes:
+            yield from self._announce_passes_again()
         return kept
+
+    def _announce_passes_again(self) -> Step:
+        """The store lost acknowledged writes: the flags of the passes announced before may
+        be gone with them, and where events are rows of the store (an outbox) the events
+        too, before a consumer read them. Each is announced again, with its flag (consumers
+        dedupe on the message id, as after any redelivery)."""
+        a = self.attempt_id
+        for pass_id, body in self._passes.items():
+            yield PublishEvent(
+                "evaluation.pass_result", body, f"{a}:pass:{pass_id}", "mark_pass_published"
+            )
+            yield Store("mark_pass_published", (a, pass_id, body["outcome"], self.fence))
+        if self._recording:
+            yield Record("passes_restored", {"attempt_id": a, "pass_ids": list(self._passes)})
 
     def _close(self, release_lease: bool = True, requeue_held: bool = False) -> Step:
         if self._closed:

@@ -220,6 +220,9 @@ class PgLive(PgStoreLive):
         after = 0
         conn: asyncpg.Connection | None = None
         while True:
+            # Cleared before the read, not after: a NOTIFY that comes during it wakes the
+            # next wait at once (else it waits for the poll, a read late)
+            self._events_wake.clear()
             try:
                 if conn is None or conn.is_closed():
                     conn = await self._events_connection()
@@ -241,7 +244,6 @@ class PgLive(PgStoreLive):
                 after = row["seq"]
                 self._received(row["topic"], row["message_id"], orjson.loads(row["data"]))
             if len(rows) < 500:
-                self._events_wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._events_wake.wait(), EVENTS_POLL_S)
 

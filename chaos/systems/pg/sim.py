@@ -412,6 +412,8 @@ class PgSim(PgStoreSim):
         listener: Listener | None = None
         after = 0
         while True:
+            if woken.triggered:  # before the read: a notification during it wakes the wait
+                woken = env.event()
             rows: list[Any] = []
             try:
                 if listener is None or not listener.open:
@@ -424,8 +426,6 @@ class PgSim(PgStoreSim):
                 after = seq
                 self._received(topic, message_id, data)
             if len(rows) < EVENTS_BATCH:
-                if woken.triggered:
-                    woken = env.event()
                 yield woken | env.timeout(EVENTS_POLL_S)
 
     def _received(self, topic: str, message_id: str | None, data: Any) -> None:
