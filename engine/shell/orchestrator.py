@@ -432,6 +432,10 @@ class PassExecutionOrchestrator:
                     },
                 )
             case Park(waiting=waiting):
+                if self._over is not None:
+                    # The store said the evaluation is over (a status write's reply, in this
+                    # batch): no park; the cancel the core hears next finishes it.
+                    return
                 sent_ms = (yield NOW) if self._recording else 0
                 self.leaving = True
                 if self._recording:  # sent: it may land though this process dies first
