@@ -338,9 +338,9 @@ def double_final_publish() -> None:
     up in `engine.shell.orchestrator`."""
     publish_completed = orchestrator.publish_completed
 
-    def publish_twice(*args: Any) -> Step:
-        yield from publish_completed(*args)
-        return (yield from publish_completed(*args))
+    def publish_twice(*args: Any, **kwargs: Any) -> Step:
+        yield from publish_completed(*args, **kwargs)
+        return (yield from publish_completed(*args, **kwargs))
 
     orchestrator.publish_completed = publish_twice
 
@@ -538,28 +538,42 @@ def _rewritten(step: Step, change: Callable[[Any], Any]) -> Step:
     return stepper.value
 
 
-def _without_completed(step: Step) -> Step:
-    """`step`, its `evaluation.completed` publish dropped on the way out (as sent)."""
+def _unannounced(routing_key: str) -> Callable[[Any], Any]:
+    """A change for `_rewritten`: the events of `routing_key` are never sent, published
+    (dropped) or riding a store operation (an outbox's: the operation goes without it)."""
 
     def drop(effect: Any) -> Any:
-        completed = (
-            isinstance(effect, PublishEvent) and effect.routing_key == "evaluation.completed"
-        )
-        return _DROP if completed else effect
+        if isinstance(effect, PublishEvent) and effect.routing_key == routing_key:
+            return _DROP
+        riding = effect.event if isinstance(effect, Store) else None
+        if riding is not None and riding.routing_key == routing_key:
+            return Store(effect.op, effect.args)
+        return effect
 
-    return (yield from _rewritten(step, drop))
+    return drop
+
+
+def _without_completed(step: Step) -> Step:
+    """`step`, its `evaluation.completed` dropped on the way out (as sent)."""
+    return (yield from _rewritten(step, _unannounced("evaluation.completed")))
 
 
 def no_completed_event() -> None:
     """completed_delivered: `evaluation.completed` is never published. Everything around it
     happens as usual (the flag in Redis, the indexes, the lease, `final_published` in the
-    history): the engine believes it announced the result, and no consumer ever hears."""
+    history): the engine believes it announced the result, and no consumer ever hears.
+    Where the final state's transaction writes it (an outbox), that write goes without it."""
     publish_completed = orchestrator.publish_completed
+    confirm_final = orchestrator.PassExecutionOrchestrator._confirm_final
 
-    def publish_nothing(*args: Any) -> Step:
-        return (yield from _without_completed(publish_completed(*args)))
+    def publish_nothing(*args: Any, **kwargs: Any) -> Step:
+        return (yield from _without_completed(publish_completed(*args, **kwargs)))
+
+    def confirm_unannounced(self: Any, *args: Any, **kwargs: Any) -> Step:
+        return (yield from _without_completed(confirm_final(self, *args, **kwargs)))
 
     orchestrator.publish_completed = publish_nothing
+    orchestrator.PassExecutionOrchestrator._confirm_final = confirm_unannounced  # type: ignore[method-assign]
 
 
 #: What takes an evaluation out of the running index, by script: `leak_running_index`
@@ -653,7 +667,9 @@ def results_only_reannounced() -> None:
     """completed_delivered: an evaluation announced again (its announcer died between the
     final write and the publish) is announced with the verdicts of its stored results
     only, as before issue 25's fix: its permanently failed rules and their skipped
-    dependents are missing, so one message id carries another body than the first."""
+    dependents are missing, so one message id carries another body than the first. On an
+    outbox (`pg`) the final state's own transaction announces it: nothing is announced
+    again."""
     if not hasattr(Evaluation, "stored_verdicts"):
         raise RuntimeError("results_only_reannounced: Evaluation.stored_verdicts is gone")
 
@@ -728,12 +744,16 @@ def _is_started(effect: Any) -> bool:
     return isinstance(effect, PublishEvent) and effect.routing_key == "evaluation.started"
 
 
+_NO_STARTED = _unannounced("evaluation.started")
+
+
 def started_after_ack() -> None:
     """started_announced: `evaluation.started` is published after the ACK. The controller's
     set-up of a delivery holds the publish back (answered at once, so `evaluation_started`
     is still recorded where it was) and sends it once the execute message is acknowledged
     (after `after_ack`), or at the end of the set-up for a retry: a crash right after the
-    ACK leaves an evaluation that was taken off the queue and never announced."""
+    ACK leaves an evaluation that was taken off the queue and never announced. Where the
+    event is begin's own row (an outbox: `pg`), it cannot come after the ACK."""
     begin = EvaluationController._begin
 
     def ack_first(self: EvaluationController, *args: Any) -> Step:
@@ -763,8 +783,7 @@ def no_started_event() -> None:
     begin = EvaluationController._begin
 
     def unannounced(self: EvaluationController, *args: Any) -> Step:
-        drop = lambda effect: _DROP if _is_started(effect) else effect  # noqa: E731
-        return (yield from _rewritten(begin(self, *args), drop))
+        return (yield from _rewritten(begin(self, *args), _NO_STARTED))
 
     EvaluationController._begin = unannounced  # type: ignore[method-assign]
 
@@ -1114,10 +1133,10 @@ def pass_result_misrouted() -> None:
     consumer bound to the documented key ever hears of a pass."""
     make = orchestrator.PublishEvent
 
-    def publish(routing_key: str, body: Any, message_id: str, flag: str | None = None) -> Any:
+    def publish(routing_key: str, body: Any, message_id: str) -> Any:
         if routing_key == "evaluation.pass_result":
             routing_key = "evaluation.pass_results"
-        return make(routing_key, body, message_id, flag)
+        return make(routing_key, body, message_id)
 
     orchestrator.PublishEvent = publish  # type: ignore[assignment,misc]
 
@@ -1359,6 +1378,7 @@ MUTANTS: dict[str, Mutant] = {
             results_only_reannounced,
             "completed_delivered",
             "an evaluation announced again names its stored results only, not what failed",
+            system="rabbitmq",  # on an outbox the final state's transaction announces it
         ),
         _mutant(
             old_close_order,
@@ -1379,6 +1399,7 @@ MUTANTS: dict[str, Mutant] = {
             started_after_ack,
             "started_announced",
             "evaluation.started is published after the ACK of the execute message",
+            system="rabbitmq",  # on an outbox, the event is begin's own row
         ),
         _mutant(
             no_started_event,

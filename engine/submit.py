@@ -69,6 +69,7 @@ from engine.runtime.context import open_broker, open_store, store_address, store
 from engine.runtime.pgqueue import PgQueue
 from engine.runtime.pgstore import PostgresStore
 from engine.runtime.store import now_ms
+from engine.shell.orchestrator import completed_event
 
 #: What a store raises when it is lost (after its client's retries).
 STORE_ERRORS = (RedisError, asyncpg.PostgresError, asyncpg.InterfaceError)
@@ -128,11 +129,18 @@ class EngineClient:
         re-publishes it, even when its owner is dead. The owner sees the state before its
         next rule start; the broadcast only makes that sooner.
         """
-        kept = await self.store.set_state(attempt_id, EvaluationStatus.CANCELLED.value)
+        cancelled = EvaluationStatus.CANCELLED.value
+        event = completed_event(attempt_id, cancelled, {})
+        if self.broker.outbox and isinstance(self.store, PostgresStore):
+            # its row is written by the state's transaction, if it wins
+            outboxed = (event.routing_key, event.message_id, dict(event.body))
+            kept = await self.store.set_state(attempt_id, cancelled, event=outboxed)
+        else:
+            kept = await self.store.set_state(attempt_id, cancelled)
         if kept is not None:
             return kept
-        body = {"attempt_id": attempt_id, "status": "cancelled", "verdicts": {}}
-        await self.broker.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
+        if not self.broker.outbox:
+            await self.broker.publish_event(event.routing_key, event.body, event.message_id)
         await self.store.done(attempt_id, "")  # flagged, unindexed; nobody's lease released
         await self.broker.publish_control({"type": "cancel", "attempt_id": attempt_id})
         return EvaluationStatus.CANCELLED.value

@@ -27,7 +27,7 @@ from engine.failpoints import InjectedFault, site
 from engine.history import error_fields
 from engine.shell import effects as fx
 from engine.shell.replies import LeaseLost
-from sim.redis import SCRIPTS, Fenced
+from sim.redis import SCRIPTS, announcing
 from sim.sync import Lock, Semaphore
 
 if TYPE_CHECKING:
@@ -45,8 +45,6 @@ _CLOCKED = frozenset(
 def drive(step: fx.Step, w: SimWorker) -> Generator[Any, Any, Any]:
     """The live `drive`: run `step` to its end; its return value is returned. An effect
     that takes no simulated time is carried out in place, as live."""
-    if w.broker.outbox:
-        return (yield from _drive_outbox(step, w))
     stepper = fx.Stepper(step)
     while (effect := stepper.advance(_NOW, w)) is not None:
         try:
@@ -56,48 +54,6 @@ def drive(step: fx.Step, w: SimWorker) -> Generator[Any, Any, Any]:
         except BaseException as exc:  # into the step, which decides
             stepper.fail(exc)
     return stepper.value
-
-
-def _drive_outbox(step: fx.Step, w: SimWorker) -> Generator[Any, Any, Any]:
-    """The live `_drive_outbox`: an event with a `flag` is held until the step yields that
-    store operation, and both are applied as one (`_announced`)."""
-    stepper = fx.Stepper(step)
-    held: fx.PublishEvent | None = None
-    while (effect := stepper.advance(_NOW, w)) is not None:
-        try:
-            if type(effect) is fx.PublishEvent and effect.flag is not None and held is None:
-                held = effect
-                continue
-            if held is not None:
-                event, held = held, None
-                if type(effect) is fx.Store and effect.op == event.flag:
-                    stepper.reply((yield from _announced(effect, event, w)))
-                    continue
-                yield from _LATER[fx.PublishEvent](event, w)
-            stepper.reply((yield from _LATER[type(effect)](effect, w)))
-        except simpy.Interrupt:
-            stepper.fail(fx.Cancelled())
-        except BaseException as exc:
-            stepper.fail(exc)
-    if held is not None:
-        yield from _LATER[fx.PublishEvent](held, w)
-    return stepper.value
-
-
-def _announced(e: fx.Store, event: fx.PublishEvent, w: SimWorker) -> Generator[Any, Any, Any]:
-    """The store operation and the event row in one transaction (migration 0004's
-    `announce`): no row when the fence refuses the operation; else a synchronous commit,
-    as every event's."""
-    op, jobs = getattr(w.redis, e.op), w.broker.jobs
-
-    def both(*args: Any) -> Any:
-        reply = op(*args)
-        if not isinstance(reply, Fenced):
-            jobs.apply("event", event.routing_key, event.message_id, dict(event.body))
-            w.redis.synced()
-        return reply
-
-    return w.store.call(both, *e.args, batched=e.op in SCRIPTS)
 
 
 def _record(e: fx.Record, w: SimWorker) -> None:
@@ -136,7 +92,10 @@ def _settle(e: fx.Settle, w: SimWorker) -> Any:
 
 def _store(e: fx.Store, w: SimWorker) -> Generator[Any, Any, Any]:
     clock = (w.store.now_ms(),) if e.op in _CLOCKED else ()
-    return w.store.call(getattr(w.redis, e.op), *e.args, *clock, batched=e.op in SCRIPTS)
+    op = getattr(w.redis, e.op)
+    if e.event is not None:  # an outbox's event, in the operation's transaction
+        op = announcing(w.redis, w.broker.jobs, e.op, op, e.event)
+    return w.store.call(op, *e.args, *clock, batched=e.op in SCRIPTS)
 
 
 def _call_agent(e: fx.CallAgent, w: SimWorker) -> Generator[Any, Any, Any]:
@@ -209,6 +168,7 @@ class SimHost:
 
     def __init__(self, w: SimWorker) -> None:
         self.w = w
+        self.outbox: bool = w.broker.outbox
         self._cancelled: set[simpy.Process] = set()
 
     def spawn(self, step: fx.Step, on_done: Callable[[Any], None] | None = None) -> Any:

@@ -621,6 +621,11 @@ class SimRedis:
             bool(self.get(eval_key(a, "final_published"))),
         )
 
+    def flag_announced(self, a: str) -> None:
+        """The outbox's flag (migration 0005): the final state's own transaction wrote its
+        `evaluation.completed`, so no recovery announces it again."""
+        self._set(eval_key(a, "final_published"), "1", self.ttl)
+
     def done(self, a: str, me: str) -> bool:
         if self._over(a) is None:  # the final state was lost: nothing written
             return False
@@ -1020,3 +1025,46 @@ def _seconds_left(expires_at: float | None, now: float) -> int:
     if expires_at is None:
         return -1
     return int((round((expires_at - now) * 1000) + 500) // 1000)
+
+
+#: Where the event of an outbox is a final state's announcement (written by `finish`, or
+#: by a cancel's `set_state`), its transaction flags it published too.
+FINAL_STATE_OPS = frozenset({"finish", "set_state"})
+
+
+def took_effect(op: str, reply: Any) -> bool:
+    """Whether the operation `op` changed what its event announces (migration 0005's
+    `eai._took_effect`): not refused by the fence, a begin that took the lease, a final
+    state that won."""
+    if isinstance(reply, Fenced):
+        return False
+    if op == "begin":
+        return reply.snapshot is not None
+    if op == "finish":
+        return reply[0] is None
+    if op == "set_state":
+        return reply is None
+    return True
+
+
+def announcing(
+    store: SimRedis, jobs: Any, op: str, call: Callable[..., Any], event: Any
+) -> Callable[..., Any]:
+    """`call` (the reference of `op`) and its event's outbox row (`jobs`, `sim.pgqueue`) in
+    one transaction, as `eai.apply`'s `announce` (migrations 0004, 0005): the row only if
+    the operation took effect; begin's sets `resumed`; a final state's flags it published;
+    a synchronous commit, as every event's."""
+
+    def both(*args: Any) -> Any:
+        reply = call(*args)
+        if took_effect(op, reply):
+            body = dict(event.body)
+            if op == "begin":
+                body["resumed"] = not reply.snapshot.empty
+            elif op in FINAL_STATE_OPS:
+                store.flag_announced(args[0])
+            jobs.apply("event", event.routing_key, event.message_id, body)
+            store.synced()
+        return reply
+
+    return both

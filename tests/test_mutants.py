@@ -677,7 +677,9 @@ def probe_confirm_final() -> list[Any]:
         results={"r1": result},
         rules_in=lambda state: ["r2"] if state is RuleState.PERMANENTLY_FAILED else [],
     )
-    owner = SimpleNamespace(core=core, attempt_id="a", fence="1:w")
+    owner = SimpleNamespace(
+        core=core, attempt_id="a", fence="1:w", host=SimpleNamespace(outbox=False)
+    )
     action = Finish(EvaluationStatus.PARTIAL, {"r1": "pass", "r2": "failed"})
     from engine.shell.orchestrator import PassExecutionOrchestrator
 

@@ -148,9 +148,8 @@ def test_a_call_cancelled_by_its_connection_reaches_the_step_as_a_lost_connectio
     from engine.runtime.context import settle
     from engine.runtime.drive import drive
 
-    for outbox in (False, True):  # both loops of the driver
-        rt = SimpleNamespace(store=_Dying(), broker=SimpleNamespace(outbox=outbox))
-        assert asyncio.run(drive(_asks_holder(), rt)) == "lost: Store cancelled"  # type: ignore[arg-type]
+    rt = SimpleNamespace(store=_Dying())
+    assert asyncio.run(drive(_asks_holder(), rt)) == "lost: Store cancelled"  # type: ignore[arg-type]
     assert asyncio.run(settle(_Dying(), timeout_s=5)) is False  # type: ignore[arg-type]  # closed
 
     class Closed:  # aio-pika's message refuses to hand out a channel that closed
@@ -201,9 +200,8 @@ def test_the_task_s_own_cancellation_still_propagates() -> None:
             return "cancelled"
         return "finished"
 
-    for outbox in (False, True):
-        rt = SimpleNamespace(store=Slow(), broker=SimpleNamespace(outbox=outbox))
-        assert asyncio.run(cancel_soon(drive(_asks_holder(), rt))) == "cancelled"  # type: ignore[arg-type]
+    rt = SimpleNamespace(store=Slow())
+    assert asyncio.run(cancel_soon(drive(_asks_holder(), rt))) == "cancelled"  # type: ignore[arg-type]
     assert asyncio.run(cancel_soon(settle(Slow(), timeout_s=60))) == "cancelled"  # type: ignore[arg-type]
 
 

@@ -26,8 +26,6 @@ async def drive(step: fx.Step, rt: Runtime) -> Any:
     """Run `step` to its end; its return value is returned. An effect that needs no
     waiting (a history event, a metric, the clock) is carried out in place, the others
     are awaited directly, with no coroutine of ours around them."""
-    if rt.broker.outbox:
-        return await _drive_outbox(step, rt)
     stepper = fx.Stepper(step)
     while (effect := stepper.advance(_NOW, rt)) is not None:
         try:
@@ -45,32 +43,6 @@ def _fail(stepper: fx.Stepper, effect: fx.Effect, exc: BaseException) -> None:
         # silently, an evaluation left in memory half begun).
         exc = ConnectionError(f"{type(effect).__name__} cancelled")
     stepper.fail(exc)
-
-
-async def _drive_outbox(step: fx.Step, rt: Runtime) -> Any:
-    """`drive` where the events are rows of the store (`PgQueue`): an event with a `flag`
-    is held until the step yields that store operation, and both go as one (the outbox:
-    `PostgresStore.done`'s `event`); an event its flag does not follow goes alone."""
-    stepper = fx.Stepper(step)
-    held: fx.PublishEvent | None = None
-    while (effect := stepper.advance(_NOW, rt)) is not None:
-        try:
-            if type(effect) is fx.PublishEvent and effect.flag is not None and held is None:
-                held = effect
-                continue  # the step goes on to its flag (its reply: None, as a publish's)
-            if held is not None:
-                event, held = held, None
-                if type(effect) is fx.Store and effect.op == event.flag:
-                    body = (event.routing_key, event.message_id, dict(event.body))
-                    stepper.reply(await getattr(rt.store, effect.op)(*effect.args, event=body))
-                    continue
-                await _LATER[fx.PublishEvent](event, rt)
-            stepper.reply(await _LATER[type(effect)](effect, rt))
-        except BaseException as exc:  # into the step, which decides
-            _fail(stepper, effect, exc)
-    if held is not None:
-        await _LATER[fx.PublishEvent](held, rt)
-    return stepper.value
 
 
 class LoopLag:
@@ -181,9 +153,19 @@ _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
     fx.Failpoint: lambda e, rt: site(e.name) or (fx.WAIT if rt.failpoints.armed else None),
     fx.Acquire: lambda e, rt: None if e.lock.take() else fx.WAIT,
 }
+
+
 #: Effects awaited: each handler returns the awaitable of the service call itself.
+def _store(e: fx.Store, rt: Runtime) -> Awaitable[Any]:
+    if e.event is None:
+        return getattr(rt.store, e.op)(*e.args)
+    # where events are rows of the store (`PostgresStore`'s `event`): in one transaction
+    ev = e.event
+    return getattr(rt.store, e.op)(*e.args, event=(ev.routing_key, ev.message_id, dict(ev.body)))
+
+
 _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
-    fx.Store: lambda e, rt: getattr(rt.store, e.op)(*e.args),
+    fx.Store: lambda e, rt: _store(e, rt),
     fx.Acquire: lambda e, rt: e.lock.wait(),
     fx.Settle: _settle,
     fx.CallAgent: lambda e, rt: rt.agent.evaluate(
@@ -225,6 +207,7 @@ class LiveHost:
         self.rt = rt
         self.recording = type(rt.history) is not History  # the default one discards
         self.failpoints = rt.failpoints.armed  # armed at start or never
+        self.outbox = rt.broker.outbox
 
     def spawn(self, step: fx.Step, on_done: Callable[[Any], None] | None = None) -> Any:
         # The loop's own create_task: what `ensure_future` ends in, without its checks in

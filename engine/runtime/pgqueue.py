@@ -16,8 +16,9 @@ at the next due job the last claim saw, and by polling every `poll_s` as the fal
 lost notification or listener, listened on again by the next claim): no job waits unseen
 longer than that once due. Events go to `eai.run_events` (an outbox read in order of
 `seq`, at least once, each with its stable message id; `NOTIFY eai_events` wakes readers);
-`evaluation.completed` and a pass result are written in the transaction of the store
-operation that flags them as published, so that the event and its flag land together.
+each event is written by the transaction of the store operation whose change it
+announces (`Store.event`): `evaluation.started` by `begin`, `evaluation.completed` by the
+final state (`finish`, a cancel's `set_state`) with its flag, a pass result by its flag.
 Jobs and events are committed synchronously whatever the role's `synchronous_commit`.
 
 The queue's operations travel as the store's do (`GroupCommit`: one `eai.queue_apply` a
@@ -79,8 +80,8 @@ def _b64(raw: bytes) -> str:
 class PgQueue:
     """`Broker`'s methods on PostgreSQL (`store`'s database and pool)."""
 
-    #: Events are rows of the store's database: one with a flag is written in the flag's
-    #: transaction (`engine.runtime.drive`, migration 0004).
+    #: Events are rows of the store's database: each rides the store operation whose change
+    #: it announces (`engine.shell.effects.Store.event`, migrations 0004 and 0005).
     outbox = True
 
     def __init__(self, config: EngineConfig, store: PostgresStore) -> None:

@@ -279,8 +279,9 @@ Event = tuple[str, str, Mapping[str, Any]]
 
 
 def _announcing(op: list[Any], event: Event | None) -> list[Any]:
-    """`op` with the event it records as published, as one operation (`eai.apply`'s
-    `announce`, migration 0004): the event's row and the flag land in one transaction."""
+    """`op` with the event its change announces, as one operation (`eai.apply`'s
+    `announce`, migrations 0004 and 0005): the event's row is written by the operation's
+    transaction if the operation took effect."""
     if event is None:
         return op
     topic, message_id, body = event
@@ -597,10 +598,17 @@ class PostgresStore:
         return [int(c) for c in reply[1:]], reply[0] or None
 
     async def begin(
-        self, attempt_id: str, me: str, rule_ids: Sequence[str], plan: Plan | str | None
+        self,
+        attempt_id: str,
+        me: str,
+        rule_ids: Sequence[str],
+        plan: Plan | str | None,
+        *,
+        event: Event | None = None,
     ) -> Begun:
         plan_json = plan.to_json() if isinstance(plan, Plan) else plan
-        reply = await self.batch.call(["begin", attempt_id, me, list(rule_ids), plan_json or None])
+        op = ["begin", attempt_id, me, list(rule_ids), plan_json or None]
+        reply = await self.batch.call(_announcing(op, event))
         kind = reply[0]
         if kind == "held":
             return Begun(holder=reply[1])
@@ -632,18 +640,19 @@ class PostgresStore:
         results: Mapping[str, RuleResult],
         failed: Sequence[str],
         fence: str | None = None,
+        *,
+        event: Event | None = None,
     ) -> tuple[str | None, list[str]]:
-        reply = await self._owner_call(
-            [
-                "finish",
-                attempt_id,
-                status,
-                list(results),
-                [v.to_json() for v in results.values()],
-                list(failed),
-                fence or "",
-            ]
-        )
+        op = [
+            "finish",
+            attempt_id,
+            status,
+            list(results),
+            [v.to_json() for v in results.values()],
+            list(failed),
+            fence or "",
+        ]
+        reply = await self._owner_call(_announcing(op, event))
         return reply[0] or None, list(reply[1:])
 
     async def park(
@@ -674,8 +683,10 @@ class PostgresStore:
         replies = await self._apply([["record", a] for a in attempt_ids])
         return [state for state, _, _ in replies]
 
-    async def set_state(self, attempt_id: str, state: str) -> str | None:
-        return await self.batch.call(["set_state", attempt_id, state])
+    async def set_state(
+        self, attempt_id: str, state: str, *, event: Event | None = None
+    ) -> str | None:
+        return await self.batch.call(_announcing(["set_state", attempt_id, state], event))
 
     async def mark_pass_published(
         self,

@@ -225,7 +225,16 @@ class EvaluationController:
         plan_in_message: bool,
     ) -> Step:
         # 2. Lease, state, plan and ReEvaluateUseCase's read of Redis, in one round trip.
-        begun = yield from self.reevaluate.read(attempt_id, plan, plan_in_message)
+        # Where events are rows of the store, `evaluation.started` is begin's (its store
+        # sets `resumed`: whether the snapshot holds a result or a status).
+        started: dict[str, Any] = {"attempt_id": attempt_id}
+        if plan is not None:
+            started.update(plan=plan.id, resumed=False, worker=self.worker_id)
+        event = PublishEvent("evaluation.started", started, f"{attempt_id}:started")
+        outbox = self.host.outbox and plan is not None
+        begun = yield from self.reevaluate.read(
+            attempt_id, plan, plan_in_message, event if outbox else None
+        )
         if begun.holder is not None:
             yield from self._forward(attempt_id, begun.holder, delivery)
             return
@@ -234,7 +243,9 @@ class EvaluationController:
                 snapshot = yield Store("snapshot", (attempt_id, plan.order))
                 verdicts = self.reevaluate.rebuild(plan, attempt_id, snapshot, {}).stored_verdicts()
                 terminal = begun.terminal
-                yield from shell.publish_completed(self.worker_id, attempt_id, terminal, verdicts)
+                yield from shell.publish_completed(
+                    self.worker_id, attempt_id, terminal, verdicts, outbox=self.host.outbox
+                )
             yield Record("terminal_dropped", {"attempt_id": attempt_id, "kind": kind})
             yield Settle(delivery)
             return
@@ -261,9 +272,9 @@ class EvaluationController:
 
         # 3. The job is initialised (by `begin`); announce it, and only then ACK.
         resumed = not snapshot.empty
-        started = {"attempt_id": attempt_id, "plan": plan.id, "resumed": resumed}
-        started["worker"] = self.worker_id
-        yield PublishEvent("evaluation.started", started, f"{attempt_id}:started")
+        if not outbox:
+            started["resumed"] = resumed
+            yield event
         if self._recording:
             yield Record(
                 "evaluation_started",

@@ -22,10 +22,15 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class Store:
     """A store operation: a `RedisStore` method live, its reference in `sim.redis` (the
-    table `sim.redis.REFERENCES`); the reply is sent back."""
+    table `sim.redis.REFERENCES`); the reply is sent back.
+
+    `event`: where events are rows of the store (an outbox: `Host.outbox`), the event this
+    operation's change announces, written by its transaction if the operation takes effect
+    (`announced`); never set on a broker's design, which publishes its events apart."""
 
     op: str
     args: tuple[Any, ...] = ()
+    event: PublishEvent | None = None
 
 
 @dataclass(slots=True)
@@ -46,17 +51,12 @@ class Record:
 
 @dataclass(slots=True)
 class PublishEvent:
-    """An event for the `evaluation.*` exchange (`evaluation.completed`, a pass result).
-
-    `flag`: the store operation the step yields next to record the event as published. A
-    design whose events are rows of its store (an outbox) writes the event in that
-    operation's transaction, so that the row and the flag land together or not at all;
-    the others publish, then run the operation, as the step reads."""
+    """An event for the `evaluation.*` exchange (`evaluation.started`, `.completed`, a pass
+    result). Where events are rows of the store, it rides a `Store` instead (`event`)."""
 
     routing_key: str
     body: Mapping[str, Any]
     message_id: str
-    flag: str | None = None
 
 
 @dataclass(slots=True)
@@ -200,6 +200,17 @@ Effect = (
 Step = Generator[Effect, Any, Any]
 
 
+def published_then(outbox: bool, event: PublishEvent, store: Store) -> Step:
+    """Publish `event`, then run `store`, the operation that flags it published: on a
+    broker, two writes (a crash between them announces it again on recovery; consumers
+    dedupe on its id); where events are rows of the store, one transaction."""
+    if outbox:
+        store.event = event
+    else:
+        yield event
+    return (yield store)
+
+
 class Lock(Protocol):
     def release(self) -> None: ...
 
@@ -218,10 +229,14 @@ class Host(Protocol):
     step may leave out its `Record`s rather than build them (about three a rule, a dict
     each); the simulator's host always records. `failpoints` False: none is armed in this
     process, and none can be (they are armed when it starts), so a step may leave out its
-    `Failpoint`s on a rule's path; the simulator's host always has them."""
+    `Failpoint`s on a rule's path; the simulator's host always has them. `outbox`: see
+    `Store.event`."""
 
     recording: bool
     failpoints: bool
+    #: Events are rows of the store (the `pg` design): each rides the store operation whose
+    #: change it announces (`Store.event`), in one transaction.
+    outbox: bool
 
     def spawn(self, step: Step, on_done: Callable[[Any], None] | None = None) -> Any | None:
         """Run `step` as a task of its own (None: the process is dead, it never runs)."""

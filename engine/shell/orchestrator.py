@@ -54,6 +54,7 @@ from engine.shell.effects import (
     Settle,
     Step,
     Store,
+    published_then,
 )
 from engine.shell.replies import LeaseLost
 
@@ -401,13 +402,11 @@ class PassExecutionOrchestrator:
                     "outcome": action.outcome,
                     "rules": rules,
                 }
-                yield PublishEvent(
-                    "evaluation.pass_result",
-                    body,
-                    f"{a}:pass:{action.pass_id}",
-                    "mark_pass_published",
+                yield from published_then(
+                    self.host.outbox,
+                    PublishEvent("evaluation.pass_result", body, f"{a}:pass:{action.pass_id}"),
+                    Store("mark_pass_published", (a, action.pass_id, action.outcome, self.fence)),
                 )
-                yield Store("mark_pass_published", (a, action.pass_id, action.outcome, self.fence))
                 self._passes[action.pass_id] = body
                 if self._recording:
                     yield Record(
@@ -608,7 +607,14 @@ class PassExecutionOrchestrator:
         a = self.attempt_id
         yield Failpoint("before_final_publish", None, a)
         held = yield from publish_completed(
-            self.worker_id, a, status, verdicts, self._recording, self._let_go
+            self.worker_id,
+            a,
+            status,
+            verdicts,
+            self._recording,
+            self._let_go,
+            self.host.outbox,
+            written=self.host.outbox,  # the final state's transaction wrote it
         )
         for _ in range(3):
             if held is not False:
@@ -626,9 +632,11 @@ class PassExecutionOrchestrator:
         core, a = self.core, self.attempt_id
         results = {r: core.results[r] for r in action.verdicts if r in core.results}
         failed = [r for r in core.rules_in(RuleState.PERMANENTLY_FAILED) if r in action.verdicts]
-        kept, restored = yield Store(
-            "finish", (a, action.status.value, results, failed, self.fence)
-        )
+        finish = Store("finish", (a, action.status.value, results, failed, self.fence))
+        if self.host.outbox:  # announced by the transaction that writes it, if it wins
+            status = action.status.value
+            finish.event = completed_event(a, status, core.announced(action.verdicts))
+        kept, restored = yield finish
         if restored or again:
             yield Record(
                 "final_state_restored" if again else "results_restored",
@@ -645,10 +653,11 @@ class PassExecutionOrchestrator:
         dedupe on the message id, as after any redelivery)."""
         a = self.attempt_id
         for pass_id, body in self._passes.items():
-            yield PublishEvent(
-                "evaluation.pass_result", body, f"{a}:pass:{pass_id}", "mark_pass_published"
+            yield from published_then(
+                self.host.outbox,
+                PublishEvent("evaluation.pass_result", body, f"{a}:pass:{pass_id}"),
+                Store("mark_pass_published", (a, pass_id, body["outcome"], self.fence)),
             )
-            yield Store("mark_pass_published", (a, pass_id, body["outcome"], self.fence))
         if self._recording:
             yield Record("passes_restored", {"attempt_id": a, "pass_ids": list(self._passes)})
 
@@ -696,21 +705,31 @@ def publish_completed(
     verdicts: Mapping[str, str],
     recording: bool = True,
     letting_go: Callable[[], None] | None = None,
+    outbox: bool = False,
+    written: bool = False,
 ) -> Generator[Effect, Any, bool]:
     """Publish evaluation.completed for the final state, then flag it, unindex, release.
 
     A crash between the publish and the flag publishes it again on recovery: consumers
     dedupe on the message id (`{attemptId}:completed`). False when the final state was no
-    longer in Redis to be flagged (a restart lost it): the caller restores it.
+    longer in Redis to be flagged (a restart lost it): the caller restores it. On an outbox
+    (`outbox`) the event rides the flag, unless the final state's own transaction wrote it
+    (`written`).
     """
-    body = {"attempt_id": attempt_id, "status": status, "verdicts": dict(verdicts)}
-    yield PublishEvent("evaluation.completed", body, f"{attempt_id}:completed", "done")
+    event = completed_event(attempt_id, status, verdicts)
+    if not outbox:
+        yield event
     if letting_go is not None:  # `done` gives the lease back: no renewal after it
         letting_go()
     sent_ms = (yield NOW) if recording else 0
-    held = yield Store("done", (attempt_id, worker_id))
+    held = yield Store("done", (attempt_id, worker_id), None if written or not outbox else event)
     if recording:  # with when the lease was let go: before the reply
         yield Record(
             "final_published", {"attempt_id": attempt_id, "status": status, "sent_ms": sent_ms}
         )
     return bool(held)
+
+
+def completed_event(attempt_id: str, status: str, verdicts: Mapping[str, str]) -> PublishEvent:
+    body = {"attempt_id": attempt_id, "status": status, "verdicts": dict(verdicts)}
+    return PublishEvent("evaluation.completed", body, f"{attempt_id}:completed")

@@ -13,7 +13,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core import Evaluation, Snapshot
 from engine.plan import Plan
-from engine.shell.effects import Effect, Store
+from engine.shell.effects import Effect, PublishEvent, Store
 
 
 class ReEvaluateUseCase:
@@ -22,12 +22,18 @@ class ReEvaluateUseCase:
         self.worker_id = worker_id
 
     def read(
-        self, attempt_id: str, plan: Plan | None, plan_in_message: bool
+        self,
+        attempt_id: str,
+        plan: Plan | None,
+        plan_in_message: bool,
+        event: PublishEvent | None = None,
     ) -> Generator[Effect, Any, Any]:
-        """The store's `Begun`; the plan is stored when it came in the message."""
+        """The store's `Begun`; the plan is stored when it came in the message. `event`:
+        `evaluation.started`, written by begin's transaction where events are rows of the
+        store."""
         rule_ids = plan.order if plan else ()
         stored = plan if plan is not None and plan_in_message else None
-        return (yield Store("begin", (attempt_id, self.worker_id, rule_ids, stored)))
+        return (yield Store("begin", (attempt_id, self.worker_id, rule_ids, stored), event))
 
     def rebuild(
         self, plan: Plan, attempt_id: str, snapshot: Snapshot, due: Mapping[str, int]

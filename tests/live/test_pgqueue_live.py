@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
+import orjson
 import pytest
 
 from engine.config import EngineConfig
@@ -358,6 +359,84 @@ def test_an_event_and_the_flag_that_records_it_land_in_one_transaction(pg: PgSan
         "pass_rows": [True],
         "done": True,
         "done_rows": [True],
+    }
+
+
+def test_an_event_is_written_by_the_change_it_announces(pg: PgSandbox) -> None:
+    """The outbox (migration 0005): `begin` writes `evaluation.started` (with `resumed` from
+    what it found), the final state (`finish`, a cancel's `set_state`) `evaluation.completed`
+    and its flag, each in its own transaction (one `xmin` with the run's row), and only when
+    the operation took effect: no row for a begin that found a holder, a final state that
+    lost to another, a zombie's finish."""
+    from engine.core import RuleResult
+    from engine.runtime.store import LeaseLost
+    from tests.live.test_pgstore_live import TINY
+
+    a, b = f"oa{uuid.uuid4().hex[:8]}", f"ob{uuid.uuid4().hex[:8]}"
+
+    def started(x: str, worker: str) -> tuple[str, str, dict[str, Any]]:
+        body = {"attempt_id": x, "plan": "tiny", "resumed": False, "worker": worker}
+        return "evaluation.started", f"{x}:started", body
+
+    def completed(x: str, status: str) -> tuple[str, str, dict[str, Any]]:
+        body = {"attempt_id": x, "status": status, "verdicts": {}}
+        return "evaluation.completed", f"{x}:completed", body
+
+    async def scenario() -> dict[str, Any]:
+        c = Consumers(pg)
+        store = c.queue("w1").store
+        owner = await pg.owner()
+        out: dict[str, Any] = {}
+
+        async def rows(message_id: str) -> list[tuple[bool, Any]]:
+            """Each row of the event, in order: whether it was written by the transaction
+            that last wrote the run's row (the newest only can be), and its `resumed`."""
+            got = await owner.fetch(
+                "SELECT e.xmin::text = r.xmin::text AS same, e.data::text AS data"
+                " FROM eai.run_events e JOIN eai.runs r ON r.id = e.run_id"
+                " WHERE e.message_id = $1 ORDER BY e.seq",
+                message_id,
+            )
+            return [(r["same"], orjson.loads(r["data"]).get("resumed")) for r in got]
+
+        async def published(x: str) -> bool:
+            return (await store.record(x)).final_published
+
+        try:
+            begun = await store.begin(a, "w1", TINY.order, TINY, event=started(a, "w1"))
+            out["started"] = await rows(f"{a}:started")
+            held = await store.begin(a, "w2", TINY.order, TINY, event=started(a, "w2"))
+            out["held"] = (held.holder, await rows(f"{a}:started"))
+            await store.write_result(a, RuleResult("compiles", "pass", 0.9, 10), (), begun.fence)
+            again = await store.begin(a, "w1", TINY.order, TINY, event=started(a, "w1"))
+            out["resumed"] = await rows(f"{a}:started")
+            try:
+                await store.finish(a, "completed", {}, [], "1:zombie", event=completed(a, "x"))
+            except LeaseLost:
+                out["zombie"] = (await rows(f"{a}:completed"), await published(a))
+            kept = await store.finish(
+                a, "completed", {}, [], again.fence, event=completed(a, "completed")
+            )
+            out["finish"] = (kept[0], await rows(f"{a}:completed"), await published(a))
+            lost = await store.set_state(a, "cancelled", event=completed(a, "cancelled"))
+            out["cancel_lost"] = (lost, await rows(f"{a}:completed"))
+            await store.begin(b, "w1", TINY.order, TINY)
+            won = await store.set_state(b, "cancelled", event=completed(b, "cancelled"))
+            out["cancel"] = (won, await rows(f"{b}:completed"), await published(b))
+            return out
+        finally:
+            await owner.close()
+            await c.close()
+
+    out = _run(scenario())
+    assert out == {
+        "started": [(True, False)],
+        "held": ("w1", [(True, False)]),
+        "resumed": [(False, False), (True, True)],
+        "zombie": ([], False),
+        "finish": (None, [(True, None)], True),
+        "cancel_lost": ("completed", [(True, None)]),
+        "cancel": (None, [(True, None)], True),
     }
 
 

@@ -50,8 +50,9 @@ from chaos.systems.pg_store.sim import PgStoreSim
 from engine.core.messages import SUBMIT_REASON
 from engine.core.states import EvaluationStatus
 from engine.keys import result_key
+from engine.shell.orchestrator import completed_event
 from sim.pgqueue import EVENTS_CHANNEL, Listener, PgQueueClient, PgSimWorker, SimJobs, Tables
-from sim.redis import RedisClient, SimRedis
+from sim.redis import RedisClient, SimRedis, announcing
 
 if TYPE_CHECKING:
     from chaos.insim.run import SimRun
@@ -369,12 +370,11 @@ class PgSim(PgStoreSim):
         """`EngineClient.cancel`, on a client of its own."""
         attempt_id = a.attempt_id
         queue = self.client("runner-cancel")
-        kept = yield from self.store.call(
-            self.redis.set_state, attempt_id, EvaluationStatus.CANCELLED.value
-        )
+        # the cancel's evaluation.completed is a row of set_state's transaction, if it wins
+        event = completed_event(attempt_id, EvaluationStatus.CANCELLED.value, {})
+        cancel = announcing(self.redis, self.jobs, "set_state", self.redis.set_state, event)
+        kept = yield from self.store.call(cancel, attempt_id, EvaluationStatus.CANCELLED.value)
         if kept is None:
-            body = {"attempt_id": attempt_id, "status": "cancelled", "verdicts": {}}
-            yield from queue.publish_event("evaluation.completed", body, f"{attempt_id}:completed")
             yield from self.store.call(self.redis.done, attempt_id, "")
             yield from queue.publish_control({"type": "cancel", "attempt_id": attempt_id})
         return kept or EvaluationStatus.CANCELLED.value

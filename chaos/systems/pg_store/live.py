@@ -208,9 +208,13 @@ class PgStoreLive(RedisRabbitLive):
             return None
 
     async def on_settled(self, a: acts.Settled) -> int:
+        """Terminal, announced and out of the running index: with an outbox the final
+        state's own transaction flags it announced (migration 0005), and its announcer's
+        `done` (out of the index, the lease given back) follows."""
         rows = await self._rows(
             "SELECT count(*) AS n FROM eai.runs WHERE namespace = $1 AND attempt_id = ANY($2)"
-            " AND state = ANY($3) AND final_published AND expires_at > now()",
+            " AND state = ANY($3) AND final_published AND running_ms IS NULL"
+            " AND expires_at > now()",
             list(a.attempt_ids),
             sorted(TERMINAL),
         )

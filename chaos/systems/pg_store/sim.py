@@ -15,7 +15,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from chaos import acts
-from chaos.systems.redis_rabbitmq.sim import RedisRabbitSim
+from chaos.systems.redis_rabbitmq.sim import TERMINAL, RedisRabbitSim
 from engine.core.messages import RESUME_REASON
 from engine.keys import checkpoint_id
 from sim.world import SimOptions
@@ -46,6 +46,18 @@ class PgStoreSim(RedisRabbitSim):
     @staticmethod
     def sim_options(options: SimOptions) -> SimOptions:
         return dataclasses.replace(options, redis_latency_s=PG_LATENCY_S, redis_boot_s=PG_BOOT_S)
+
+    def on_settled(self, a: acts.Settled) -> int:
+        """`PgStoreLive.on_settled`: terminal, announced and out of the running index."""
+        redis = self.redis
+        if not redis.up:
+            return 0
+        running = redis.get(redis.running_index) or {}
+        settled = 0
+        for attempt_id in a.attempt_ids:
+            state, _, published = redis.record(attempt_id)
+            settled += state in TERMINAL and published and attempt_id not in running
+        return settled
 
     def on_resume(self, a: acts.Resume) -> Generator[Any, Any, dict[str, Any]]:
         """`EngineClient.resume` (`eai.resume`'s reference, then the work published), on a
