@@ -14,6 +14,7 @@ teardown that both nodes left nothing behind: no process, no temp dir, no port, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,16 +208,36 @@ async def _write_until_cut(
     raise AssertionError("the writer was never cut")
 
 
+@dataclass
+class _Writing:
+    """A writer of single-row commits to the primary (`_write_until_cut`), what it had
+    acknowledged and how long each took, and a connection beside it to watch the server."""
+
+    task: asyncio.Task[BaseException]
+    acked: list[int]
+    latencies: list[float]
+    monitor: Any
+
+
+@contextlib.asynccontextmanager
+async def _writing(pair: PostgresPair) -> AsyncIterator[_Writing]:
+    await _create_table(pair.primary_url)
+    acked: list[int] = []
+    latencies: list[float] = []
+    task = asyncio.create_task(_write_until_cut(pair.primary_url, acked, latencies))
+    monitor = await asyncpg.connect(pair.primary_url)
+    try:
+        yield _Writing(task, acked, latencies, monitor)
+    finally:
+        await monitor.close()
+
+
 async def _fail_over_cut_off(pairs: Pairs, pair: PostgresPair) -> Failover:
     """Write; cut the standby off (`pause_replication`, from a thread: the writer goes on);
     then, once the primary acknowledged `WHILE_CUT` more commits or the writer waits in
     SyncRep for the standby, SIGKILL the primary and promote the standby."""
-    await _create_table(pair.primary_url)
-    acked: list[int] = []
-    latencies: list[float] = []
-    writer = asyncio.create_task(_write_until_cut(pair.primary_url, acked, latencies))
-    monitor = await asyncpg.connect(pair.primary_url)
-    try:
+    async with _writing(pair) as w:
+        writer, acked, latencies, monitor = w.task, w.acked, w.latencies, w.monitor
         await _until(lambda: len(acked) >= BEFORE_CUT or writer.done(), "acknowledged commits")
         assert not writer.done(), writer.result()
         streamed = latencies[:BEFORE_CUT]
@@ -233,8 +254,6 @@ async def _fail_over_cut_off(pairs: Pairs, pair: PostgresPair) -> Failover:
                 pytest.fail(f"neither commits nor a wait for the standby in {PATIENCE_S:.0f} s")
             await asyncio.sleep(0.005)
         lag = await asyncio.to_thread(pair.lag_bytes)
-    finally:
-        await monitor.close()
     pairs.note(pair)  # the writer's backend too
     await asyncio.to_thread(pair.kill_primary)
     assert not pair.primary.alive
@@ -383,27 +402,23 @@ async def _wait_out_a_cut(pair: PostgresPair) -> tuple[int, float]:
     """Write to a synchronous pair, cut the standby off until PostgreSQL shows the writer's
     commit waiting `HOLD_S` in SyncRep, then bring the standby back: (commits acknowledged
     while it was away, the slowest commit's seconds)."""
-    await _create_table(pair.primary_url)
-    acked: list[int] = []
-    latencies: list[float] = []
-    writer = asyncio.create_task(_write_until_cut(pair.primary_url, acked, latencies))
-    monitor = await asyncpg.connect(pair.primary_url)
-    try:
-        await _until(lambda: len(acked) >= WHILE_CUT or writer.done(), "acknowledged commits")
-        await asyncio.to_thread(pair.pause_replication)
-        away = len(acked)
-        deadline = time.monotonic() + PATIENCE_S
-        while await monitor.fetchval(_SYNC_WAITED) < HOLD_S:
-            assert not writer.done() and time.monotonic() < deadline, "no wait in SyncRep"
-            await asyncio.sleep(0.005)
-        while_away = len(acked) - away
-        await asyncio.to_thread(pair.resume_replication)
-        await _until(lambda: len(acked) >= away + WHILE_CUT, "commits once it is back")
-        assert not writer.done()
-    finally:
-        writer.cancel()
-        await asyncio.gather(writer, return_exceptions=True)
-        await monitor.close()
+    async with _writing(pair) as w:
+        writer, acked, latencies, monitor = w.task, w.acked, w.latencies, w.monitor
+        try:
+            await _until(lambda: len(acked) >= WHILE_CUT or writer.done(), "acknowledged commits")
+            await asyncio.to_thread(pair.pause_replication)
+            away = len(acked)
+            deadline = time.monotonic() + PATIENCE_S
+            while await monitor.fetchval(_SYNC_WAITED) < HOLD_S:
+                assert not writer.done() and time.monotonic() < deadline, "no wait in SyncRep"
+                await asyncio.sleep(0.005)
+            while_away = len(acked) - away
+            await asyncio.to_thread(pair.resume_replication)
+            await _until(lambda: len(acked) >= away + WHILE_CUT, "commits once it is back")
+            assert not writer.done()
+        finally:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
     assert await asyncio.to_thread(pair.missing_commits, "acked", "id", acked) == []
     return while_away, max(latencies)
 

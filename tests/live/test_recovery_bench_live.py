@@ -7,21 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from bench.recovery_seconds import measure_round
 from bench.rules_per_second import private_postgres
-from chaos.systems.pg_store.postgres import find_postgres_bin
 from engine.plan import load_plan
-
-pytestmark = [
-    pytest.mark.live,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        find_postgres_bin() is None,
-        reason="postgres/initdb not installed (Debian: apt-get install postgresql)",
-    ),
-]
+from tests.live.test_postgres_live import pytestmark  # noqa: F401  (a private PostgreSQL)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = {"stale_ms": 1000, "heartbeat_ms": 250, "sweep_ms": 250}
