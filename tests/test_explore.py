@@ -192,6 +192,25 @@ def test_all_failpoints_enumerates_every_crash_point() -> None:
     assert tried > 40  # 13 rules: dozens of hits of the rule-level failpoints
 
 
+def test_a_crash_variant_asks_each_listed_invariant_for_a_case_not_the_scenario_s_count() -> None:
+    """transient_llm_errors asks for 6 judged delayed retries; a crash after retry 1 is
+    published and before the delivery it holds is ACKed leaves 5 (the retry re-published by
+    the sweeper is not judged as one): its own minimums failed that variant with no engine
+    fault. The variant now asks each invariant for one case, and a variant whose
+    invariant judged none still fails."""
+    from chaos.simcli import crash_variant
+
+    data = data_of("transient_llm_errors")
+    variant = crash_variant(data, 5, "after_retry_publish_before_ack", 1)
+    assert variant["exercised"] == dict.fromkeys(data["exercised"], 1)
+    assert simulate(variant).ok
+    old = {**variant, "exercised": data["exercised"]}
+    assert simulate(old).failed == ("exercised",)
+    none = crash_variant(data_of("crash_after_ack"), 1, "after_ack", 1)
+    none["exercised"] = {"retries_acked": 1}  # no delayed retry in that scenario
+    assert simulate(none).failed == ("exercised",)
+
+
 def test_a_variant_that_cannot_load_is_a_failure_not_a_pass() -> None:
     from chaos.explore import simulate
 
