@@ -288,6 +288,15 @@ def _announcing(op: list[Any], event: Event | None) -> list[Any]:
     return ["announce", op[1], topic, message_id, body, op]
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """The pool's reset of a connection given back, after asyncpg's own (listeners dropped,
+    an open transaction rolled back): nothing. Its default sends a reset query on every
+    release (advisory locks, cursors, LISTEN and settings undone), a round trip and a
+    statement a batch for a session that holds none of them: every setting the store makes
+    is its transaction's (`set_config(..., true)`), every lock a transaction's, and the
+    queue listens on a connection of its own."""
+
+
 def _retryable(exc: BaseException) -> bool:
     """A lost, refused or restarting server: the operation may be tried again on a new
     connection (as the Redis client's retries do; a write whose reply was lost may then be
@@ -450,6 +459,7 @@ class PostgresStore:
                         timeout=self.config.connect_timeout_s,
                         command_timeout=self.config.read_timeout_s,
                         server_settings={"application_name": "engine", "jit": "off"},
+                        reset=_keep_session,
                     )
         return self._pool
 
