@@ -142,6 +142,14 @@ def _forward(e: fx.Forward, rt: Runtime) -> Awaitable[None]:
     return rt.broker.forward(queue, e.delivery.body, e.delivery.message_id)
 
 
+def _store(e: fx.Store, rt: Runtime) -> Awaitable[Any]:
+    if e.event is None:
+        return getattr(rt.store, e.op)(*e.args)
+    # where events are rows of the store (`PostgresStore`'s `event`): in one transaction
+    ev = e.event
+    return getattr(rt.store, e.op)(*e.args, event=(ev.routing_key, ev.message_id, dict(ev.body)))
+
+
 #: Effects carried out at once.
 _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
     fx.Record: _record,
@@ -156,16 +164,8 @@ _NOW: dict[type, Callable[[Any, Runtime], Any]] = {
 
 
 #: Effects awaited: each handler returns the awaitable of the service call itself.
-def _store(e: fx.Store, rt: Runtime) -> Awaitable[Any]:
-    if e.event is None:
-        return getattr(rt.store, e.op)(*e.args)
-    # where events are rows of the store (`PostgresStore`'s `event`): in one transaction
-    ev = e.event
-    return getattr(rt.store, e.op)(*e.args, event=(ev.routing_key, ev.message_id, dict(ev.body)))
-
-
 _LATER: dict[type, Callable[[Any, Runtime], Awaitable[Any]]] = {
-    fx.Store: lambda e, rt: _store(e, rt),
+    fx.Store: _store,
     fx.Acquire: lambda e, rt: e.lock.wait(),
     fx.Settle: _settle,
     fx.CallAgent: lambda e, rt: rt.agent.evaluate(

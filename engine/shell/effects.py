@@ -26,7 +26,8 @@ class Store:
 
     `event`: where events are rows of the store (an outbox: `Host.outbox`), the event this
     operation's change announces, written by its transaction if the operation takes effect
-    (`announced`); never set on a broker's design, which publishes its events apart."""
+    (migration 0005's `eai._took_effect`, `sim.redis.took_effect`); never set on a broker's
+    design, which publishes its events apart."""
 
     op: str
     args: tuple[Any, ...] = ()
