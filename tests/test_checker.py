@@ -284,6 +284,32 @@ def test_a_start_after_the_persisted_result_is_a_completed_rerun() -> None:
     assert "after its result" in v.message
 
 
+def _resumed_while_a_write_was_answered(late_fence: str) -> CheckResult:
+    """w1 owns the evaluation (token 1:w1) and writes b's result while the runner resumes
+    the run from a checkpoint that deletes it; the write's answer is recorded after the
+    resume's, under `late_fence`; then w2 begins (token 3:w2) and runs b again."""
+    run = Run()
+    run.submit()
+    run.ev("evaluation_started", attempt_id=A, fence="1:w1")
+    run.start(A, "b")
+    run.ev("resume_requested", "runner", 1, attempt_id=A, checkpoint=1)
+    run.ev("resume_written", "runner", 1, attempt_id=A, discarded=["b"])
+    run.persisted(A, "b", fence=late_fence)
+    run.ev("evaluation_started", "w2", 12, attempt_id=A, fence="3:w2")
+    run.start(A, "b", src="w2", pid=12, rerun=True)
+    return run.check(invariants=("no_completed_rerun",))
+
+
+def test_a_write_answered_after_a_resume_that_deleted_it_is_the_life_before() -> None:
+    """Under a token current before the resume was asked for, a landed write committed
+    before the resume (which moved the fence), so the resume deleted it: b is unfinished
+    again and its start on w2 is no rerun of finished work. Under a later token the same
+    records are a start after b's result."""
+    assert _resumed_while_a_write_was_answered("1:w1").verdicts["no_completed_rerun"] == "pass"
+    [v] = only(_resumed_while_a_write_was_answered("3:w2"), "no_completed_rerun")
+    assert v.rule_id == "b"
+
+
 def test_a_write_window_rerun_is_counted_not_a_violation() -> None:
     run = Run()
     run.submit()

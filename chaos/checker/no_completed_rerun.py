@@ -7,7 +7,12 @@ attempt *before* the write (a crash mid-call, the write window) are allowed and 
 Only a resume from a checkpoint that deleted the result (the runner's `resume_written`
 naming the rule among those `discarded`) makes the rule unfinished again: from then on it
 is judged afresh, against its next durable write. A rule the resume kept (at or before
-its checkpoint) is still finished, and may never start again.
+its checkpoint) is still finished, and may never start again. A write recorded after the
+resume's answer belongs to the life before it when its token is one that was current
+before the resume was asked for (an `evaluation_started` recorded before
+`resume_requested` carried it): the resume moved the fence, so a write under an older
+token that landed committed before it (the resume then deleted it), only its answer came
+late.
 """
 
 from __future__ import annotations
@@ -71,25 +76,45 @@ def check_no_completed_rerun(cx: Context) -> Outcome:
     return judged, out
 
 
-def resume_discards(cx: Context) -> dict[tuple[str, str], list[float]]:
+#: A resume that deleted a pair's result: when its answer was recorded, and the tokens that
+#: were current before it was asked for (writes under them landed before it, if at all).
+Cut = tuple[float, frozenset[str]]
+
+
+def resume_discards(cx: Context) -> dict[tuple[str, str], list[Cut]]:
     """When a resume deleted each (evaluation, rule)'s result: the runner's `resume_written`
-    and the rules it names `discarded`."""
-    out: dict[tuple[str, str], list[float]] = {}
+    and the rules it names `discarded`, with the tokens of the begins recorded before its
+    `resume_requested`."""
+    out: dict[tuple[str, str], list[Cut]] = {}
     for e in of(cx.events, "resume_written"):
+        a, t = str(e.get("attempt_id")), event_time(e)
+        asked = [event_time(q) for q in of(cx.by_eval[a], "resume_requested")]
+        since = max((q for q in asked if q <= t), default=t)
+        old = frozenset(
+            str(b.get("fence"))
+            for b in of(cx.by_eval[a], "evaluation_started")
+            if event_time(b) < since and b.get("fence")
+        )
         for r in e.get("discarded") or ():
-            out.setdefault((str(e.get("attempt_id")), str(r)), []).append(event_time(e))
+            out.setdefault((a, str(r)), []).append((t, old))
     return out
 
 
-def _lives(evs: list[dict], cuts: list[float]) -> list[list[dict]]:
-    """The pair's events, split where a resume deleted its result (most pairs: one life)."""
+def _lives(evs: list[dict], cuts: list[Cut]) -> list[list[dict]]:
+    """The pair's events, split where a resume deleted its result (most pairs: one life);
+    a write answered after the cut under a token older than the resume, before it."""
     if not cuts:
         return [evs]
-    bounds = sorted(cuts)
-    lives: list[list[dict]] = [[]]
+    bounds = sorted(cuts, key=lambda c: c[0])
+    lives: list[list[dict]] = [[] for _ in range(len(bounds) + 1)]
     for e in evs:
-        while bounds and event_time(e) > bounds[0]:
-            bounds.pop(0)
-            lives.append([])
-        lives[-1].append(e)
+        t = event_time(e)
+        life = sum(1 for at, _ in bounds if t > at)
+        while (
+            life > 0
+            and e.get("ev") == "result_persisted"
+            and str(e.get("fence")) in bounds[life - 1][1]
+        ):
+            life -= 1
+        lives[life].append(e)
     return lives
