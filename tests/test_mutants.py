@@ -1105,18 +1105,19 @@ def _after_stop(s: Slice) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 @live
 def test_old_close_order(tmp_path: Path) -> None:
     # One worker per slice holds the retries of four evaluations (attempt 2 of compiles
-    # running, 300 ms calls) when it is told to stop (SIGTERM).
+    # running, 300 ms calls) when it is told to stop (SIGTERM), each as soon as its own
+    # slice holds them: a worker left running while the other slice catches up (a CI run,
+    # the machine loaded) finished its four evaluations first, and its stop abandoned none.
     with _pair(tmp_path, "old_close_order", **{"max-evaluations": "4"}) as (mut, ref):
         agent_profile = {"latency_ms": 300_000, "fail_rules": {"compiles": 1}}
         workers = _both(mut, ref, agent=agent_profile, immediate_retries="0")
         for s in (mut, ref):
             s.submit(TINY, s.ids(4))
-        for s in (mut, ref):
+        for s, w in zip((mut, ref), workers, strict=True):
             s.wait_for(
                 lambda s=s: sum(len(s.events("rule_started", a, attempt=2)) for a in s.ids(4)) >= 4,
                 what="four retries held",
             )
-        for w in workers:
             # the stop's own end, however long a busy machine makes it: its history is whole
             w.terminate(timeout=PATIENCE_S)
         stop, taken = _after_stop(mut)
