@@ -53,7 +53,7 @@ CATCHES = {
     "overwrite_result": "crash_in_write_window",  # a frozen worker's late write
     "ignore_dag": "crash_after_ack",
     "no_immediate_retries": "delay_tiers",  # level 1 spent before each delayed retry
-    "give_up_early": "permanent_failure_prunes",  # the same end, one attempt short
+    "give_up_early": "every_rule_fails",  # the same end, one attempt short
     "slow_tier": "delay_tiers",
     "drop_history_events": "crash_after_ack",
     "start_after_cancel": "cancel_midway",  # the owner runs to the end after the cancel

@@ -423,7 +423,7 @@ def test_outputs_are_the_live_journal_with_the_sim_mode(tmp_path: Path) -> None:
 
 
 def test_options_reach_the_models() -> None:
-    loaded = scenario("permanent_failure_prunes")  # one level-2 retry per evaluation
+    loaded = scenario("every_rule_fails")  # level-2 retries in every evaluation
     lossy = run_scenario(loaded, options=SimOptions(dead_letter_loss=1.0))
     assert lossy.extra["dead_letters_lost"] > 0
     assert of(lossy.history, "sweeper_retried")  # every retry was lost; the sweeper's came
