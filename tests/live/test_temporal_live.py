@@ -211,3 +211,13 @@ def test_a_server_killed_and_restarted_loses_nothing(
         )
 
     assert asyncio.run(run()) == _expected(loaded, seed)
+
+
+def test_the_bench_measures_temporal(server: TemporalServer) -> None:
+    """`bench/durable_designs.py`'s Temporal side still measures what it says: every
+    evaluation completes, and the killed worker's call starts again on the other one (no
+    time bound asserted: CI shares a busy machine)."""
+    from bench.durable_designs import temporal_rate, temporal_recovery
+
+    assert temporal_rate(server.address, 5) > 0
+    assert temporal_recovery(server.address) > 0

@@ -18,6 +18,10 @@ from chaos.systems.temporal.workflow import TASK_QUEUE, EvaluationWorkflow, call
 
 #: Printed on stdout once the worker polls: a test or a runner waits for it, not for time.
 READY_LINE = "temporal worker ready"
+#: Tasks a worker takes on at once. The SDK's defaults (hundreds) let a busy worker start more
+#: calls than its event loop can heartbeat within the 1 s timeout: they time out, are
+#: retried, and load it further (seen here with 100 evaluations on a loaded machine).
+MAX_CONCURRENT = 32
 
 
 async def serve(address: str, task_queue: str = TASK_QUEUE) -> None:
@@ -27,6 +31,8 @@ async def serve(address: str, task_queue: str = TASK_QUEUE) -> None:
         task_queue=task_queue,
         workflows=[EvaluationWorkflow],
         activities=[call_rule],
+        max_concurrent_activities=MAX_CONCURRENT,
+        max_concurrent_workflow_tasks=MAX_CONCURRENT,
         # the SDK's 10 s default adds itself to every recovery after a worker's death: a
         # workflow task stuck on the dead worker's sticky queue waits that long
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=1),

@@ -94,6 +94,7 @@ class Ended:
 
 
 _agents: dict[tuple[str, float, int], FakeAgent] = {}
+_plans: dict[str, Any] = {}  # a plan's id and rules -> Plan, built once a worker process
 
 
 def _agent(call: Call) -> FakeAgent:
@@ -113,7 +114,10 @@ def _agent(call: Call) -> FakeAgent:
 async def call_rule(call: Call) -> Answer:
     """The agent's call, heartbeating while it runs; its execution is this activity's
     attempt (2 and more: a rerun after a worker died mid-call)."""
-    plan = plan_from_dict(call.plan)
+    key = repr(call.plan)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = plan_from_dict(call.plan)
     rule = plan.rules[call.rule_id]
     execution = activity.info().attempt
 

