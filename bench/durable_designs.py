@@ -21,7 +21,15 @@ Each round runs every design asked (interleaved, so that they share the machine'
   SDK's 10 s default would add itself to every recovery): the same second for both.
   Temporal's restart is read from the server (`describe`: the pending activity's attempt 2
   started), polled every 10 ms, so its figure carries up to 10 ms more than ours (read from
-  the workers' own clocks).
+  the workers' own clocks). DBOS has no takeover of its own (another executor's workflows
+  are recovered only through its admin endpoint, an operator's act): its round kills the
+  one worker and relaunches it at once under the same executor id, as a supervisor would,
+  and counts from the kill to the call's second start (the steps' call log, polled every
+  10 ms): a process start and DBOS's launch, no stale period.
+- `dbos`: `chaos.systems.dbos.workflow` (the engine's core as a DBOS workflow, one step a
+  call, answers fed in the order the calls started) on the run's private PostgreSQL (its
+  system database `chaos_dbos`), evaluations enqueued on its queue (32 at once a worker,
+  polled every 0.1 s), the span from the first enqueue to the last result.
 
 Printed: each round's figures, then per design the median rules/s and recovery with their
 spread (median absolute deviation). Everything started (workers, servers, namespaces, temp
@@ -52,7 +60,7 @@ from bench.recovery_seconds import measure_round  # noqa: E402
 from bench.rules_per_second import PrivatePostgres, private_postgres, rule_rate  # noqa: E402
 from engine.plan import load_plan  # noqa: E402
 
-DESIGNS = ("redis-rabbitmq", "pg-store", "pg", "temporal")
+DESIGNS = ("redis-rabbitmq", "pg-store", "pg", "temporal", "dbos")
 #: Ours at the lease Temporal's heartbeat timeout matches (not production: 5 s there).
 FAIR_LEASE = {"stale_ms": 1000, "heartbeat_ms": 250}
 #: Every call of a recovery round lasts this long (ms): the kill always lands mid-call.
@@ -196,6 +204,104 @@ def temporal_recovery(address: str) -> float:
             w.kill()
 
 
+class DbosWorker:
+    """`python -m chaos.systems.dbos.worker` under an executor id, waited for by its ready
+    line; each call it makes appends a line to `calls`."""
+
+    def __init__(self, url: str, executor_id: str, calls: Path) -> None:
+        from chaos.systems.dbos.worker import READY_LINE, URL_ENV
+        from chaos.systems.dbos.workflow import CALLS_ENV
+
+        env = {**os.environ, URL_ENV: url, CALLS_ENV: str(calls)}
+        argv = [sys.executable, "-m", "chaos.systems.dbos.worker", "--executor-id", executor_id]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if READY_LINE not in line:
+            self.kill()
+            raise SystemExit(f"a DBOS worker did not start: {line!r}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def _enqueue(client: Any, job: Any) -> Any:
+    import dataclasses
+
+    from chaos.systems.dbos.workflow import APP_VERSION, QUEUE_NAME
+
+    options = {
+        "workflow_name": "evaluation",
+        "queue_name": QUEUE_NAME,
+        "workflow_id": job.attempt_id,
+        "app_version": APP_VERSION,
+    }
+    return client.enqueue(options, dataclasses.asdict(job))
+
+
+def dbos_rate(url: str, evaluations: int, tmp: Path) -> float:
+    """Rules/s of one DBOS worker (see the module's docstring)."""
+    from dbos import DBOSClient
+
+    plan_path = ROOT / "plans" / "code_review.yaml"
+    rules = len(load_plan(plan_path).order)
+    tag = uuid.uuid4().hex[:8]
+    worker = DbosWorker(url, f"rate-{tag}", tmp / f"calls-{tag}.txt")
+    client = DBOSClient(system_database_url=url)
+    try:
+        jobs = [_job(f"{tag}-{i}", plan_path, 0) for i in range(evaluations)]
+        t0 = time.perf_counter()
+        handles = [_enqueue(client, j) for j in jobs]
+        ends = [h.get_result() for h in handles]
+        elapsed = time.perf_counter() - t0
+    finally:
+        client.destroy()
+        worker.kill()
+    bad = [e["status"] for e in ends if e["status"] != "completed"]
+    if bad:
+        raise SystemExit(f"{len(bad)} DBOS evaluations did not complete: {bad[:3]}")
+    return evaluations * rules / elapsed
+
+
+def dbos_recovery(url: str, tmp: Path) -> float:
+    """Seconds from the SIGKILL of the worker running a call until the call starts again
+    in the worker relaunched under its executor id (see the module's docstring)."""
+    from dbos import DBOSClient
+
+    tag = uuid.uuid4().hex[:8]
+    calls = tmp / f"calls-{tag}.txt"
+
+    def started() -> int:
+        return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+    worker = DbosWorker(url, f"rec-{tag}", calls)
+    client = DBOSClient(system_database_url=url)
+    try:
+        handle = _enqueue(client, _job(f"{tag}-eval", ROOT / "plans" / "tiny.yaml", AGENT_MS))
+        deadline = time.monotonic() + PATIENCE_S
+        while not started():
+            if time.monotonic() > deadline:
+                raise SystemExit("no DBOS call started")
+            time.sleep(POLL_S)
+        killed = time.monotonic()
+        worker.kill()
+        worker = DbosWorker(url, f"rec-{tag}", calls)
+        while started() < 2:
+            if time.monotonic() > killed + PATIENCE_S:
+                raise SystemExit("the killed DBOS call never started again")
+            time.sleep(POLL_S)
+        seconds = time.monotonic() - killed
+        client.cancel_workflow(handle.get_workflow_id())
+        return seconds
+    finally:
+        client.destroy()
+        worker.kill()
+
+
 @contextmanager
 def _temporal(needed: bool) -> Iterator[Any]:
     if not needed:
@@ -237,15 +343,18 @@ def main() -> int:
     print(f"{args.rounds} rounds of {', '.join(designs)}; load average {load}", flush=True)
     try:
         with (
-            _postgres(any(d.startswith("pg") for d in designs)) as pg,
+            _postgres(any(d.startswith("pg") or d == "dbos" for d in designs)) as pg,
             _temporal("temporal" in designs) as server,
             tempfile.TemporaryDirectory() as tmp,
         ):
             plan = ROOT / "plans" / "code_review.yaml"
+            dbos_url = "" if pg is None else pg.server.url(database="chaos_dbos")
             for n in range(1, args.rounds + 1):
                 for design in designs:
                     if design == "temporal":
                         rate = temporal_rate(server.address, args.evaluations)
+                    elif design == "dbos":
+                        rate = dbos_rate(dbos_url, args.evaluations, Path(tmp))
                     else:
                         got = asyncio.run(
                             rule_rate(
@@ -263,6 +372,8 @@ def main() -> int:
                     if not args.no_recovery:
                         if design == "temporal":
                             seconds = temporal_recovery(server.address)
+                        elif design == "dbos":
+                            seconds = dbos_recovery(dbos_url, Path(tmp))
                         else:
                             seconds = measure_round(
                                 design,

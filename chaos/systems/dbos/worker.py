@@ -1,0 +1,59 @@
+"""`python -m chaos.systems.dbos.worker --executor-id ID`: one DBOS worker of the harness's
+evaluations, its system database named by `EAI_DBOS_URL` (credentials only there).
+
+A slot keeps its executor id across restarts: DBOS recovers, at launch, the workflows its
+own executor left unfinished, and nothing else (another worker's, only through DBOS's admin
+recovery endpoint, an operator's act)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+#: Printed on stdout once the worker is launched: a test waits for it, not for time.
+READY_LINE = "dbos worker ready"
+URL_ENV = "EAI_DBOS_URL"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m chaos.systems.dbos.worker")
+    parser.add_argument("--executor-id", required=True)
+    args = parser.parse_args(argv)
+    url = os.environ.get(URL_ENV)
+    if not url:
+        print(f"dbos worker: {URL_ENV} is not set", file=sys.stderr)
+        return 3
+    from dbos import DBOS
+
+    from chaos.systems.dbos import workflow
+
+    DBOS(
+        config={
+            "name": workflow.APP_NAME,
+            "system_database_url": url,
+            "executor_id": args.executor_id,
+            "application_version": workflow.APP_VERSION,
+            "run_admin_server": False,
+            "log_level": "WARNING",
+        }
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    DBOS.launch()
+    DBOS.register_queue(
+        workflow.QUEUE_NAME,
+        worker_concurrency=workflow.WORKER_CONCURRENCY,
+        polling_interval_sec=0.1,
+    )
+    print(READY_LINE, flush=True)
+    stop.wait()
+    DBOS.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
