@@ -131,6 +131,31 @@ def test_worker_killed_in_step_2_resumes_with_step_1_run_once(
     assert _calls(calls) == {"step_1": 1, "step_2": 2, "step_3": 1}
 
 
+def test_a_postgres_killed_and_restarted_loses_nothing(
+    workers: list[Worker], tmp_path: Path
+) -> None:
+    """DBOS's one service SIGKILLed mid-run (calls under way) and restarted on its data: the
+    worker reconnects and the evaluations end as without faults."""
+    loaded, seed, jobs = _jobs("permanent_failure_prunes")
+    calls = tmp_path / "calls.txt"
+    with PostgresServer() as server:
+        url = server.url(database="chaos_dbos")
+        workers.append(Worker(url, "slot-0", calls))
+        client = DBOSClient(system_database_url=url)
+        try:
+            handles = [_submit(client, job) for job in jobs]
+            deadline = time.monotonic() + PATIENCE_S
+            while sum(_calls(calls).values()) < 5:  # work under way
+                assert time.monotonic() < deadline, "no call ever started"
+                time.sleep(0.01)
+            server.kill()
+            server.start()
+            ends = {h.get_workflow_id(): _outcome(h.get_result()) for h in handles}
+        finally:
+            client.destroy()
+    assert ends == _expected(loaded, seed)
+
+
 def test_the_bench_measures_dbos(system_db: str, tmp_path: Path) -> None:
     """`bench/durable_designs.py`'s DBOS side still measures what it says: every evaluation
     completes, and the killed worker's call starts again once it is relaunched (no time
