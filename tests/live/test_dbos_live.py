@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,8 +40,10 @@ def system_db() -> Iterator[str]:
 class Worker:
     """A DBOS worker process under an executor id, waited for by its ready line."""
 
-    def __init__(self, url: str, executor_id: str, calls: Path) -> None:
-        env = {**os.environ, URL_ENV: url, CALLS_ENV: str(calls)}
+    def __init__(
+        self, url: str, executor_id: str, calls: Path, env: dict[str, str] | None = None
+    ) -> None:
+        env = {**os.environ, URL_ENV: url, CALLS_ENV: str(calls), **(env or {})}
         argv = [sys.executable, "-m", "chaos.systems.dbos.worker"]
         self.proc = subprocess.Popen(
             [*argv, "--executor-id", executor_id],
@@ -129,6 +132,35 @@ def test_worker_killed_in_step_2_resumes_with_step_1_run_once(
         client.destroy()
     assert {handle.get_workflow_id(): ended} == _expected(loaded, seed)
     assert _calls(calls) == {"step_1": 1, "step_2": 2, "step_3": 1}
+
+
+@pytest.mark.parametrize(
+    ("failpoint", "calls"),
+    [
+        # the answer came and died with the worker before DBOS recorded the step: run again
+        ("rule_after_call_before_write=crash,rule=step_1", {"step_1": 2}),
+        ("rule_before_call=crash,rule=step_2", {"step_2": 1}),  # the call was never made
+    ],
+)
+def test_the_engines_failpoints_crash_inside_the_step(
+    system_db: str, workers: list[Worker], tmp_path: Path, failpoint: str, calls: dict[str, int]
+) -> None:
+    """`rule_before_call` and `rule_after_call_before_write`, armed as a worker's are: the
+    worker dies there, its relaunch runs that call again and nothing else."""
+    loaded, seed, jobs = _jobs("worker_killed_in_step_2")
+    log = tmp_path / "calls.txt"
+    workers.append(Worker(system_db, "slot-0", log, {"ENGINE_FAILPOINTS": failpoint}))
+    client = DBOSClient(system_database_url=system_db)
+    try:
+        (handle,) = [_submit(client, job) for job in jobs]
+        workers[0].proc.wait()  # it crashes at the failpoint
+        assert workers[0].proc.returncode == -signal.SIGKILL
+        workers.append(Worker(system_db, "slot-0", log))
+        ended = _outcome(handle.get_result())
+    finally:
+        client.destroy()
+    assert {handle.get_workflow_id(): ended} == _expected(loaded, seed)
+    assert _calls(log) == {"step_1": 1, "step_2": 1, "step_3": 1} | calls
 
 
 def test_a_postgres_killed_and_restarted_loses_nothing(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,13 +42,14 @@ def server() -> Iterator[TemporalServer]:
 class Worker:
     """A worker process, started and waited for by its ready line."""
 
-    def __init__(self, address: str, queue: str) -> None:
+    def __init__(self, address: str, queue: str, env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "chaos.systems.temporal.worker", "--address", address]
         self.proc = subprocess.Popen(
             [*argv, "--task-queue", queue],
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            env={**os.environ, **(env or {})},
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # blocks until the worker polls, or it died
@@ -187,6 +190,34 @@ def test_worker_killed_in_step_2_resumes_with_step_1_run_once(
     ends, attempts = asyncio.run(run())
     assert ends == _expected(loaded, seed)
     assert attempts == {"step_1": [1], "step_2": [2], "step_3": [1]}
+
+
+@pytest.mark.parametrize(
+    ("failpoint", "attempts"),
+    [
+        # the answer came and died with the worker before Temporal recorded it: run again
+        ("rule_after_call_before_write=crash,rule=step_1", {"step_1": [2]}),
+        ("rule_before_call=crash,rule=step_2", {"step_2": [2]}),
+    ],
+)
+def test_the_engines_failpoints_crash_inside_the_activity(
+    server: TemporalServer, workers: list[Worker], failpoint: str, attempts: dict[str, list[int]]
+) -> None:
+    """`rule_before_call` and `rule_after_call_before_write`, armed as a worker's are: the
+    worker dies there, the next one runs that call again and nothing else."""
+    loaded, seed, jobs = _jobs("worker_killed_in_step_2")
+    workers.append(Worker(server.address, TASK_QUEUE, {"ENGINE_FAILPOINTS": failpoint}))
+
+    async def run() -> tuple[dict[str, dict[str, Any]], dict[str, list[int]]]:
+        (handle,) = await _start(server.address, TASK_QUEUE, jobs)
+        await asyncio.to_thread(workers[0].proc.wait)  # it crashes at the failpoint
+        assert workers[0].proc.returncode == -signal.SIGKILL
+        workers.append(Worker(server.address, TASK_QUEUE))
+        return await _ends([handle]), await _attempts(handle)
+
+    ends, got = asyncio.run(run())
+    assert ends == _expected(loaded, seed)
+    assert got == {"step_1": [1], "step_2": [1], "step_3": [1]} | attempts
 
 
 def test_a_server_killed_and_restarted_loses_nothing(

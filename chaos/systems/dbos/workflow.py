@@ -24,6 +24,7 @@ from engine.agent import AgentError, AgentProfile, FakeAgent
 from engine.core.actions import Finish, PublishPassResult, RunRule, ScheduleRetry
 from engine.core.evaluation import Evaluation
 from engine.core.results import RuleResult
+from engine.failpoints import Failpoints
 from engine.plan import Plan, plan_from_dict
 from engine.policy import RetryPolicy
 
@@ -38,6 +39,11 @@ APP_VERSION = "1"
 #: Where each agent call appends a line "attempt_id rule_id attempt try_no" (a test counts
 #: executions with it; unset: nothing is written).
 CALLS_ENV = "CHAOS_DBOS_CALLS"
+
+#: The engine's failpoints this design has, armed from `ENGINE_FAILPOINTS` as a worker's
+#: are: before the agent's call, and after its answer while the answer is not durable yet
+#: (the step's output not recorded: the write window).
+_failpoints = Failpoints.from_env()
 
 _agents: dict[str, FakeAgent] = {}
 _plans: dict[str, Plan] = {}
@@ -66,6 +72,7 @@ def _plan(data: dict[str, Any]) -> Plan:
 async def call_rule(call: dict[str, Any]) -> dict[str, Any]:
     """The agent's call; its error is an answer (the core's to retry), not DBOS's."""
     rule = _plan(call["plan"]).rules[call["rule_id"]]
+    await _failpoints.hit("rule_before_call", rule.id, call["attempt_id"])
     calls = os.environ.get(CALLS_ENV)
     if calls:
         with open(calls, "a") as log:
@@ -74,6 +81,7 @@ async def call_rule(call: dict[str, Any]) -> dict[str, Any]:
         result = await _agent(call).evaluate(
             call["attempt_id"], rule, call["attempt"], call["try_no"]
         )
+        await _failpoints.hit("rule_after_call_before_write", rule.id, call["attempt_id"])
     except AgentError as err:
         tokens = int(getattr(err, "tokens", 0) or 0)
         return {"error": err.kind, "retryable": err.retryable, "tokens": tokens}

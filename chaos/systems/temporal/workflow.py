@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from engine.core.evaluation import Evaluation
     from engine.core.results import RuleResult
+    from engine.failpoints import Failpoints
     from engine.plan import plan_from_dict
     from engine.policy import RetryPolicy
 
@@ -93,6 +94,19 @@ class Ended:
     passes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+#: The engine's failpoints this design has, armed from `ENGINE_FAILPOINTS` as a worker's
+#: are (read by the first call, never in the workflow's sandbox): before the agent's call,
+#: and after its answer while the answer is not durable yet (the activity's completion not
+#: recorded: the write window).
+_failpoints: list[Failpoints] = []
+
+
+def _armed() -> Failpoints:
+    if not _failpoints:
+        _failpoints.append(Failpoints.from_env())
+    return _failpoints[0]
+
+
 _agents: dict[tuple[str, float, int], FakeAgent] = {}
 _plans: dict[str, Any] = {}  # a plan's id and rules -> Plan, built once a worker process
 
@@ -127,10 +141,13 @@ async def call_rule(call: Call) -> Answer:
             await asyncio.sleep(HEARTBEAT_TIMEOUT.total_seconds() / 4)
 
     beating = asyncio.ensure_future(beat())
+    failpoints = _armed()
     try:
+        await failpoints.hit("rule_before_call", rule.id, call.attempt_id)
         result = await _agent(call).evaluate(
             call.attempt_id, rule, call.attempt, call.try_no, execution=execution
         )
+        await failpoints.hit("rule_after_call_before_write", rule.id, call.attempt_id)
     except AgentError as err:
         tokens = int(getattr(err, "tokens", 0) or 0)
         return Answer(error=err.kind, retryable=err.retryable, tokens=tokens)
