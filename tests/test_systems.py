@@ -89,6 +89,9 @@ GENERIC = (
 DESIGN_SPECIFIC = (
     "chaos.systems.redis_rabbitmq",
     "chaos.systems.pg_store",
+    "chaos.systems.pg",
+    "chaos.systems.temporal",
+    "chaos.systems.dbos",
     "engine.runtime",
     "sim.redis",
     "sim.broker",
@@ -97,6 +100,8 @@ DESIGN_SPECIFIC = (
     "aiormq",
     "redis",
     "asyncpg",
+    "temporalio",
+    "dbos",
 )
 
 
