@@ -2,6 +2,7 @@
 
     python bench/sim_speed.py [--seeds 10000] [--jobs 0]
     python bench/sim_speed.py --against /tmp/before [--rounds 5] [--seeds 10000] [--jobs 0]
+    python bench/sim_speed.py --cluster local:2 [--rounds 5] [--seeds 10000]
 
 Prints: simpy's raw rate (a process yielding timeouts, nothing else), simulated evaluations
 per second of the example plan under faults (one process), the seeds per second of
@@ -16,6 +17,12 @@ same seeds too, each round a fresh interpreter on each checkout in turn (the ord
 alternating), and the median rates are compared: the cost of a change measured on the
 same machine in the same minutes. On this shared machine rates drift by half within
 minutes, so read the ratio of medians, never one round.
+
+With `--cluster local:W` (or a scheduler's tcp:// address), the same seeds on the Dask
+cluster (`chaos sim --cluster`) against `--jobs W` processes, rounds interleaved the same
+way, each a fresh interpreter: seeds/s measured whole (the LocalCluster's start, version
+check and close counted, as the pool's start-up is) and once connected; the goal is a
+ratio of at least 0.9 measured whole. Figures: docs/cluster.md.
 
 Where it stands (2026-12-02, 08:32 to 08:40 UTC, a quiet machine, load 0.3 to 2, with the
 checker's cuts below and the engine's shell and core cuts of `bench/rules_per_second.py`
@@ -202,6 +209,73 @@ def _round(root: Path, seeds: int, jobs: int) -> float:
     return float(out.stdout.split()[-1])
 
 
+#: One round of `--cluster`: connect, explore, close, in a fresh interpreter; seeds/s
+#: measured whole and once connected.
+_CLUSTER_ROUND = """
+import sys, time
+from pathlib import Path
+from chaos.cluster import connect
+from chaos.explore import document, explore, load_document, swarm
+from chaos.scenario import load_scenario
+
+if __name__ == "__main__":
+    seeds, address = int(sys.argv[1]), sys.argv[2]
+    data = document(load_scenario(Path("scenarios") / "crash_after_ack.yaml"))
+    data["plans"][0]["evaluations"] = 1
+    load_document(swarm(data, 0))
+    t0 = time.perf_counter()
+    with connect(address) as session:
+        t1 = time.perf_counter()
+        explore(data, range(seeds), cluster=session)
+        t2 = time.perf_counter()
+    t3 = time.perf_counter()
+    print(seeds / (t3 - t0), seeds / (t2 - t1))
+"""
+
+
+def _cluster_round(seeds: int, address: str) -> tuple[float, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", _CLUSTER_ROUND, str(seeds), address],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    whole, connected = out.stdout.split()[-2:]
+    return float(whole), float(connected)
+
+
+def _cluster_compare(args: argparse.Namespace) -> int:
+    """Rounds alternating `--cluster` and the pool (`--jobs`, by default as many processes
+    as `local:W` has workers); the medians and their ratio."""
+    address = args.cluster
+    jobs = args.jobs or (int(address.removeprefix("local:")) if address.startswith("local:") else 0)
+    pool: list[float] = []
+    whole: list[float] = []
+    connected: list[float] = []
+    for i in range(args.rounds):
+        for step in ("pool", "cluster") if i % 2 == 0 else ("cluster", "pool"):
+            if step == "pool":
+                pool.append(_round(ROOT, args.seeds, jobs))
+            else:
+                w, c = _cluster_round(args.seeds, address)
+                whole.append(w)
+                connected.append(c)
+        print(
+            f"round {i + 1}: --cluster {address} {whole[-1]:6.0f} seeds/s "
+            f"({connected[-1]:.0f} once connected), --jobs {jobs} {pool[-1]:6.0f}"
+        )
+    mine, theirs = statistics.median(whole), statistics.median(pool)
+    print(
+        f"median seeds/s over {args.seeds:,} seeds: --cluster {address} {mine:.0f} "
+        f"({statistics.median(connected):.0f} once connected), --jobs {jobs} {theirs:.0f}"
+    )
+    verdict = "OK" if mine / theirs >= 0.9 else "BELOW GOAL"
+    print(f"ratio cluster/jobs: {mine / theirs:.3f} (goal >= 0.9) {verdict}")
+    return 0
+
+
 def _compare(args: argparse.Namespace) -> int:
     """Rounds alternating this checkout and `--against`, each a fresh process (its pool's
     start-up counted, as in `seeds_rate`); the medians and their ratio."""
@@ -231,9 +305,12 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=0, help="processes (default: every core)")
     p.add_argument("--against", type=Path, help="another checkout to compare with (A/B)")
     p.add_argument("--rounds", type=int, default=5, help="A/B rounds, with --against")
+    p.add_argument("--cluster", help="local:W or tcp://HOST:PORT: against --jobs (A/B)")
     args = p.parse_args()
     if args.against is not None:
         return _compare(args)
+    if args.cluster is not None:
+        return _cluster_compare(args)
     raw = simpy_rate()
     evals, events = evaluations_rate()
     took = seeds_time(args.seeds, args.jobs)

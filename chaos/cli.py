@@ -4,6 +4,7 @@
                         [--seed N]
                         [--out DIR] [--mutant NAME]
     python -m chaos sim scenarios/crash_after_ack.yaml --seeds 1000 [--jobs J] [--shrink]
+                        [--cluster tcp://HOST:PORT | local:W]
     python -m chaos validate scenarios/*.yaml
     python -m chaos list
     python -m chaos clean     # stop and delete what a SIGKILLed run left behind
@@ -141,8 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="explore seeds from this one on (default 0)",
     )
-    sim.add_argument(
+    where = sim.add_mutually_exclusive_group()
+    where.add_argument(
         "--jobs", type=_within(0, 256), default=0, help="processes (default: every core)"
+    )
+    where.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        help="explore on a Dask cluster: tcp://HOST:PORT of a scheduler, or local:W for W "
+        "worker processes on this machine (docs/cluster.md)",
     )
     sim.add_argument("--mutant", help="explore a deliberately broken engine")
     _system_option(sim)

@@ -32,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -40,6 +40,9 @@ from chaos.scenario import LoadedScenario, ScenarioError, fault_schedule, scenar
 from chaos.scenario.schema import TARGETED_ACTIONS
 from engine.policy import MAX_SEED
 from reports.measure import measure as measure_cost
+
+if TYPE_CHECKING:
+    from chaos.cluster import ClusterSession
 
 
 @dataclass(frozen=True)
@@ -339,9 +342,15 @@ def explore(
     mutant: str | None = None,
     on_result: Callable[[SeedResult], None] | None = None,
     measure: bool = False,
+    cluster: ClusterSession | None = None,
 ) -> Exploration:
-    """Run every seed's swarm variant, on `jobs` processes (0: every core); `measure`:
-    each seed also says what its faults cost (for `chaos sim --report`)."""
+    """Run every seed's swarm variant, on `jobs` processes (0: every core), or on a Dask
+    `cluster` (`chaos.cluster.connect`; `jobs` unused): the same results in the same order
+    either way; `measure`: each seed also says what its faults cost (`chaos sim --report`)."""
+    if cluster is not None:
+        from chaos.cluster import explore_on
+
+        return explore_on(cluster, data, seeds, mutant, on_result, measure)
     jobs = jobs or os.cpu_count() or 1
     exploration = Exploration()
     work = ((data, seed, mutant, measure) for seed in seeds)

@@ -13,7 +13,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -23,7 +23,10 @@ from chaos.journal import Ticker, summary_line
 from chaos.scenario import LoadedScenario
 from engine.failpoints import FAILPOINTS
 
-EXIT_OK, EXIT_VIOLATION, EXIT_INPUT = 0, 1, 2
+if TYPE_CHECKING:
+    from chaos.cluster import ClusterSession
+
+EXIT_OK, EXIT_VIOLATION, EXIT_INPUT, EXIT_STACK = 0, 1, 2, 3
 MAX_HITS = 64  # the most hits of one failpoint --all-failpoints tries
 
 
@@ -84,18 +87,50 @@ def _refused(loaded: list[LoadedScenario]) -> bool:
 
 def explore_all(loaded: list[LoadedScenario], args: argparse.Namespace, console: Console) -> int:
     """`chaos sim A.yaml B.yaml ...`: each scenario explored in turn, the worst exit code.
-    With several scenarios, `--report DIR` writes each one's report to DIR/<name>."""
+    With several scenarios, `--report DIR` writes each one's report to DIR/<name>. With
+    `--cluster`, one session (and its version check) serves them all; a cluster that
+    cannot serve says so in one line, exit 3."""
+    address = getattr(args, "cluster", None)
+    if address is None:
+        return _explore_each(loaded, args, console, None)
+    from chaos.cluster import ClusterError, connect, parse_address
+
+    try:
+        parse_address(address)
+    except ValueError as exc:
+        print(f"chaos sim: --cluster: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        with connect(address) as session:
+            return _explore_each(loaded, args, console, session)
+    except ClusterError as exc:
+        print(f"chaos sim: {exc}", file=sys.stderr)
+        return EXIT_STACK
+
+
+def _explore_each(
+    loaded: list[LoadedScenario],
+    args: argparse.Namespace,
+    console: Console,
+    session: ClusterSession | None,
+) -> int:
     worst = EXIT_OK
     report = getattr(args, "report", None)
     for sc in loaded:
         one = args
         if report is not None and len(loaded) > 1:
             one = argparse.Namespace(**{**vars(args), "report": Path(report) / sc.spec.name})
-        worst = max(worst, explore_command(sc, one, console))
+        worst = max(worst, explore_command(sc, one, console, session))
     return worst
 
 
-def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: Console) -> int:
+def explore_command(
+    loaded: LoadedScenario,
+    args: argparse.Namespace,
+    console: Console,
+    cluster: ClusterSession | None = None,
+) -> int:
+    """Explore one scenario's seeds (on `cluster` when given), then report and shrink."""
     if _refused([loaded]):
         return EXIT_INPUT
     data = document(loaded)
@@ -132,7 +167,9 @@ def explore_command(loaded: LoadedScenario, args: argparse.Namespace, console: C
             )
 
         report = getattr(args, "report", None)
-        exploration = explore(data, seeds, args.jobs, args.mutant, seen, measure=bool(report))
+        exploration = explore(
+            data, seeds, args.jobs, args.mutant, seen, measure=bool(report), cluster=cluster
+        )
     took = time.monotonic() - started
     n = len(exploration.results)
     console.print(
