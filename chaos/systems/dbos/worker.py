@@ -2,8 +2,8 @@
 evaluations, its system database named by `EAI_DBOS_URL` (credentials only there).
 
 A slot keeps its executor id across restarts: DBOS recovers, at launch, the workflows its
-own executor left unfinished, and nothing else (another worker's, only through DBOS's admin
-recovery endpoint, an operator's act)."""
+own executor left unfinished, and nothing else (another worker's only when an operator asks
+DBOS's recovery for that executor id)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
             "system_database_url": url,
             "executor_id": args.executor_id,
             "application_version": workflow.APP_VERSION,
-            "run_admin_server": False,
             "log_level": "WARNING",
         }
     )

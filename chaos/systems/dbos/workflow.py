@@ -31,7 +31,7 @@ from engine.policy import RetryPolicy
 #: The queue the harness enqueues evaluations on (`DBOSClient.enqueue`).
 QUEUE_NAME = "evaluations"
 #: Evaluations one worker runs at once.
-WORKER_CONCURRENCY = 32
+WORKER_CONCURRENCY = 64
 #: The application's name and version, fixed: recovery resumes only the workflows of the
 #: running version, and a client enqueues for this one.
 APP_NAME = "chaos-evaluations"
