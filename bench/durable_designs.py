@@ -44,7 +44,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,50 +72,30 @@ POLL_S = 0.01
 PATIENCE_S = 120.0
 
 
-class TemporalWorker:
-    """`python -m chaos.systems.temporal.worker`, waited for by its ready line."""
-
-    def __init__(self, address: str, queue: str) -> None:
-        from chaos.systems.temporal.worker import READY_LINE
-
-        argv = [sys.executable, "-m", "chaos.systems.temporal.worker", "--address", address]
-        self.proc = subprocess.Popen(
-            [*argv, "--task-queue", queue],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if READY_LINE not in line:
-            self.kill()
-            raise SystemExit(f"a Temporal worker did not start: {line!r}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
 def _job(attempt_id: str, plan_path: Path, latency_ms: int) -> Any:
-    from chaos.systems.temporal.workflow import Job
+    from chaos.systems.core_workflow import Job
     from engine.policy import RetryPolicy
 
-    policy = RetryPolicy()
-    return Job(
-        attempt_id=attempt_id,
-        plan=load_plan(plan_path).to_dict(),
-        policy={
-            "immediate_retries": policy.immediate_retries,
-            "max_attempts": policy.max_attempts,
-            "tiers_ms": list(policy.tiers_ms),
-            "jitter": policy.jitter,
-            "jitter_buckets": policy.jitter_buckets,
-            "seed": policy.seed,
-        },
-        agent={"latency_ms": latency_ms},
-        time_scale=1.0,
+    return Job.of(attempt_id, load_plan(plan_path), RetryPolicy(), {"latency_ms": latency_ms}, 1.0)
+
+
+def _temporal_worker(address: str, queue: str) -> Any:
+    from chaos.systems.core_workflow import ReadyProcess
+    from chaos.systems.temporal.worker import READY_LINE
+
+    args = ["--address", address, "--task-queue", queue]
+    return ReadyProcess("chaos.systems.temporal.worker", args, READY_LINE)
+
+
+def _dbos_worker(url: str, executor_id: str, calls: Path) -> Any:
+    """A DBOS worker under an executor id; each call it makes appends a line to `calls`."""
+    from chaos.systems.core_workflow import ReadyProcess
+    from chaos.systems.dbos.worker import READY_LINE, URL_ENV
+    from chaos.systems.dbos.workflow import CALLS_ENV
+
+    env = {URL_ENV: url, CALLS_ENV: str(calls)}
+    return ReadyProcess(
+        "chaos.systems.dbos.worker", ["--executor-id", executor_id], READY_LINE, env
     )
 
 
@@ -129,7 +108,7 @@ def temporal_rate(address: str, evaluations: int) -> float:
     plan_path = ROOT / "plans" / "code_review.yaml"
     rules = len(load_plan(plan_path).order)
     queue = f"bench-{uuid.uuid4().hex[:8]}"
-    worker = TemporalWorker(address, queue)
+    worker = _temporal_worker(address, queue)
 
     async def run() -> float:
         client = await Client.connect(address)
@@ -163,7 +142,7 @@ def temporal_recovery(address: str) -> float:
     from chaos.systems.temporal.workflow import EvaluationWorkflow
 
     queue = f"rec-{uuid.uuid4().hex[:8]}"
-    workers = [TemporalWorker(address, queue) for _ in range(2)]
+    workers = [_temporal_worker(address, queue) for _ in range(2)]
     started = PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
 
     async def run() -> float:
@@ -208,58 +187,21 @@ def temporal_recovery(address: str) -> float:
             w.kill()
 
 
-class DbosWorker:
-    """`python -m chaos.systems.dbos.worker` under an executor id, waited for by its ready
-    line; each call it makes appends a line to `calls`."""
-
-    def __init__(self, url: str, executor_id: str, calls: Path) -> None:
-        from chaos.systems.dbos.worker import READY_LINE, URL_ENV
-        from chaos.systems.dbos.workflow import CALLS_ENV
-
-        env = {**os.environ, URL_ENV: url, CALLS_ENV: str(calls)}
-        argv = [sys.executable, "-m", "chaos.systems.dbos.worker", "--executor-id", executor_id]
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if READY_LINE not in line:
-            self.kill()
-            raise SystemExit(f"a DBOS worker did not start: {line!r}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
-def _enqueue(client: Any, job: Any) -> Any:
-    import dataclasses
-
-    from chaos.systems.dbos.workflow import APP_VERSION, QUEUE_NAME
-
-    options = {
-        "workflow_name": "evaluation",
-        "queue_name": QUEUE_NAME,
-        "workflow_id": job.attempt_id,
-        "app_version": APP_VERSION,
-    }
-    return client.enqueue(options, dataclasses.asdict(job))
-
-
 def dbos_rate(url: str, evaluations: int, tmp: Path) -> float:
     """Rules/s of one DBOS worker (see the module's docstring)."""
     from dbos import DBOSClient
 
+    from chaos.systems.dbos.workflow import enqueue
+
     plan_path = ROOT / "plans" / "code_review.yaml"
     rules = len(load_plan(plan_path).order)
     tag = uuid.uuid4().hex[:8]
-    worker = DbosWorker(url, f"rate-{tag}", tmp / f"calls-{tag}.txt")
+    worker = _dbos_worker(url, f"rate-{tag}", tmp / f"calls-{tag}.txt")
     client = DBOSClient(system_database_url=url)
     try:
         jobs = [_job(f"{tag}-{i}", plan_path, 0) for i in range(evaluations)]
         t0 = time.perf_counter()
-        handles = [_enqueue(client, j) for j in jobs]
+        handles = [enqueue(client, j) for j in jobs]
         ends = [h.get_result() for h in handles]
         elapsed = time.perf_counter() - t0
     finally:
@@ -276,16 +218,18 @@ def dbos_recovery(url: str, tmp: Path) -> float:
     in the worker relaunched under its executor id (see the module's docstring)."""
     from dbos import DBOSClient
 
+    from chaos.systems.dbos.workflow import enqueue
+
     tag = uuid.uuid4().hex[:8]
     calls = tmp / f"calls-{tag}.txt"
 
     def started() -> int:
         return len(calls.read_text().splitlines()) if calls.exists() else 0
 
-    worker = DbosWorker(url, f"rec-{tag}", calls)
+    worker = _dbos_worker(url, f"rec-{tag}", calls)
     client = DBOSClient(system_database_url=url)
     try:
-        handle = _enqueue(client, _job(f"{tag}-eval", ROOT / "plans" / "tiny.yaml", AGENT_MS))
+        handle = enqueue(client, _job(f"{tag}-eval", ROOT / "plans" / "tiny.yaml", AGENT_MS))
         deadline = time.monotonic() + PATIENCE_S
         while not started():
             if time.monotonic() > deadline:
@@ -293,7 +237,7 @@ def dbos_recovery(url: str, tmp: Path) -> float:
             time.sleep(POLL_S)
         killed = time.monotonic()
         worker.kill()
-        worker = DbosWorker(url, f"rec-{tag}", calls)
+        worker = _dbos_worker(url, f"rec-{tag}", calls)
         while started() < 2:
             if time.monotonic() > killed + PATIENCE_S:
                 raise SystemExit("the killed DBOS call never started again")
@@ -394,6 +338,9 @@ def main() -> int:
     except KeyboardInterrupt:
         print("durable_designs: interrupted; everything it started is stopped", file=sys.stderr)
         return 130
+    except RuntimeError as exc:  # a worker that did not start, said in its one line
+        print(f"durable_designs: {exc}", file=sys.stderr)
+        return 1
     print(f"median +- median absolute deviation, {args.rounds} rounds:")
     for design in designs:
         line = f"  {design:14s} {_spread(rates[design])} rules/s"

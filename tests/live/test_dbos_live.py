@@ -4,11 +4,7 @@ executor id resumes with step 1 run once (the second document's L3 proof, on DBO
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -19,8 +15,9 @@ from typing import Any
 import pytest
 from dbos import DBOSClient
 
+from chaos.systems.core_workflow import ReadyProcess
 from chaos.systems.dbos.worker import READY_LINE, URL_ENV
-from chaos.systems.dbos.workflow import APP_VERSION, CALLS_ENV, QUEUE_NAME
+from chaos.systems.dbos.workflow import CALLS_ENV, enqueue
 from chaos.systems.pg_store.postgres import PostgresServer
 from tests.live.test_postgres_live import pytestmark  # noqa: F401  (a private PostgreSQL)
 from tests.live.test_temporal_live import _as_outcome, _expected, _jobs
@@ -37,28 +34,16 @@ def system_db() -> Iterator[str]:
         yield server.url(database="chaos_dbos")
 
 
-class Worker:
-    """A DBOS worker process under an executor id, waited for by its ready line."""
+class Worker(ReadyProcess):
+    """A DBOS worker process under an executor id; each call appends a line to `calls`."""
 
     def __init__(
         self, url: str, executor_id: str, calls: Path, env: dict[str, str] | None = None
     ) -> None:
-        env = {**os.environ, URL_ENV: url, CALLS_ENV: str(calls), **(env or {})}
-        argv = [sys.executable, "-m", "chaos.systems.dbos.worker"]
-        self.proc = subprocess.Popen(
-            [*argv, "--executor-id", executor_id],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env=env,
+        env = {URL_ENV: url, CALLS_ENV: str(calls), **(env or {})}
+        super().__init__(
+            "chaos.systems.dbos.worker", ["--executor-id", executor_id], READY_LINE, env
         )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # blocks until DBOS launched, or the worker died
-        assert READY_LINE in line, f"the worker did not start: {line!r}"
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture
@@ -68,16 +53,6 @@ def workers() -> Iterator[list[Worker]]:
     for w in started:
         if w.proc.poll() is None:
             w.kill()
-
-
-def _submit(client: DBOSClient, job: Any) -> Any:
-    options = {
-        "workflow_name": "evaluation",
-        "queue_name": QUEUE_NAME,
-        "workflow_id": job.attempt_id,
-        "app_version": APP_VERSION,
-    }
-    return client.enqueue(options, dataclasses.asdict(job))  # type: ignore[arg-type]
 
 
 def _outcome(ended: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +75,7 @@ def test_evaluations_end_as_the_reference_says(
     workers.append(Worker(system_db, "slot-0", tmp_path / "calls.txt"))
     client = DBOSClient(system_database_url=system_db)
     try:
-        handles = [_submit(client, job) for job in jobs]
+        handles = [enqueue(client, job) for job in jobs]
         ends = {h.get_workflow_id(): _outcome(h.get_result()) for h in handles}
     finally:
         client.destroy()
@@ -120,7 +95,7 @@ def test_worker_killed_in_step_2_resumes_with_step_1_run_once(
     workers.append(Worker(system_db, "slot-0", calls))
     client = DBOSClient(system_database_url=system_db)
     try:
-        (handle,) = [_submit(client, job) for job in jobs]
+        (handle,) = [enqueue(client, job) for job in jobs]
         deadline = time.monotonic() + PATIENCE_S
         while not _calls(calls)["step_2"]:  # step 2's call has started
             assert time.monotonic() < deadline, "step 2 never started"
@@ -152,7 +127,7 @@ def test_the_engines_failpoints_crash_inside_the_step(
     workers.append(Worker(system_db, "slot-0", log, {"ENGINE_FAILPOINTS": failpoint}))
     client = DBOSClient(system_database_url=system_db)
     try:
-        (handle,) = [_submit(client, job) for job in jobs]
+        (handle,) = [enqueue(client, job) for job in jobs]
         workers[0].proc.wait()  # it crashes at the failpoint
         assert workers[0].proc.returncode == -signal.SIGKILL
         workers.append(Worker(system_db, "slot-0", log))
@@ -175,7 +150,7 @@ def test_a_postgres_killed_and_restarted_loses_nothing(
         workers.append(Worker(url, "slot-0", calls))
         client = DBOSClient(system_database_url=url)
         try:
-            handles = [_submit(client, job) for job in jobs]
+            handles = [enqueue(client, job) for job in jobs]
             deadline = time.monotonic() + PATIENCE_S
             while sum(_calls(calls).values()) < 5:  # work under way
                 assert time.monotonic() < deadline, "no call ever started"

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +18,10 @@ from temporalio.client import Client, WorkflowHandle
 
 from chaos.reference import Outcome, PassOutcome, reference_for
 from chaos.scenario import load_scenario
+from chaos.systems.core_workflow import Job, ReadyProcess
 from chaos.systems.temporal.server import TemporalServer
 from chaos.systems.temporal.worker import READY_LINE
-from chaos.systems.temporal.workflow import TASK_QUEUE, EvaluationWorkflow, Job
+from chaos.systems.temporal.workflow import TASK_QUEUE, EvaluationWorkflow
 from engine.core.results import RuleResult
 
 pytestmark = pytest.mark.slow  # a private Temporal server, worker processes
@@ -39,25 +37,12 @@ def server() -> Iterator[TemporalServer]:
         yield srv
 
 
-class Worker:
-    """A worker process, started and waited for by its ready line."""
+class Worker(ReadyProcess):
+    """A worker process of the harness's Temporal evaluations."""
 
     def __init__(self, address: str, queue: str, env: dict[str, str] | None = None) -> None:
-        argv = [sys.executable, "-m", "chaos.systems.temporal.worker", "--address", address]
-        self.proc = subprocess.Popen(
-            [*argv, "--task-queue", queue],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # blocks until the worker polls, or it died
-        assert READY_LINE in line, f"the worker did not start: {line!r}"
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        args = ["--address", address, "--task-queue", queue]
+        super().__init__("chaos.systems.temporal.worker", args, READY_LINE, env)
 
 
 @pytest.fixture
@@ -69,25 +54,18 @@ def workers() -> Iterator[list[Worker]]:
             w.kill()
 
 
-def _jobs(name: str, queue_seed: int | None = None) -> tuple[Any, int, list[Job]]:
+def _jobs(name: str) -> tuple[Any, int, list[Job]]:
+    """A shipped scenario's evaluations under its own seed, as jobs."""
     loaded = load_scenario(ROOT / "scenarios" / f"{name}.yaml")
     seed = loaded.spec.seed
-    policy = loaded.retry_policy
     jobs = [
-        Job(
-            attempt_id=a,
-            plan=plan.to_dict(),
-            policy={
-                "immediate_retries": policy.immediate_retries,
-                "max_attempts": policy.max_attempts,
-                "tiers_ms": list(policy.tiers_ms),
-                "jitter": policy.jitter,
-                "jitter_buckets": policy.jitter_buckets,
-                "seed": policy.seed,
-            },
-            agent=loaded.agent.to_dict(),
-            time_scale=loaded.spec.time_scale,
-            max_parallel=loaded.spec.engine.max_parallel,
+        Job.of(
+            a,
+            plan,
+            loaded.retry_policy,
+            loaded.agent.to_dict(),
+            loaded.spec.time_scale,
+            loaded.spec.engine.max_parallel,
         )
         for a, plan in loaded.evaluations(seed).items()
     ]
@@ -127,6 +105,25 @@ async def _start(address: str, queue: str, jobs: list[Job]) -> list[WorkflowHand
 async def _ends(handles: list[WorkflowHandle[Any, Any]]) -> dict[str, dict[str, Any]]:
     ends = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), PATIENCE_S)
     return {h.id: _as_outcome(e) for h, e in zip(handles, ends, strict=True)}
+
+
+async def _running(handle: WorkflowHandle[Any, Any]) -> set[str]:
+    """The rules whose call a worker is running now, as the server says: its pending
+    activities in state STARTED, named by their scheduled events (read after, so that
+    every one of them is there)."""
+    desc = await handle.describe()
+    started = {
+        p.activity_id
+        for p in desc.raw_description.pending_activities
+        if p.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+    }
+    rules = set()
+    async for event in handle.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            attrs = event.activity_task_scheduled_event_attributes
+            if attrs.activity_id in started:
+                rules.add(json.loads(attrs.input.payloads[0].data)["rule_id"])
+    return rules
 
 
 async def _attempts(handle: WorkflowHandle[Any, Any]) -> dict[str, list[int]]:
@@ -171,15 +168,7 @@ def test_worker_killed_in_step_2_resumes_with_step_1_run_once(
     async def run() -> tuple[dict[str, dict[str, Any]], dict[str, list[int]]]:
         (handle,) = await _start(server.address, TASK_QUEUE, jobs)
         deadline = time.monotonic() + PATIENCE_S
-        while True:  # until step 2's call is under way on the worker (step 1 done)
-            desc = await handle.describe()
-            started = [
-                p
-                for p in desc.raw_description.pending_activities
-                if p.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
-            ]
-            if started and (await _attempts(handle)).get("step_1"):
-                break
+        while "step_2" not in await _running(handle):  # step 2's call is under way
             assert time.monotonic() < deadline, "step 2 never started"
             await asyncio.sleep(0.01)
         workers[0].kill()

@@ -14,19 +14,20 @@ worker slot keeps its executor id across restarts (`chaos.systems.dbos.worker`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections import deque
 from typing import Any
 
-from dbos import DBOS
+from dbos import DBOS, DBOSClient
 
+from chaos.systems.core_workflow import Job
 from engine.agent import AgentError, AgentProfile, FakeAgent
 from engine.core.actions import Finish, PublishPassResult, RunRule, ScheduleRetry
 from engine.core.evaluation import Evaluation
 from engine.core.results import RuleResult
 from engine.failpoints import Failpoints
 from engine.plan import Plan, plan_from_dict
-from engine.policy import RetryPolicy
 
 #: The queue the harness enqueues evaluations on (`DBOSClient.enqueue`).
 QUEUE_NAME = "evaluations"
@@ -88,12 +89,25 @@ async def call_rule(call: dict[str, Any]) -> dict[str, Any]:
     return {"result": result.to_json()}
 
 
+def enqueue(client: DBOSClient, job: Job) -> Any:
+    """Submit: the evaluation enqueued for this version's workers, its attemptId the
+    workflow's id (so a second enqueue of it is the same workflow)."""
+    options: Any = {
+        "workflow_name": "evaluation",
+        "queue_name": QUEUE_NAME,
+        "workflow_id": job.attempt_id,
+        "app_version": APP_VERSION,
+    }
+    return client.enqueue(options, dataclasses.asdict(job))
+
+
 @DBOS.workflow(name="evaluation")
-async def evaluation(job: dict[str, Any]) -> dict[str, Any]:
+async def evaluation(data: dict[str, Any]) -> dict[str, Any]:
     """One evaluation: the core decides, the workflow carries its actions out."""
-    plan = _plan(job["plan"])
-    policy = RetryPolicy(**{**job["policy"], "tiers_ms": tuple(job["policy"]["tiers_ms"])})
-    core = Evaluation(plan, job["attempt_id"], policy, max_parallel=job.get("max_parallel", 4))
+    job = Job(**data)
+    plan = _plan(job.plan)
+    policy = job.retry_policy()
+    core = Evaluation(plan, job.attempt_id, policy, max_parallel=job.max_parallel)
     started: deque[tuple[str, Any, asyncio.Task[Any]]] = deque()  # in the order started
     passes: dict[str, dict[str, Any]] = {}
     actions = list(core.start())
@@ -101,19 +115,19 @@ async def evaluation(job: dict[str, Any]) -> dict[str, Any]:
         for action in actions:
             if isinstance(action, RunRule):
                 call = {
-                    "attempt_id": job["attempt_id"],
-                    "plan": job["plan"],
+                    "attempt_id": job.attempt_id,
+                    "plan": job.plan,
                     "rule_id": action.rule_id,
                     "attempt": action.attempt,
                     "try_no": action.try_no,
-                    "agent": job["agent"],
-                    "time_scale": job["time_scale"],
+                    "agent": job.agent,
+                    "time_scale": job.time_scale,
                     "immediate_retries": policy.immediate_retries,
                 }
                 task = asyncio.ensure_future(call_rule(call))
                 started.append(("answer", action.rule_id, task))
             elif isinstance(action, ScheduleRetry):
-                seconds = action.delay_ms * job["time_scale"] / 1000.0
+                seconds = action.delay_ms * job.time_scale / 1000.0
                 task = asyncio.ensure_future(DBOS.sleep_async(seconds))
                 started.append(("due", (action.rule_id, action.attempt), task))
             elif isinstance(action, PublishPassResult):

@@ -22,6 +22,7 @@ from temporalio import activity, workflow
 from temporalio.common import RetryPolicy as TemporalRetry
 
 with workflow.unsafe.imports_passed_through():
+    from chaos.systems.core_workflow import Job
     from engine.agent import AgentError, AgentProfile, FakeAgent
     from engine.core.actions import (
         Finish,
@@ -45,18 +46,6 @@ HEARTBEAT_TIMEOUT = timedelta(seconds=1)
 WORKER_DEATH_RETRY = TemporalRetry(
     initial_interval=timedelta(milliseconds=100), backoff_coefficient=1.0, maximum_attempts=0
 )
-
-
-@dataclass
-class Job:
-    """What a workflow is started with: plain data, as its history keeps it."""
-
-    attempt_id: str
-    plan: dict[str, Any]
-    policy: dict[str, Any]
-    agent: dict[str, Any]
-    time_scale: float
-    max_parallel: int = 4
 
 
 @dataclass
@@ -172,7 +161,7 @@ class EvaluationWorkflow:
     @workflow.run
     async def run(self, job: Job) -> Ended:
         plan = plan_from_dict(job.plan)
-        policy = RetryPolicy(**{**job.policy, "tiers_ms": tuple(job.policy["tiers_ms"])})
+        policy = job.retry_policy()
         core = Evaluation(plan, job.attempt_id, policy, max_parallel=job.max_parallel)
         passes: dict[str, dict[str, Any]] = {}
         pending = list(core.start())
