@@ -92,6 +92,7 @@ DESIGN_SPECIFIC = (
     "chaos.systems.pg",
     "chaos.systems.temporal",
     "chaos.systems.dbos",
+    "chaos.systems.core_workflow",
     "engine.runtime",
     "sim.redis",
     "sim.broker",

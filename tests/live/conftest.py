@@ -261,3 +261,13 @@ def code_review() -> Plan:
 @pytest.fixture(scope="session")
 def tiny() -> Plan:
     return load_plan(PLANS / "tiny.yaml")
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Any]]:
+    """Worker processes a test starts (`chaos.systems.core_workflow.ReadyProcess`): each
+    SIGKILLed at teardown if still running."""
+    started: list[Any] = []
+    yield started
+    for w in started:
+        w.kill()

@@ -46,15 +46,6 @@ class Worker(ReadyProcess):
         )
 
 
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        if w.proc.poll() is None:
-            w.kill()
-
-
 def _outcome(ended: dict[str, Any]) -> dict[str, Any]:
     return _as_outcome(SimpleNamespace(**ended))
 
@@ -67,7 +58,7 @@ def _calls(path: Path) -> Counter[str]:
 
 
 def test_evaluations_end_as_the_reference_says(
-    system_db: str, workers: list[Worker], tmp_path: Path
+    system_db: str, workers: list[Any], tmp_path: Path
 ) -> None:
     """static_analysis fails for good after its retries (durable sleeps between attempts):
     exactly its dependents are skipped, the rest as without faults."""
@@ -83,7 +74,7 @@ def test_evaluations_end_as_the_reference_says(
 
 
 def test_worker_killed_in_step_2_resumes_with_step_1_run_once(
-    system_db: str, workers: list[Worker], tmp_path: Path
+    system_db: str, workers: list[Any], tmp_path: Path
 ) -> None:
     """The worker SIGKILLed while step 2's call is in flight and relaunched under the same
     executor id (DBOS recovers its own executor's workflows at launch): step 1 ran once,
@@ -118,7 +109,7 @@ def test_worker_killed_in_step_2_resumes_with_step_1_run_once(
     ],
 )
 def test_the_engines_failpoints_crash_inside_the_step(
-    system_db: str, workers: list[Worker], tmp_path: Path, failpoint: str, calls: dict[str, int]
+    system_db: str, workers: list[Any], tmp_path: Path, failpoint: str, calls: dict[str, int]
 ) -> None:
     """`rule_before_call` and `rule_after_call_before_write`, armed as a worker's are: the
     worker dies there, its relaunch runs that call again and nothing else."""
@@ -138,9 +129,7 @@ def test_the_engines_failpoints_crash_inside_the_step(
     assert _calls(log) == {"step_1": 1, "step_2": 1, "step_3": 1} | calls
 
 
-def test_a_postgres_killed_and_restarted_loses_nothing(
-    workers: list[Worker], tmp_path: Path
-) -> None:
+def test_a_postgres_killed_and_restarted_loses_nothing(workers: list[Any], tmp_path: Path) -> None:
     """DBOS's one service SIGKILLed mid-run (calls under way) and restarted on its data: the
     worker reconnects and the evaluations end as without faults."""
     loaded, seed, jobs = _jobs("permanent_failure_prunes")

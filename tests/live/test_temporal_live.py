@@ -45,15 +45,6 @@ class Worker(ReadyProcess):
         super().__init__("chaos.systems.temporal.worker", args, READY_LINE, env)
 
 
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        if w.proc.poll() is None:
-            w.kill()
-
-
 def _jobs(name: str) -> tuple[Any, int, list[Job]]:
     """A shipped scenario's evaluations under its own seed, as jobs."""
     loaded = load_scenario(ROOT / "scenarios" / f"{name}.yaml")
@@ -141,9 +132,7 @@ async def _attempts(handle: WorkflowHandle[Any, Any]) -> dict[str, list[int]]:
     return runs
 
 
-def test_evaluations_end_as_the_reference_says(
-    server: TemporalServer, workers: list[Worker]
-) -> None:
+def test_evaluations_end_as_the_reference_says(server: TemporalServer, workers: list[Any]) -> None:
     """static_analysis fails for good after its retries (levels 1 to 3, the delay tiers as
     timers): exactly its dependents are skipped, the rest as without faults."""
     loaded, seed, jobs = _jobs("permanent_failure_prunes")
@@ -156,7 +145,7 @@ def test_evaluations_end_as_the_reference_says(
 
 
 def test_worker_killed_in_step_2_resumes_with_step_1_run_once(
-    server: TemporalServer, workers: list[Worker]
+    server: TemporalServer, workers: list[Any]
 ) -> None:
     """The second document's L3 proof: the worker SIGKILLed while step 2's call is in flight,
     a new one started; step 1 ran once, step 2 again, the result the fault-free one."""
@@ -190,7 +179,7 @@ def test_worker_killed_in_step_2_resumes_with_step_1_run_once(
     ],
 )
 def test_the_engines_failpoints_crash_inside_the_activity(
-    server: TemporalServer, workers: list[Worker], failpoint: str, attempts: dict[str, list[int]]
+    server: TemporalServer, workers: list[Any], failpoint: str, attempts: dict[str, list[int]]
 ) -> None:
     """`rule_before_call` and `rule_after_call_before_write`, armed as a worker's are: the
     worker dies there, the next one runs that call again and nothing else."""
@@ -210,7 +199,7 @@ def test_the_engines_failpoints_crash_inside_the_activity(
 
 
 def test_a_server_killed_and_restarted_loses_nothing(
-    server: TemporalServer, workers: list[Worker]
+    server: TemporalServer, workers: list[Any]
 ) -> None:
     """The server SIGKILLed mid-run and restarted on its file: the workflows carry on from
     their histories and end as without faults."""
