@@ -3,7 +3,9 @@
 
 A job is plain data (the workflow engines keep it in their histories): the plan as its file
 spells it, the retry numbers, the fake agent's profile and the time scale, from which the
-workflow rebuilds the same `engine.core.Evaluation` on every replay.
+workflow rebuilds the same `engine.core.Evaluation` on every replay. A worker process
+builds each plan and agent once (`plan_of`, `agent_of`) and arms the engine's failpoints
+from `ENGINE_FAILPOINTS` as the engine's workers do (`failpoints`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.plan import Plan
+from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
+from engine.agent import AgentProfile, FakeAgent
+from engine.failpoints import Failpoints
+from engine.plan import Plan, plan_from_dict
 from engine.policy import RetryPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,9 +63,45 @@ class Job:
         return RetryPolicy(**{**self.policy, "tiers_ms": tuple(self.policy["tiers_ms"])})
 
 
+_plans: dict[str, Plan] = {}
+_agents: dict[str, FakeAgent] = {}
+_failpoints: list[Failpoints] = []
+
+
+def plan_of(data: dict[str, Any]) -> Plan:
+    """The plan a job carries, built once a process."""
+    key = repr(data)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = plan_from_dict(data)
+    return plan
+
+
+def agent_of(profile: dict[str, Any], time_scale: float, immediate_retries: int) -> FakeAgent:
+    """One fake agent a profile in a process: its draws depend on nothing else."""
+    key = repr((sorted(profile.items()), time_scale, immediate_retries))
+    agent = _agents.get(key)
+    if agent is None:
+        agent = _agents[key] = FakeAgent(
+            AgentProfile.from_dict(profile), time_scale, salt=0, immediate_retries=immediate_retries
+        )
+    return agent
+
+
+def failpoints() -> Failpoints:
+    """The engine's failpoints these designs have, armed from `ENGINE_FAILPOINTS` at the
+    first call (never at import: Temporal's workflow sandbox imports its modules too):
+    `rule_before_call`, and `rule_after_call_before_write` while the answer is not durable
+    yet (the activity's completion, the step's output, not recorded: the write window)."""
+    if not _failpoints:
+        _failpoints.append(Failpoints.from_env())
+    return _failpoints[0]
+
+
 class ReadyProcess:
     """A worker process (`python -m MODULE ARGS`) in a session of its own, waited for by the
-    line it prints once it serves (not for time); `kill` SIGKILLs its whole group."""
+    line it prints once it serves (not for time); `kill` SIGKILLs its whole group. It
+    carries the stack's owner mark, so `chaos clean` reaps it if its starter dies."""
 
     def __init__(
         self, module: str, args: list[str], ready_line: str, env: dict[str, str] | None = None
@@ -69,7 +111,12 @@ class ReadyProcess:
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
-            env={**os.environ, **(env or {})},
+            env={
+                **os.environ,
+                MARKER_ENV: uuid.uuid4().hex,
+                OWNER_ENV: owner_token(),
+                **(env or {}),
+            },
             start_new_session=True,
         )
         assert self.proc.stdout is not None

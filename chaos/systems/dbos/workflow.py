@@ -21,13 +21,11 @@ from typing import Any
 
 from dbos import DBOS, DBOSClient
 
-from chaos.systems.core_workflow import Job
-from engine.agent import AgentError, AgentProfile, FakeAgent
+from chaos.systems.core_workflow import Job, agent_of, failpoints, plan_of
+from engine.agent import AgentError
 from engine.core.actions import Finish, PublishPassResult, RunRule, ScheduleRetry
 from engine.core.evaluation import Evaluation
 from engine.core.results import RuleResult
-from engine.failpoints import Failpoints
-from engine.plan import Plan, plan_from_dict
 
 #: The queue the harness enqueues evaluations on (`DBOSClient.enqueue`).
 QUEUE_NAME = "evaluations"
@@ -41,48 +39,21 @@ APP_VERSION = "1"
 #: executions with it; unset: nothing is written).
 CALLS_ENV = "CHAOS_DBOS_CALLS"
 
-#: The engine's failpoints this design has, armed from `ENGINE_FAILPOINTS` as a worker's
-#: are: before the agent's call, and after its answer while the answer is not durable yet
-#: (the step's output not recorded: the write window).
-_failpoints = Failpoints.from_env()
-
-_agents: dict[str, FakeAgent] = {}
-_plans: dict[str, Plan] = {}
-
-
-def _agent(call: dict[str, Any]) -> FakeAgent:
-    key = repr((sorted(call["agent"].items()), call["time_scale"], call["immediate_retries"]))
-    agent = _agents.get(key)
-    if agent is None:
-        profile = AgentProfile.from_dict(call["agent"])
-        agent = _agents[key] = FakeAgent(
-            profile, call["time_scale"], salt=0, immediate_retries=call["immediate_retries"]
-        )
-    return agent
-
-
-def _plan(data: dict[str, Any]) -> Plan:
-    key = repr(data)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = plan_from_dict(data)
-    return plan
-
 
 @DBOS.step(name="call_rule")
 async def call_rule(call: dict[str, Any]) -> dict[str, Any]:
     """The agent's call; its error is an answer (the core's to retry), not DBOS's."""
-    rule = _plan(call["plan"]).rules[call["rule_id"]]
-    await _failpoints.hit("rule_before_call", rule.id, call["attempt_id"])
+    rule = plan_of(call["plan"]).rules[call["rule_id"]]
+    armed = failpoints()
+    await armed.hit("rule_before_call", rule.id, call["attempt_id"])
     calls = os.environ.get(CALLS_ENV)
     if calls:
         with open(calls, "a") as log:
             log.write(f"{call['attempt_id']} {rule.id} {call['attempt']} {call['try_no']}\n")
     try:
-        result = await _agent(call).evaluate(
-            call["attempt_id"], rule, call["attempt"], call["try_no"]
-        )
-        await _failpoints.hit("rule_after_call_before_write", rule.id, call["attempt_id"])
+        agent = agent_of(call["agent"], call["time_scale"], call["immediate_retries"])
+        result = await agent.evaluate(call["attempt_id"], rule, call["attempt"], call["try_no"])
+        await armed.hit("rule_after_call_before_write", rule.id, call["attempt_id"])
     except AgentError as err:
         tokens = int(getattr(err, "tokens", 0) or 0)
         return {"error": err.kind, "retryable": err.retryable, "tokens": tokens}
@@ -105,7 +76,7 @@ def enqueue(client: DBOSClient, job: Job) -> Any:
 async def evaluation(data: dict[str, Any]) -> dict[str, Any]:
     """One evaluation: the core decides, the workflow carries its actions out."""
     job = Job(**data)
-    plan = _plan(job.plan)
+    plan = plan_of(job.plan)
     policy = job.retry_policy()
     core = Evaluation(plan, job.attempt_id, policy, max_parallel=job.max_parallel)
     started: deque[tuple[str, Any, asyncio.Task[Any]]] = deque()  # in the order started

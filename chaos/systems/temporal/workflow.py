@@ -22,8 +22,8 @@ from temporalio import activity, workflow
 from temporalio.common import RetryPolicy as TemporalRetry
 
 with workflow.unsafe.imports_passed_through():
-    from chaos.systems.core_workflow import Job
-    from engine.agent import AgentError, AgentProfile, FakeAgent
+    from chaos.systems.core_workflow import Job, agent_of, failpoints, plan_of
+    from engine.agent import AgentError
     from engine.core.actions import (
         Finish,
         PublishPassResult,
@@ -33,8 +33,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from engine.core.evaluation import Evaluation
     from engine.core.results import RuleResult
-    from engine.failpoints import Failpoints
-    from engine.plan import plan_from_dict
     from engine.policy import RetryPolicy
 
 #: The task queue the harness's workers poll.
@@ -83,45 +81,11 @@ class Ended:
     passes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-#: The engine's failpoints this design has, armed from `ENGINE_FAILPOINTS` as a worker's
-#: are (read by the first call, never in the workflow's sandbox): before the agent's call,
-#: and after its answer while the answer is not durable yet (the activity's completion not
-#: recorded: the write window).
-_failpoints: list[Failpoints] = []
-
-
-def _armed() -> Failpoints:
-    if not _failpoints:
-        _failpoints.append(Failpoints.from_env())
-    return _failpoints[0]
-
-
-_agents: dict[tuple[str, float, int], FakeAgent] = {}
-_plans: dict[str, Any] = {}  # a plan's id and rules -> Plan, built once a worker process
-
-
-def _agent(call: Call) -> FakeAgent:
-    """One agent a profile in each worker process (its draws depend on nothing else)."""
-    key = (repr(sorted(call.agent.items())), call.time_scale, call.immediate_retries)
-    agent = _agents.get(key)
-    if agent is None:
-        profile = AgentProfile.from_dict(call.agent)
-        agent = FakeAgent(
-            profile, call.time_scale, salt=0, immediate_retries=call.immediate_retries
-        )
-        _agents[key] = agent
-    return agent
-
-
 @activity.defn(name="call_rule")
 async def call_rule(call: Call) -> Answer:
     """The agent's call, heartbeating while it runs; its execution is this activity's
     attempt (2 and more: a rerun after a worker died mid-call)."""
-    key = repr(call.plan)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = plan_from_dict(call.plan)
-    rule = plan.rules[call.rule_id]
+    rule = plan_of(call.plan).rules[call.rule_id]
     execution = activity.info().attempt
 
     async def beat() -> None:
@@ -130,13 +94,14 @@ async def call_rule(call: Call) -> Answer:
             await asyncio.sleep(HEARTBEAT_TIMEOUT.total_seconds() / 4)
 
     beating = asyncio.ensure_future(beat())
-    failpoints = _armed()
+    armed = failpoints()
+    agent = agent_of(call.agent, call.time_scale, call.immediate_retries)
     try:
-        await failpoints.hit("rule_before_call", rule.id, call.attempt_id)
-        result = await _agent(call).evaluate(
+        await armed.hit("rule_before_call", rule.id, call.attempt_id)
+        result = await agent.evaluate(
             call.attempt_id, rule, call.attempt, call.try_no, execution=execution
         )
-        await failpoints.hit("rule_after_call_before_write", rule.id, call.attempt_id)
+        await armed.hit("rule_after_call_before_write", rule.id, call.attempt_id)
     except AgentError as err:
         tokens = int(getattr(err, "tokens", 0) or 0)
         return Answer(error=err.kind, retryable=err.retryable, tokens=tokens)
@@ -160,7 +125,7 @@ class EvaluationWorkflow:
 
     @workflow.run
     async def run(self, job: Job) -> Ended:
-        plan = plan_from_dict(job.plan)
+        plan = plan_of(job.plan)
         policy = job.retry_policy()
         core = Evaluation(plan, job.attempt_id, policy, max_parallel=job.max_parallel)
         passes: dict[str, dict[str, Any]] = {}
