@@ -4,7 +4,10 @@ executor id resumes with step 1 run once (the second document's L3 proof, on DBO
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -160,3 +163,18 @@ def test_the_bench_measures_dbos(system_db: str, tmp_path: Path) -> None:
 
     assert dbos_rate(system_db, 5, tmp_path) > 0
     assert dbos_recovery(system_db, tmp_path) > 0
+
+
+def test_a_worker_with_no_database_says_so_in_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "chaos.systems.dbos.worker", "--executor-id", "slot-0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=PATIENCE_S,
+        env={**os.environ, URL_ENV: "postgresql://nobody:secret@127.0.0.1:1/chaos_dbos"},
+    )
+    assert done.returncode == 3
+    assert done.stderr.startswith("dbos worker: cannot launch on EAI_DBOS_URL: ")
+    assert len(done.stderr.splitlines()) == 1
+    assert "secret" not in done.stderr  # the URL's credentials are never printed

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -230,3 +232,16 @@ def test_the_bench_measures_temporal(server: TemporalServer) -> None:
 
     assert temporal_rate(server.address, 5) > 0
     assert temporal_recovery(server.address) > 0
+
+
+def test_a_worker_with_no_server_says_so_in_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "chaos.systems.temporal.worker", "--address", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=PATIENCE_S,
+    )
+    assert done.returncode == 3
+    assert done.stderr.startswith("temporal worker: cannot reach a Temporal server at 127.0.0.1:1")
+    assert len(done.stderr.splitlines()) == 1

@@ -8,6 +8,8 @@ DBOS's recovery for that executor id)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import signal
 import sys
@@ -42,12 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    DBOS.launch()
-    DBOS.register_queue(
-        workflow.QUEUE_NAME,
-        worker_concurrency=workflow.WORKER_CONCURRENCY,
-        polling_interval_sec=0.1,
-    )
+    log = logging.getLogger("dbos")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # a failed launch is said below in one line, not traced
+    try:
+        DBOS.launch()
+        DBOS.register_queue(
+            workflow.QUEUE_NAME,
+            worker_concurrency=workflow.WORKER_CONCURRENCY,
+            polling_interval_sec=0.1,
+        )
+    except Exception as exc:  # an unreachable database, refused credentials: one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"dbos worker: cannot launch on {URL_ENV}: {first}", file=sys.stderr)
+        with contextlib.suppress(Exception):
+            DBOS.destroy()
+        return 3
+    log.setLevel(level)
     print(READY_LINE, flush=True)
     stop.wait()
     DBOS.destroy()

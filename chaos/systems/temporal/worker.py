@@ -24,8 +24,15 @@ READY_LINE = "temporal worker ready"
 MAX_CONCURRENT = 32
 
 
+class WorkerRefused(Exception):
+    """The worker cannot serve: said in one line, exit 3."""
+
+
 async def serve(address: str, task_queue: str = TASK_QUEUE) -> None:
-    client = await Client.connect(address, namespace=NAMESPACE)
+    try:
+        client = await Client.connect(address, namespace=NAMESPACE)
+    except Exception as exc:  # nothing answers there: one line
+        raise WorkerRefused(f"cannot reach a Temporal server at {address}: {exc}") from None
     worker = Worker(
         client,
         task_queue=task_queue,
@@ -51,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True, help="the dev server's host:port")
     parser.add_argument("--task-queue", default=TASK_QUEUE)
     args = parser.parse_args(argv)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.address, args.task_queue))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(args.address, args.task_queue))
+    except WorkerRefused as exc:
+        print(f"temporal worker: {exc}", file=sys.stderr)
+        return 3
     return 0
 
 
