@@ -125,6 +125,15 @@ def run(
     return outcome
 
 
+def not_ok(name: str, outcome: Outcome) -> str:
+    """Why a run is not ok, whole: failed verdicts with their first violations, budgets and
+    the cases a scenario promised (a CI log must say which, the run's outputs are gone)."""
+    r = outcome.result
+    failed = {k: v for k, v in r.verdicts.items() if v != "pass"}
+    firsts = [f"{v.invariant}: {v.message}" for v in r.violations[:3]]
+    return f"{name}: {failed} {firsts} {r.budget_failures} {r.exercise_failures}"
+
+
 #: Mutants whose bug only bites when the live schedule makes it: tried up to this many
 #: times, caught at least once. `sweeper_claims_early` made no claim at all in one CI run
 #: of `calls_outlast_lease` (leases_respected judged its 6 begins only; the cause was not
@@ -140,7 +149,7 @@ def test_mutant_is_caught(
     if name not in baseline:
         baseline[name] = run(stacks, name, tmp_path / "clean")
     clean = baseline[name]
-    assert clean.result.ok, (name, clean.result.verdicts, clean.result.budget_failures)
+    assert clean.result.ok, not_ok(name, clean)
     broken = run(stacks, name, tmp_path / "mutant", mutant)
     for again in range(2, LIVE_TRIES.get(mutant, 1) + 1):
         if not broken.result.ok:
