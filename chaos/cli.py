@@ -54,6 +54,37 @@ NO_WRAP_WIDTH = 100_000  # the console width off a terminal: wider than any line
 
 #: The most seeds one `chaos sim` explores: a million runs is hours, not a typo's billions.
 MAX_SEEDS = 1_000_000
+#: The seeds `chaos sim` explores when `--seeds` is not given.
+DEFAULT_SEEDS = 100
+
+
+def _sim_contradiction(args: argparse.Namespace) -> str | None:
+    """What of `chaos sim`'s options contradict each other, in one line naming the flags
+    and what was expected (None when nothing does): a flag silently ignored would run
+    something else than what its user asked for."""
+    if args.cluster is not None and args.jobs is not None:
+        return (
+            f"--jobs {args.jobs} and --cluster exclude each other: expected "
+            "--jobs J (processes on this machine) or --cluster ADDRESS (the cluster's "
+            "workers), not both"
+        )
+    if args.all_failpoints:
+        ignored = [
+            flag
+            for flag, given in (
+                ("--seeds", args.seeds is not None),
+                ("--shrink", args.shrink),
+                ("--report", args.report is not None),
+            )
+            if given
+        ]
+        if ignored:
+            return (
+                f"--all-failpoints with {', '.join(ignored)}: expected --all-failpoints alone "
+                "(one run's crash points, its seed --first-seed or the scenario's: no seeds "
+                "explored, nothing shrunk, no report) or seeds without --all-failpoints"
+            )
+    return None
 
 
 def _within(least: int, most: int) -> Callable[[str], int]:
@@ -133,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "scenarios", nargs="+", metavar="SCENARIO", help="scenario files (YAML), each explored"
     )
-    sim.add_argument(
-        "--seeds", type=_within(1, MAX_SEEDS), default=100, help="how many seeds (default 100)"
+    sim.add_argument(  # default None: --all-failpoints must tell a --seeds given (DEFAULT_SEEDS)
+        "--seeds", type=_within(1, MAX_SEEDS), help=f"how many seeds (default {DEFAULT_SEEDS})"
     )
     sim.add_argument(
         "--first-seed",
@@ -142,11 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="explore seeds from this one on (default 0)",
     )
-    where = sim.add_mutually_exclusive_group()
-    where.add_argument(
-        "--jobs", type=_within(0, 256), default=0, help="processes (default: every core)"
-    )
-    where.add_argument(
+    # default None, not 0: a --jobs 0 given must be told from none (`_sim_contradiction`;
+    # argparse's exclusive groups take a value equal to the default for no value)
+    sim.add_argument("--jobs", type=_within(0, 256), help="processes (default 0: every core)")
+    sim.add_argument(
         "--cluster",
         metavar="ADDRESS",
         help="explore on a Dask cluster: tcp://HOST:PORT of a scheduler, or local:W for W "
@@ -281,6 +311,13 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "sim":
+        problem = _sim_contradiction(args)
+        if problem is not None:  # before anything is read, started or written
+            print(f"chaos sim: {problem}", file=sys.stderr)
+            return EXIT_INPUT
+        args.seeds = DEFAULT_SEEDS if args.seeds is None else args.seeds
+        args.jobs = 0 if args.jobs is None else args.jobs
     console = make_console()
     if args.command == "clean":
         return _clean(console)

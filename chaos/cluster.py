@@ -30,12 +30,12 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
-from chaos.explore import Exploration, SeedResult, _marked_spawns, _one
+from chaos.explore import Exploration, SeedResult, _marked_spawns, _one, simulate
 
 #: How long connecting to a scheduler (and its first answer) may take.
 CONNECT_TIMEOUT_S = 5.0
@@ -61,6 +61,8 @@ class ClusterSession:
     client: Any  # distributed.Client
     address: str
     local: Any = None  # distributed.LocalCluster, ours to close
+    #: Plan files (path, sha256 here) every worker was found to read alike (`check_files`).
+    files_checked: set[frozenset[tuple[str, str]]] = field(default_factory=set)
 
     @property
     def threads(self) -> int:
@@ -148,6 +150,9 @@ def check_files(session: ClusterSession, paths: list[str]) -> None:
     if not paths:
         return
     ours = file_digests(paths)
+    key = frozenset(ours.items())
+    if key in session.files_checked:  # a shrink asks each round: once is enough
+        return
     theirs = _run(session, file_digests, paths)
     differing = sorted(w for w, d in theirs.items() if d != ours)
     if differing:
@@ -155,6 +160,7 @@ def check_files(session: ClusterSession, paths: list[str]) -> None:
             f"{len(differing)} worker(s) of {session.address} read other plan files than "
             f"{', '.join(paths)}: {', '.join(differing)}"
         )
+    session.files_checked.add(key)
 
 
 def _worker_fingerprint() -> str:
@@ -223,6 +229,10 @@ def connect(address: str) -> Iterator[ClusterSession]:
                             processes=True,
                             host="127.0.0.1",
                             dashboard_address=None,
+                            # its HTTP server (health, metrics) on a free port of
+                            # 127.0.0.1: the default 8787 may be another's, and Dask
+                            # then warns on stderr
+                            scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
                             local_directory=str(scratch),
                             silence_logs=logging.ERROR,
                         )
@@ -288,14 +298,14 @@ def _first_line(exc: BaseException) -> str:
 
 
 def run_batch(
-    data: dict[str, Any], seeds: list[int], mutant: str | None, measure: bool
-) -> tuple[str, str, list[SeedResult]]:
-    """On a worker: `explore._one` for each seed of the batch, the garbage collector tuned
-    meanwhile as in the pool's processes (`explore._pool_worker`: the objects already there,
-    the worker's and the imports', frozen out of every collection, young collections spaced
-    out), then put back as found: the worker is not ours to retune. With the results, which
-    worker ran them and its `fingerprint`: a worker that joined after the check at connect
-    is checked too."""
+    fn: Callable[..., Any], shared: Any, items: list[Any], args: tuple[Any, ...]
+) -> tuple[str, str, list[Any]]:
+    """On a worker: `fn(shared, item, *args)` for each item of the batch (a seed, a
+    failpoint, a shrink candidate), the garbage collector tuned meanwhile as in the pool's
+    processes (`explore._pool_worker`: the objects already there, the worker's and the
+    imports', frozen out of every collection, young collections spaced out), then put back
+    as found: the worker is not ours to retune. With the results, which worker ran them and
+    its `fingerprint`: a worker that joined after the check at connect is checked too."""
     import gc
 
     from distributed import get_worker
@@ -306,7 +316,7 @@ def run_batch(
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
     try:
-        results = [_one((data, seed, mutant, measure)) for seed in seeds]
+        results = [fn(shared, item, *args) for item in items]
     finally:
         gc.set_threshold(*saved)
         gc.unfreeze()
@@ -319,6 +329,80 @@ def _process_fingerprint() -> str:
     return _worker_fingerprint()
 
 
+def plan_paths(documents: Iterable[dict[str, Any]]) -> list[str]:
+    """The plan files the documents read, each once, in order: what `check_files` asks."""
+    paths: dict[str, None] = {}
+    for data in documents:
+        for plan in data.get("plans", []):
+            if isinstance(plan, dict) and "path" in plan:
+                paths[str(plan["path"])] = None
+    return list(paths)
+
+
+def map_on(
+    session: ClusterSession,
+    fn: Callable[..., Any],
+    shared: Any,
+    items: list[Any],
+    *args: Any,
+    on_batch: Callable[[list[Any], list[Any]], None] | None = None,
+) -> list[Any]:
+    """`[fn(shared, item, *args) for item in items]` on the cluster, in the order of
+    `items`: what every simulation of `chaos sim --cluster` goes through (seeds, failpoints,
+    shrink candidates), so each gets the same batching, version check and clean-up.
+    `shared` (a scenario's document) is scattered once to every worker and tasks carry
+    only their items, `batch_size` of them; `on_batch(items, results)` sees each batch as it
+    comes back (the progress line). Whatever ends it, our futures leave the cluster."""
+    from distributed import KilledWorker, as_completed
+
+    if isinstance(shared, dict):  # a scenario: its workers must read its plans as we do
+        check_files(session, plan_paths([shared]))
+    client = session.client
+    size = batch_size(len(items), session.threads)
+    futures: list[Any] = []
+    by_batch: dict[int, list[Any]] = {}
+    try:
+        if shared is not None:
+            # a list of one: a dict would be scattered value by value, each under its key
+            [shared] = client.scatter([shared], broadcast=True, hash=False)
+            futures.append(shared)
+        batches = {
+            client.submit(run_batch, fn, shared, items[i : i + size], args, pure=False): i
+            for i in range(0, len(items), size)
+        }
+        futures += batches
+        ours = fingerprint()
+        for future in as_completed(list(batches), loop=client.loop):
+            worker, theirs, results = future.result()
+            if theirs != ours:
+                raise ClusterError(
+                    f"worker {worker} of {session.address} runs another version of the "
+                    f"code (source fingerprint {ours[:12]} here), as a batch of its says"
+                )
+            start = batches[future]
+            by_batch[start] = results
+            if on_batch:
+                on_batch(items[start : start + size], results)
+    except (OSError, TimeoutError, KilledWorker) as exc:
+        raise ClusterError(f"cluster {session.address}: {_first_line(exc)}") from None
+    finally:
+        # done, interrupted or failed: the scenario, the queued batches and the results
+        # leave the cluster now, not when the garbage collector finds the futures
+        _cancel(client, futures)
+        futures.clear()
+    return [r for start in sorted(by_batch) for r in by_batch[start]]
+
+
+def _seed(data: dict[str, Any], seed: int, mutant: str | None, measure: bool) -> SeedResult:
+    """On a worker: one seed's swarm variant (`explore._one`)."""
+    return _one((data, seed, mutant, measure))
+
+
+def _simulated(_shared: None, data: dict[str, Any], mutant: str | None) -> SeedResult:
+    """On a worker: one document as it is (`explore.simulate`), a shrink candidate."""
+    return simulate(data, mutant)
+
+
 def explore_on(
     session: ClusterSession,
     data: dict[str, Any],
@@ -329,45 +413,27 @@ def explore_on(
 ) -> Exploration:
     """`explore.explore` on the cluster: the document scattered once to every worker,
     seeds in `batch_size` batches, results in the order of `seeds`."""
-    from distributed import KilledWorker, as_completed
 
-    order = list(seeds)
-    plans = [p["path"] for p in data.get("plans", []) if isinstance(p, dict) and "path" in p]
-    check_files(session, [str(p) for p in plans])
-    client = session.client
-    size = batch_size(len(order), session.threads)
-    futures: list[Any] = []
-    by_seed: dict[int, SeedResult] = {}
-    try:
-        # a list of one: a dict would be scattered value by value, each under its key
-        [shared] = client.scatter([data], broadcast=True, hash=False)
-        futures.append(shared)
-        futures += [
-            client.submit(run_batch, shared, order[i : i + size], mutant, measure, pure=False)
-            for i in range(0, len(order), size)
-        ]
-        ours = fingerprint()
-        for future in as_completed(futures[1:], loop=client.loop):
-            worker, theirs, results = future.result()
-            if theirs != ours:
-                raise ClusterError(
-                    f"worker {worker} of {session.address} runs another version of the "
-                    f"code (source fingerprint {ours[:12]} here), as a batch of its says"
-                )
+    def streamed(_seeds: list[Any], results: list[Any]) -> None:
+        if on_result:
             for r in results:
-                by_seed[r.seed] = r
-                if on_result:
-                    on_result(r)
-    except (OSError, TimeoutError, KilledWorker) as exc:
-        raise ClusterError(f"cluster {session.address}: {_first_line(exc)}") from None
-    finally:
-        # done, interrupted or failed: the scenario, the queued batches and the results
-        # leave the cluster now, not when the garbage collector finds the futures
-        _cancel(client, futures)
-        futures.clear()
+                on_result(r)
+
     exploration = Exploration()
-    exploration.results = [by_seed[s] for s in order]
+    exploration.results = map_on(
+        session, _seed, data, list(seeds), mutant, measure, on_batch=streamed
+    )
     return exploration
+
+
+def simulate_on(
+    session: ClusterSession, documents: list[dict[str, Any]], mutant: str | None = None
+) -> list[SeedResult]:
+    """`explore.simulate` of each document on the cluster, results in their order: the
+    shrinker's candidates of one round (`explore.shrink`'s `run_many`). Nothing is shared
+    by them all (each is another document), so each task carries its own."""
+    check_files(session, plan_paths(documents))
+    return map_on(session, _simulated, None, documents, mutant)
 
 
 def _cancel(client: Any, futures: list[Any]) -> None:

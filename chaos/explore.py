@@ -21,6 +21,7 @@ import copy
 import ctypes
 import dataclasses
 import gc
+import itertools
 import multiprocessing
 import os
 import random
@@ -446,43 +447,83 @@ def _abandon(pool: ProcessPoolExecutor) -> None:
 # --- shrinking ------------------------------------------------------------------------------
 
 
+#: Runs a batch of documents under a mutant, results in their order (`chaos.cluster.simulate_on`).
+SimulateMany = Callable[[list[dict[str, Any]], str | None], list[SeedResult]]
+
+
+@dataclass
+class ShrinkStats:
+    """What a shrink cost: `decisive` counts the simulations its decisions took (a batch's
+    candidates up to the first one kept; the same number however the candidates were run),
+    `run` those run, a batch's candidates after the one kept too."""
+
+    decisive: int = 0
+    run: int = 0
+
+
 def shrink(
     data: dict[str, Any],
     invariant: str,
     mutant: str | None = None,
     run: Simulate = simulate,
     budget: int = 200,
+    run_many: SimulateMany | None = None,
+    width: int = 1,
+    stats: ShrinkStats | None = None,
 ) -> dict[str, Any]:
     """The smallest variant (fewest faults, earliest, smallest run) that still breaks
-    `invariant` under the same seed."""
-    tries = 0
+    `invariant` under the same seed.
+
+    Greedy: each round keeps the first candidate of `_smaller` (in its order) that still
+    breaks it, and starts again from there. `run_many` runs `width` candidates of a round
+    at once (on a cluster: `chaos.cluster.simulate_on`); the first of them in order that
+    still fails is kept, those after it were run for nothing, and the budget is counted as
+    if they had been run one by one, so the result is the one `run` gives, whatever the
+    width. Without `run_many`, candidates are run one by one with `run`."""
+    stats = stats if stats is not None else ShrinkStats()
+    if run_many is None:
+        width = 1
+    many: SimulateMany = run_many or (lambda documents, m: [run(d, m) for d in documents])
     if invariant != "exercised":
         # The minimum case counts speak of the full run; a smaller one judges fewer cases.
         data = {k: v for k, v in data.items() if k != "exercised"}
 
-    def still_fails(candidate: dict[str, Any]) -> bool:
-        nonlocal tries
-        tries += 1
-        result = run(candidate, mutant)
-        return invariant in result.failed
+    def first_failing(candidates: list[dict[str, Any]]) -> int | None:
+        """Index of the first candidate that still breaks `invariant` (None: none does)."""
+        results = many(candidates, mutant)
+        stats.run += len(candidates)
+        for i, result in enumerate(results):
+            if invariant in result.failed:
+                stats.decisive += i + 1
+                return i
+        stats.decisive += len(candidates)
+        return None
 
     best = concrete(data)
-    if not still_fails(best):  # the written-out schedule must break it too
+    if first_failing([best]) is None:  # the written-out schedule must break it too
         best = copy.deepcopy(data)
     improved = True
-    while improved and tries < budget:
+    while improved and stats.decisive < budget:
         improved = False
-        for candidate in _smaller(best):
-            if tries >= budget:
+        valid = (c for c in _smaller(best) if _loads(c))
+        while stats.decisive < budget:
+            chunk = list(itertools.islice(valid, min(width, budget - stats.decisive)))
+            if not chunk:
                 break
-            try:
-                load_document(candidate)
-            except ScenarioError:
-                continue
-            if still_fails(candidate):
-                best, improved = candidate, True
+            kept = first_failing(chunk)
+            if kept is not None:
+                best, improved = chunk[kept], True
                 break
     return best
+
+
+def _loads(candidate: dict[str, Any]) -> bool:
+    """Whether a shrink candidate is a valid scenario (one that is not is skipped, unrun)."""
+    try:
+        load_document(candidate)
+    except ScenarioError:
+        return False
+    return True
 
 
 def _smaller(data: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -12,6 +12,7 @@ import copy
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -135,7 +136,7 @@ def explore_command(
         return EXIT_INPUT
     data = document(loaded)
     if args.all_failpoints:
-        return _all_failpoints(data, args, console)
+        return _all_failpoints(data, args, console, cluster)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     bar = Progress(
         TextColumn(f"{loaded.spec.name}"),
@@ -205,7 +206,7 @@ def explore_command(
         console.print(f"report: {target / 'report.html'} ({len(measures)} seeds)", markup=False)
     if failures and args.shrink:
         first = min(failures, key=lambda r: r.seed)
-        _shrink_and_write(data, first, loaded, args, console)
+        _shrink_and_write(data, first, loaded, args, console, cluster)
     return EXIT_VIOLATION if failures else EXIT_OK
 
 
@@ -229,27 +230,54 @@ def _shrink_and_write(
     loaded: LoadedScenario,
     args: argparse.Namespace,
     console: Console,
+    cluster: ClusterSession | None = None,
 ) -> Path:
-    from chaos.explore import swarm
+    """Shrink the failing seed's variant and write it as a regression scenario. On a
+    cluster each round's candidates run there, as many at once as it has threads
+    (`explore.shrink`'s `run_many`): the same scenario as one by one here, in fewer
+    rounds of waiting, some candidates run for nothing (said in the last line)."""
+    from chaos.explore import ShrinkStats, swarm
 
     invariant = failure.failed[0]
     variant = swarm(data, failure.seed)
     ticker = Ticker(enabled=not console.is_terminal)
-    tries = 0
+    stats = ShrinkStats()
+    ran = 0
 
-    def counted(candidate: dict[str, Any], mutant: str | None) -> SeedResult:
-        nonlocal tries
-        tries += 1
+    def tick(count: int) -> None:
+        nonlocal ran
+        ran += count
         ticker.tick(
             lambda took: (
                 f"chaos sim {loaded.spec.name} --shrink: seed {failure.seed}, "
-                f"{tries} simulations, {took:.1f} s"
+                f"{ran} simulations, {took:.1f} s"
             )
         )
-        return simulate(candidate, mutant)
+
+    def counted(candidate: dict[str, Any], mutant: str | None) -> SeedResult:
+        result = simulate(candidate, mutant)
+        tick(1)
+        return result
 
     with console.status(f"shrinking seed {failure.seed}...", spinner="dots"):
-        small = shrink(variant, invariant, args.mutant, run=counted)
+        if cluster is None:
+            small = shrink(variant, invariant, args.mutant, run=counted, stats=stats)
+        else:
+            from chaos.cluster import simulate_on
+
+            def on_cluster(documents: list[dict[str, Any]], mutant: str | None) -> list[SeedResult]:
+                results = simulate_on(cluster, documents, mutant)
+                tick(len(documents))
+                return results
+
+            small = shrink(
+                variant,
+                invariant,
+                args.mutant,
+                run_many=on_cluster,
+                width=cluster.threads,
+                stats=stats,
+            )
     name = f"{loaded.spec.name}-{invariant}-s{failure.seed}".replace("_", "-")
     if args.mutant:
         name += f"-{args.mutant}".replace("_", "-")
@@ -259,9 +287,13 @@ def _shrink_and_write(
         + f": breaks {invariant}. {failure.message}"
     )
     path = write_regression(small, args.regressions, name, description)
+    where = ""
+    if cluster is not None:
+        spared = stats.run - stats.decisive
+        where = f" on the cluster ({stats.run} run, {spared} of them past the candidate kept)"
     console.print(
-        f"shrunk to {len(small.get('faults', []))} fault(s) in {tries} simulations; "
-        f"replay with: python -m chaos run {shlex.quote(str(path))} --mode sim"
+        f"shrunk to {len(small.get('faults', []))} fault(s) in {stats.decisive} simulations"
+        f"{where}; replay with: python -m chaos run {shlex.quote(str(path))} --mode sim"
         + (f" --mutant {shlex.quote(args.mutant)}" if args.mutant else ""),
         markup=False,
     )
@@ -282,28 +314,80 @@ def crash_variant(data: dict[str, Any], seed: int, failpoint: str, hit: int) -> 
     return variant
 
 
-def _all_failpoints(data: dict[str, Any], args: argparse.Namespace, console: Console) -> int:
-    """A crash at every hit of every failpoint of the run, one simulation each."""
+def failpoint_crashes(
+    data: dict[str, Any],
+    failpoint: str,
+    seed: int,
+    mutant: str | None,
+    on_result: Callable[[SeedResult], None] | None = None,
+) -> list[tuple[int, SeedResult]]:
+    """A crash of every worker at hit 1, 2, ... of `failpoint` (`crash_variant`), one
+    simulation each, each next hit tried only while the last one fired (the run reaches
+    that failpoint fewer times than a hit that did not fire), at most `MAX_HITS`: every
+    hit tried and its result, the last one's that did not fire too. A sequence decided hit
+    by hit, but independent of any other failpoint's: `--cluster` runs one failpoint's
+    sequence a task (`chaos.cluster.map_on`), on a worker, the same as here."""
+    tried: list[tuple[int, SeedResult]] = []
+    for hit in range(1, MAX_HITS + 1):
+        result = simulate(crash_variant(data, seed, failpoint, hit), mutant)
+        tried.append((hit, result))
+        if on_result:
+            on_result(result)
+        if not result.crashed:
+            break  # this failpoint is hit fewer times than `hit`
+    return tried
+
+
+def _all_failpoints(
+    data: dict[str, Any],
+    args: argparse.Namespace,
+    console: Console,
+    cluster: ClusterSession | None = None,
+) -> int:
+    """A crash at every hit of every failpoint of the run, one simulation each; on
+    `cluster`, the failpoints' sequences run there (the same results, in the same order)."""
     seed = args.first_seed if args.first_seed else int(data.get("seed", 0))
     failures: list[tuple[str, int, SeedResult]] = []
     tried = 0
     started = time.monotonic()
     ticker = Ticker(enabled=not console.is_terminal)
     label = data.get("name", "scenario")
-    for name in FAILPOINTS:
-        for hit in range(1, MAX_HITS + 1):
-            result = simulate(crash_variant(data, seed, name, hit), args.mutant)
-            tried += 1
-            ticker.tick(
-                lambda took, name=name, tried=tried: (
-                    f"chaos sim {label} --all-failpoints: {tried} crash "
-                    f"points so far (now {name}), {len(failures)} failing, {took:.1f} s"
-                )
+    now = ""
+
+    def tick(count: int) -> None:
+        nonlocal tried
+        tried += count
+        ticker.tick(
+            lambda took: (
+                f"chaos sim {label} --all-failpoints: {tried} crash "
+                f"points so far (now {now}), {len(failures)} failing, {took:.1f} s"
             )
-            if not result.crashed:
-                break  # this failpoint is hit fewer times than `hit`
-            if not result.ok:
-                failures.append((name, hit, result))
+        )
+
+    def failed(name: str, hits: list[tuple[int, SeedResult]]) -> None:
+        failures.extend((name, hit, r) for hit, r in hits if r.crashed and not r.ok)
+
+    names = list(FAILPOINTS)
+    if cluster is None:
+        for name in names:
+            now = name
+            failed(name, failpoint_crashes(data, name, seed, args.mutant, lambda _: tick(1)))
+    else:
+        from chaos.cluster import map_on
+
+        def seen(batch: list[Any], sequences: list[Any]) -> None:
+            nonlocal now
+            now = batch[-1]
+            for name, hits in zip(batch, sequences, strict=True):
+                failed(name, hits)  # counted now, listed below in the failpoints' order
+            tick(sum(len(hits) for hits in sequences))
+
+        sequences = map_on(
+            cluster, failpoint_crashes, data, names, seed, args.mutant, on_batch=seen
+        )
+        failures.clear()
+        for name, hits in zip(names, sequences, strict=True):
+            failed(name, hits)
     console.print(
         f"{label} (sim): {tried} crash points tried in {time.monotonic() - started:.1f} s, "
         f"{len(failures)} failing",

@@ -25,27 +25,15 @@ from chaos.cluster import (
     connect,
     fingerprint,
 )
-from chaos.explore import document, explore
+from chaos.explore import SeedResult, ShrinkStats, document, explore, shrink, swarm
 from chaos.scenario import load_scenario
+from tests.cli_helpers import ROOT, chaos
 
 pytestmark = pytest.mark.slow  # LocalClusters of worker processes, CLI runs in subprocesses
 
-ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "scenarios" / "crash_after_ack.yaml"
 SEEDS = range(24)
 MUTANT = "no_redis_results"  # found within 20 seeds of crash_after_ack (test_explore)
-
-
-def chaos(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "chaos", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env=env,
-    )
 
 
 def _children() -> set[int]:
@@ -78,6 +66,7 @@ def _test_cluster(workers: int) -> Iterator[str]:
             processes=True,
             host="127.0.0.1",
             dashboard_address=None,
+            scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},  # 8787 left free
             local_directory=scratch,
         )
     try:
@@ -125,6 +114,10 @@ def test_the_command_finds_and_shrinks_the_same_failures_as_jobs(tmp_path: Path)
     assert (tmp_path / "cluster" / written[0]).read_text() == (
         tmp_path / "jobs" / written[0]
     ).read_text()
+    [shrunk] = [ln for ln in cluster.stdout.splitlines() if ln.startswith("shrunk to ")]
+    assert " on the cluster (" in shrunk  # its candidates ran there, not here
+    [here] = [ln for ln in jobs.stdout.splitlines() if ln.startswith("shrunk to ")]
+    assert shrunk.split(" simulations")[0] == here.split(" simulations")[0]
     assert "Traceback" not in cluster.stderr
 
 
@@ -200,11 +193,113 @@ def test_the_fingerprint_follows_the_source(tmp_path: Path) -> None:
     assert fingerprint(copies) != fingerprint(dirs)
 
 
-def test_cluster_and_jobs_together_is_exit_2() -> None:
-    run = chaos("sim", str(SCENARIO), "--cluster", "local:2", "--jobs", "2")
-    assert run.returncode == 2
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (("--cluster", "local:2", "--jobs", "2"), ("--jobs 2", "--cluster", "expected")),
+        (("--jobs", "0", "--cluster", "local:2"), ("--jobs 0", "--cluster", "expected")),
+        (("--all-failpoints", "--shrink"), ("--all-failpoints", "--shrink", "expected")),
+        (("--all-failpoints", "--seeds", "5"), ("--all-failpoints", "--seeds", "expected")),
+        (("--seeds", "5", "--all-failpoints", "--report", "REPORT"), ("--seeds, --report",)),
+    ],
+)
+def test_contradictory_options_are_one_line_exit_2(
+    tmp_path: Path, given: tuple[str, ...], named: tuple[str, ...]
+) -> None:
+    """Options that contradict each other (`--jobs 0`, the default's value, included) are
+    refused before anything starts: one line naming them and what was expected, exit 2,
+    nothing run or written (no cluster started, no regression, no report)."""
+    argv = [str(tmp_path / "report") if a == "REPORT" else a for a in given]
+    out = tmp_path / "out"
+    run = chaos("sim", str(SCENARIO), *argv, "--out", str(out), "--regressions", str(out))
+    assert run.returncode == 2, run.stdout + run.stderr
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--cluster" in lines[0] and "--jobs" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("chaos sim: "), run.stderr
+    assert all(n in lines[0] for n in named), lines[0]
+    assert run.stdout == ""
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def session() -> Iterator[ClusterSession]:
+    """One LocalCluster of 2 workers (`_test_cluster`) and our session on it, for the
+    module's in-process comparisons: both closed at the end, a failing test's too."""
+    with _test_cluster(2) as address, connect(address) as on:
+        yield on
+
+
+def _nothing_here(*_args: object, **_kwargs: object) -> SeedResult:
+    """In place of this process's `simulate`: a simulation asked of the cluster must not
+    run here (the workers' own modules are untouched)."""
+    raise AssertionError("simulated in the client's process, not on the cluster")
+
+
+#: A shrink of several rounds (116 simulations one by one): a mutant's failing seed of the
+#: regression scenario written for it.
+SHRUNK = ("regressions/cancel-read-before-a-call-quiet-state-s4", "cancel_read_unheard", 14)
+
+
+@pytest.mark.parametrize(("budget", "width"), [(200, 2), (40, 3)])
+def test_shrinking_on_the_cluster_keeps_what_shrinking_here_keeps(
+    session: ClusterSession, budget: int, width: int
+) -> None:
+    """The candidates of each round run on the cluster `width` at once; the shrunk
+    scenario, and the simulations its decisions took, are those of one by one here, also
+    when the budget stops it midway (40 of 116)."""
+    from chaos.cluster import simulate_on
+
+    name, mutant, seed = SHRUNK
+    data = document(load_scenario(ROOT / "scenarios" / f"{name}.yaml"))
+    variant = swarm(data, seed)
+    [invariant] = explore(data, [seed], jobs=1, mutant=mutant).results[0].failed[:1]
+    here = ShrinkStats()
+    alone = shrink(variant, invariant, mutant, budget=budget, stats=here)
+    there = ShrinkStats()
+    batched = shrink(
+        variant,
+        invariant,
+        mutant,
+        run=_nothing_here,
+        budget=budget,
+        run_many=lambda docs, m: simulate_on(session, docs, m),
+        width=width,
+        stats=there,
+    )
+    assert batched == alone
+    assert there.decisive == here.decisive == here.run
+    assert here.decisive == min(budget, 116) and there.run >= there.decisive
+    assert not session.client.who_has()  # no candidate or result kept on the cluster
+
+
+def test_all_failpoints_on_the_cluster_gives_the_same_crash_points(
+    session: ClusterSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--all-failpoints` on the cluster (each failpoint's hits a sequence there): the same
+    crash points tried, the same failing ones in the same order, as one by one here."""
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    import chaos.simcli
+    from chaos.cli import NO_WRAP_WIDTH
+
+    data = document(load_scenario(ROOT / "scenarios" / "crash_in_write_window.yaml"))
+    args = argparse.Namespace(first_seed=0, mutant=MUTANT)
+
+    def lines(cluster: ClusterSession | None) -> list[str]:
+        out = io.StringIO()
+        console = Console(file=out, highlight=False, soft_wrap=True, width=NO_WRAP_WIDTH)
+        code = chaos.simcli._all_failpoints(data, args, console, cluster)
+        assert code == 1
+        first, *rest = out.getvalue().splitlines()
+        return [first.split(" in ")[0], first.split(" s, ")[1], *rest]  # the time left out
+
+    here = lines(None)
+    monkeypatch.setattr(chaos.simcli, "simulate", _nothing_here)
+    there = lines(session)
+    assert there == here and len(here) > 2, here[:3]
+    assert not session.client.who_has()
 
 
 def test_without_dask_chaos_imports_and_cluster_says_how_to_install() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from chaos.explore import (
 )
 from chaos.mutants import MUTANTS
 from chaos.scenario import load_scenario
+from tests.cli_helpers import chaos
 from tests.test_chaos_runs import CATCHES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,16 +154,6 @@ def test_shrinking_keeps_the_failure_and_drops_the_rest() -> None:
 
 
 def test_chaos_sim_finds_shrinks_and_writes_a_replayable_regression(tmp_path: Path) -> None:
-    def chaos(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "chaos", *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-
     found = chaos(
         "sim", "scenarios/crash_after_ack.yaml", "--seeds", "20", "--jobs", "2",
         "--mutant", "no_redis_results", "--shrink", "--regressions", str(tmp_path),
@@ -182,11 +171,7 @@ def test_chaos_sim_finds_shrinks_and_writes_a_replayable_regression(tmp_path: Pa
 
 
 def test_all_failpoints_enumerates_every_crash_point() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "chaos", "sim", "scenarios/crash_in_write_window.yaml",
-         "--all-failpoints"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    out = chaos("sim", "scenarios/crash_in_write_window.yaml", "--all-failpoints")
     assert out.returncode == 0, out.stdout + out.stderr
     tried = int(out.stdout.split(" crash points tried")[0].split()[-1])
     assert tried > 40  # 13 rules: dozens of hits of the rule-level failpoints
