@@ -267,7 +267,10 @@ def test_shrinking_on_the_cluster_keeps_what_shrinking_here_keeps(
     )
     assert batched == alone
     assert there.decisive == here.decisive == here.run
-    assert here.decisive == min(budget, 116) and there.run >= there.decisive
+    assert there.run >= there.decisive
+    # several rounds when the budget lets it end (116 simulations at this writing); 40 stops
+    # it midway, its last batch cut to the budget
+    assert 40 < here.decisive < budget if budget == 200 else here.decisive == budget
     assert not session.client.who_has()  # no candidate or result kept on the cluster
 
 
