@@ -363,7 +363,7 @@ def _held_behind(cx: Context, tol: float) -> list[Violation]:
             # due and in the broker: by the last publish answered before the delivery
             # (the sweeper's, when it re-published a lost one)
             sent = [t for t in answers.get(key, ()) if t <= event_time(e)]
-            there = max(due, *sent)
+            there = max([due, *sent])
             if ahead - there > tol + _lag_s(e, latest) and not cx.fault_between(due, event_time(e)):
                 out.append(
                     Violation(
