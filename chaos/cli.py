@@ -561,6 +561,9 @@ def _runnable(designs: Any, loaded: list[Any], mode: str, console: Console) -> A
             continue
         for sc in loaded:
             problem = refusal(on_system(sc, sut.name), sut.name, mode)
+            if problem is None and mode == "live":  # what its live adapter cannot take
+                own = sut.stack_class().own()
+                problem = sut.live_refusal(on_system(sc, sut.name), own)
             if problem is not None:
                 print(f"{problem} (--designs durable: every design takes it)", file=sys.stderr)
                 return ()

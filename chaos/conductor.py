@@ -36,6 +36,7 @@ from chaos.scenario import (
     fault_schedule,
 )
 from chaos.supervision import Exited, Healed, Slot, Start, fired, supervise
+from chaos.systems import SYSTEMS
 from engine.plan import Plan
 
 #: The harness's durable queue of `evaluation.completed` (in the run's namespace), bound
@@ -161,6 +162,7 @@ class Conductor:
         # and a count of those that name none
         self._poison: set[str] = set()
         self._nameless_poison = 0
+        self._stale_copies_act = SYSTEMS[self.spec.system].stale_copies_act
 
     # --- the run ------------------------------------------------------------------------
 
@@ -233,7 +235,9 @@ class Conductor:
                 or any(s.heals for s in alive_slots)  # restarted, not ready yet: not healed
             )
             alive = [s.proc.pid for s in alive_slots]
-            holding = holdings.held(alive)
+            # a stale copy of a taken-over evaluation may act later, unless the design's
+            # server refuses it (a workflow engine's): then nothing is worth waiting for
+            holding = holdings.held(alive) if self._stale_copies_act else 0
             settled = progress.terminal == len(self.attempt_ids)
             poisoned = bool(self._poison) or self._nameless_poison > 0
             if settled and not (pending_faults or restarting or holding or poisoned):

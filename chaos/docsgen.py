@@ -72,6 +72,12 @@ def scenarios_page(root: Path = ROOT) -> str:
             "acceptance tests and its resume from a checkpoint",
         ),
         (
+            "temporal",
+            "scenarios/temporal/*.yaml",
+            "the `temporal` design's own (`system: temporal`): its server's kill and its "
+            "workers' cut link",
+        ),
+        (
             "Containers mode",
             "scenarios/containers/*.yaml",
             "clean stops and pauses of the services (`--mode containers`, or live processes)",

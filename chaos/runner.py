@@ -289,6 +289,9 @@ class ScenarioRun:
         extra["system"] = self.system_name
         extra["settings"] = self.spec.settings()
         extra["network"] = self.network.kind
+        design = getattr(self.system, "design_settings", None)
+        if design:  # what decides how fast this design recovers (a peer's timeouts)
+            extra["design_settings"] = design
         if self.run_prefix:
             extra["attempt_id_prefix"] = self.run_prefix
         return Outcome(

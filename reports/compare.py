@@ -111,6 +111,14 @@ DESIGNS: dict[str, tuple[Design, ...]] = {
             "the same shell; work, retries and events as rows of the same database",
             system="pg",
         ),
+        Design(
+            "Temporal",
+            "temporal",
+            None,
+            "the engine's core as a workflow, an activity a call (1 s heartbeat timeout, 1 s "
+            "sticky schedule-to-start, 10 ms timer shift)",
+            system="temporal",
+        ),
     ),
 }
 #: The retry levels a comparison sets apart: immediate, delayed, after a permanent failure.

@@ -675,7 +675,8 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     (
         "unknown_link",
         _net(action="cut_link", link="mysql"),
-        "faults[1].link: expected one of redis, broker, replication, postgres; got 'mysql'",
+        "faults[1].link: expected one of redis, broker, replication, postgres, temporal; "
+        "got 'mysql'",
     ),
     (
         "toxic_missing",

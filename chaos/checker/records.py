@@ -134,6 +134,14 @@ class CheckSpec:
     #: The services that hold its work queue and delayed retries (RabbitMQ, or PostgreSQL's
     #: job rows in `pg`): a kill of one must lose none of them.
     brokers: tuple[str, ...] = ("broker",)
+    #: Its workers write a start marker before a delayed retry's first try, the count of the
+    #: attempt's executions (False: the workflow engine's server counts them, the
+    #: activity's or step's attempt; `history_well_formed` looks for no marker then).
+    start_markers: bool = True
+    #: Its delayed retries come out in the order they fall due (one queue per delay, or
+    #: claims ordered by due time), so one held behind a later one is the broker's doing
+    #: (False: each retry is its own timer, delivered through its own workflow's tasks).
+    retries_in_due_order: bool = True
 
     def __post_init__(self) -> None:
         from chaos.checker.invariants import INVARIANTS  # the registry imports this module

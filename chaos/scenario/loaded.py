@@ -106,6 +106,8 @@ class LoadedScenario:
             price_per_1k_tokens=budgets.price_per_1k_tokens,
             not_applicable=dict(SYSTEMS[self.spec.system].not_applicable),
             brokers=SYSTEMS[self.spec.system].brokers,
+            start_markers=SYSTEMS[self.spec.system].start_markers,
+            retries_in_due_order=SYSTEMS[self.spec.system].retries_in_due_order,
             faults_planned=tuple(f.label for f in self.schedule(random.Random(seed))),
             failpoints=tuple(
                 (f.failpoint, f.rule, None if f.evaluation is None else list(plans)[f.evaluation])

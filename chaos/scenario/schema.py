@@ -114,7 +114,7 @@ SENTINELS = 3
 _LINK_LIST = "add_toxic, update_toxic, remove_toxic, cut_link"
 #: The links a network fault acts on: each worker's connections to a service of its system
 #: (`chaos.systems`: Redis, RabbitMQ, PostgreSQL), and the link a Redis replica replicates over.
-LINKS: tuple[str, ...] = ("redis", "broker", "replication", "postgres")
+LINKS: tuple[str, ...] = ("redis", "broker", "replication", "postgres", "temporal")
 
 
 MAX_EVALUATIONS_PER_PLAN = 10_000

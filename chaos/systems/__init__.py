@@ -53,6 +53,16 @@ class System:
     store_of: str | None = None
     #: Its services that hold the work queue and the delayed retries.
     brokers: tuple[str, ...] = ("broker",)
+    #: Its workers count a rule's executions with a start marker of their own (False: the
+    #: workflow engine's server counts them, as the activity's attempt).
+    start_markers: bool = True
+    #: Its delayed retries come out in the order they fall due: a queue per delay, claims
+    #: by due time (False: a timer each, in no order across evaluations).
+    retries_in_due_order: bool = True
+    #: A worker's stale copy of an evaluation another one took over may still act (the
+    #: engine's: a run waits for its old holders before it ends; False: the server refuses
+    #: a stale worker's commands, and a workflow engine's worker is never told it lost one).
+    stale_copies_act: bool = True
     live: str | None = None
     sim: str | None = None
     #: Its services' class (`module:Class`): `start(containers)`, `available()`, `own()`.
@@ -82,6 +92,22 @@ def _imported(where: str) -> Any:
     module, _, name = where.partition(":")
     return getattr(importlib.import_module(module), name)
 
+
+#: What the workflow engines (`temporal`, `dbos`) do not have of the engine's machinery,
+#: each the reason its invariant is `n/a` there: their own durable histories replace it.
+NO_ENGINE_MACHINERY: dict[str, str] = {
+    "state_keys_expire": "no keys with TTLs: the workflows' histories are kept by the "
+    "server's retention",
+    "retries_acked": "a delayed retry is a durable timer, not a message to acknowledge",
+    "leases_renewed": "no leases: a call's heartbeat and a task's timeouts are the server's",
+    "leases_respected": "no leases: a call's heartbeat and a task's timeouts are the server's",
+    "writes_fenced": "no fenced writes: the workflow's history is the one writer, and the "
+    "server refuses a stale worker's task completion",
+    "prefetch_respected": "no prefetch: a worker takes tasks up to its own concurrency",
+    "started_announced": "no evaluation.started event: the client starts the workflow",
+    "metrics_match_history": "no engine metrics: the worker is the workflow engine's",
+    "quiet_state": "no running or retries index to leave clean: the server holds the timers",
+}
 
 SYSTEMS: dict[str, System] = {
     s.name: s
@@ -153,6 +179,24 @@ SYSTEMS: dict[str, System] = {
             live="chaos.systems.pg.live:PgLive",
             sim="chaos.systems.pg.sim:PgSim",
             stack="chaos.systems.pg.services:PgAloneServices",
+        ),
+        System(
+            name="temporal",
+            summary="the second document's optional backend: an evaluation as a Temporal "
+            "workflow whose body is the engine's core, an activity per agent call with a "
+            "heartbeat, the delay tiers as durable timers",
+            services={
+                "temporal": "the run's own Temporal dev server (its SQLite file in its dir): "
+                "workflow histories, task queues, timers",
+            },
+            links=("temporal",),
+            not_applicable=NO_ENGINE_MACHINERY,
+            brokers=("temporal",),
+            start_markers=False,
+            retries_in_due_order=False,
+            stale_copies_act=False,
+            live="chaos.systems.temporal.live:TemporalLive",
+            stack="chaos.systems.temporal.services:TemporalServices",
         ),
     )
 }

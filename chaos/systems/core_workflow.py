@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ from typing import Any
 
 from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
 from engine.agent import AgentProfile, FakeAgent
-from engine.failpoints import Failpoints
+from engine.failpoints import Failpoints, fired_fields
+from engine.history import History, open_history
 from engine.plan import Plan, plan_from_dict
 from engine.policy import RetryPolicy
 
@@ -64,6 +66,8 @@ class Job:
 
 
 _plans: dict[str, Plan] = {}
+_history: list[History] = [History()]
+_recording = threading.Lock()
 _agents: dict[str, FakeAgent] = {}
 _failpoints: list[Failpoints] = []
 
@@ -90,12 +94,35 @@ def agent_of(profile: dict[str, Any], time_scale: float, immediate_retries: int)
 
 def failpoints() -> Failpoints:
     """The engine's failpoints these designs have, armed from `ENGINE_FAILPOINTS` at the
-    first call (never at import: Temporal's workflow sandbox imports its modules too):
-    `rule_before_call`, and `rule_after_call_before_write` while the answer is not durable
-    yet (the activity's completion, the step's output, not recorded: the write window)."""
+    first call (never at import: Temporal's workflow sandbox imports its modules too), each
+    firing recorded in the history as the engine's workers record it: `rule_before_call`,
+    and `rule_after_call_before_write` while the answer is not durable yet (the activity's
+    completion, the step's output, not recorded: the write window)."""
     if not _failpoints:
-        _failpoints.append(Failpoints.from_env())
+        armed = Failpoints.from_env()
+        armed.on_crash = lambda name, rule, attempt_id: record(
+            "crash", failpoint=name, rule=rule, attempt_id=attempt_id
+        )
+        armed.on_fire = lambda fp, rule, attempt_id: record(
+            "failpoint_fired", **fired_fields(fp, rule, attempt_id)
+        )
+        _failpoints.append(armed)
     return _failpoints[0]
+
+
+def open_recorder(path: str | None, source: str) -> History:
+    """The process's history (`--history`, in the engine's vocabulary), opened once by the
+    worker's main; until then, and without a path, events are discarded."""
+    _history[0] = open_history(path, source)
+    return _history[0]
+
+
+def record(ev: str, **fields: Any) -> None:
+    """One event of this worker's history (the same file, and lines, as the engine's),
+    under a lock: Temporal runs workflow tasks on threads of their own, next to the
+    activities on the event loop, and each event's `seq` must be its own."""
+    with _recording:
+        _history[0].record(ev, **fields)
 
 
 class ReadyProcess:
