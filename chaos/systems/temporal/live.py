@@ -223,13 +223,19 @@ class TemporalLive:
 
     async def _watch(self, attempt_id: str, handle: WorkflowHandle[Any, Any]) -> None:
         """Wait for the workflow's result, through the server's restarts, and record it as
-        the consumer of the other designs records their announcements."""
+        the consumer of the other designs records their announcements. A workflow that
+        failed (its code raised: never the core's way to end) announces nothing: the
+        evaluation stays unfinished, for `all_terminal` to say."""
+        from temporalio.client import WorkflowFailureError
+
         while True:
             try:
                 ended = await handle.result()
                 break
             except asyncio.CancelledError:
                 raise
+            except WorkflowFailureError:
+                return
             except Exception:  # the server away: ask again once it answers
                 await asyncio.sleep(0.2)
         self._ended[attempt_id] = ended
