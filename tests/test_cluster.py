@@ -10,8 +10,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +32,20 @@ from chaos.scenario import load_scenario
 from tests.cli_helpers import ROOT, chaos
 
 pytestmark = pytest.mark.slow  # LocalClusters of worker processes, CLI runs in subprocesses
+
+#: How long the scheduler may take to forget what a client cancelled: `Client.cancel` only
+#: sends the release, which a busy scheduler handles a moment later (seen in CI).
+RELEASE_PATIENCE_S = 30.0
+
+
+def _kept_on(client: Any) -> dict[str, Any]:
+    """What the cluster still holds of ours, once the releases sent have been handled (or
+    the patience ran out: then it is kept for good, and the test fails)."""
+    deadline = time.monotonic() + RELEASE_PATIENCE_S
+    while (held := client.who_has()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return held
+
 
 SCENARIO = ROOT / "scenarios" / "crash_after_ack.yaml"
 SEEDS = range(24)
@@ -87,7 +103,7 @@ def test_local_cluster_gives_the_pool_s_results_seed_by_seed() -> None:
         assert session.threads == 2
         on = explore(data, SEEDS, on_result=lambda r: seen.append(r.seed), cluster=session)
         on_mutant = explore(data, SEEDS, mutant=MUTANT, cluster=session)
-        assert not session.client.who_has()  # nothing of ours kept on the cluster
+        assert not _kept_on(session.client)  # nothing of ours kept on the cluster
     assert sorted(seen) == list(SEEDS)  # each seed streamed once
     assert on.results == pool.results  # hashes, verdicts, messages: in seed order
     assert [r.history_hash for r in on.results] == [r.history_hash for r in pool.results]
@@ -152,7 +168,7 @@ def test_a_worker_running_other_code_is_refused_by_name() -> None:
             assert len(lines) == 1 and odd in lines[0] and same not in lines[0], run.stderr
             assert "another version" in lines[0]
             assert run.stdout == ""  # no seed ran
-            assert not client.who_has()  # and nothing stayed on the cluster
+            assert not _kept_on(client)  # and nothing stayed on the cluster
             with pytest.raises(ClusterError, match=odd):  # the same check, in process
                 check_versions(ClusterSession(client, address))
         finally:
@@ -174,7 +190,7 @@ def test_a_batch_from_a_worker_running_other_code_stops_the_run() -> None:
         session.client.run(other_code, workers=[odd])
         with pytest.raises(ClusterError, match=f"worker {odd} of {address}"):
             explore(data, SEEDS, cluster=session)
-        assert not session.client.who_has()
+        assert not _kept_on(session.client)
 
 
 def test_the_fingerprint_follows_the_source(tmp_path: Path) -> None:
@@ -271,7 +287,7 @@ def test_shrinking_on_the_cluster_keeps_what_shrinking_here_keeps(
     # several rounds when the budget lets it end (116 simulations at this writing); 40 stops
     # it midway, its last batch cut to the budget
     assert 40 < here.decisive < budget if budget == 200 else here.decisive == budget
-    assert not session.client.who_has()  # no candidate or result kept on the cluster
+    assert not _kept_on(session.client)  # no candidate or result kept on the cluster
 
 
 def test_all_failpoints_on_the_cluster_gives_the_same_crash_points(
@@ -302,7 +318,7 @@ def test_all_failpoints_on_the_cluster_gives_the_same_crash_points(
     monkeypatch.setattr(chaos.simcli, "simulate", _nothing_here)
     there = lines(session)
     assert there == here and len(here) > 2, here[:3]
-    assert not session.client.who_has()
+    assert not _kept_on(session.client)
 
 
 def test_without_dask_chaos_imports_and_cluster_says_how_to_install() -> None:

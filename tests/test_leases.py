@@ -186,6 +186,38 @@ def test_a_park_its_sender_outlived_let_go_only_if_it_says_so() -> None:
     assert "still holding it" in v.message
 
 
+def resumed(held_reply: bool, sent_first: bool) -> H:
+    """w1 renews A; a resume from a checkpoint is asked and answered; w1's next renewal (sent
+    before the answer when `sent_first`) is answered `held` or lost after it; w2 begins A
+    at once, as the resume's owner (pg/resume_from_checkpoint in CI, 2026-12-05)."""
+    h = held(1, park=False)
+    h.runner("resume_requested", attempt_id=A, checkpoint=1)
+    sent_ms = round(h.t * 1000)
+    h.runner("resume_written", attempt_id=A, resume={"checkpoint_id": "chk_0001"}, dt=0.01)
+    if not sent_first:  # 2 ms after the resume's answer, before w2's begin
+        sent_ms = round(h.t * 1000) + 2
+    h.ev("delivered", "w2", 22, attempt_id=A, kind="execute", reason="resume", dt=0.005)
+    h.ev("evaluation_started", "w2", 22, attempt_id=A, kind="execute", fence="3:w2", dt=0.001)
+    answer = {"held": 1} if held_reply else {"held": 0, "expires_ms": None}
+    renew(h, dt=0.002, sent_ms=sent_ms, **answer)
+    return h
+
+
+def test_a_renewal_held_before_a_resume_is_taken_by_it_whenever_answered() -> None:
+    """Its answer may be recorded after the resume's, and the new owner's begin: sent before
+    the resume was answered and held, it was applied before the resume (which moves the
+    fence: after it, the renewal is refused), and the resume took that lease."""
+    passing(
+        check(resumed(held_reply=True, sent_first=True), "leases_respected"), "leases_respected"
+    )
+    # sent after the resume's answer and still held: the store let the old owner renew a
+    # lease the resume had taken, and the new owner began while it ran
+    (v,) = failing(
+        check(resumed(held_reply=True, sent_first=False), "leases_respected"), "leases_respected"
+    )
+    assert "still holding it" in v.message
+
+
 def test_a_redis_restart_excuses_an_early_begin() -> None:
     h = held(2, park=False)
     h.runner("service_killed", service="redis")

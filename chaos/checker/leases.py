@@ -21,11 +21,13 @@ lease it asked for) and never count a write as a renewal.
   renewal the holder got answered `held` has run out, unless the holder let it go first
   (abandoned, parked, announced, or another final state kept), or a resume from a
   checkpoint took it away (the runner's `resume_requested` / `resume_written`: the store
-  clears the owner and moves the fence). A Redis fault in between (a restart or failover
-  may roll keys back) excuses it. Only the holders before the begin are looked at: those
-  whose token is older than the begin's (the store numbers its tokens in the order it
-  gives them; a begin recorded late, after a publish that waited out a broker outage, was
-  still applied before a later holder's begin).
+  clears the owner and moves the fence, so a renewal it answered held, sent before the
+  resume's answer, was applied before the resume, whenever its answer was recorded). A
+  Redis fault in between (a restart or failover may roll keys back) excuses it. Only the
+  holders before the begin are looked at: those whose token is older than the begin's (the
+  store numbers its tokens in the order it gives them; a begin recorded late, after a
+  publish that waited out a broker outage, was still applied before a later holder's
+  begin).
 """
 
 from __future__ import annotations
@@ -205,6 +207,17 @@ def _resumes(evs: list[dict]) -> list[tuple[float, float]]:
     return out
 
 
+def _before_resume(mark: Any, done: float) -> bool:
+    """Whether `mark` was applied before a resume answered at `done`: answered by then, or a
+    renewal sent by then and answered held (its answer may be recorded later), which the
+    store applied before the resume, since the resume moves the fence and refuses it
+    after."""
+    if mark.reply <= done:
+        return True
+    e = mark.event
+    return e.get("ev") == "lease_renewed" and e.get("held") != LOST and mark.sent <= done
+
+
 def check_leases_respected(cx: Context) -> Outcome:
     """One case per sweeper claim and per begin; a violation per one that took a lease
     before the renewal or begin of another holder could have run out."""
@@ -307,7 +320,7 @@ def check_leases_respected(cx: Context) -> Outcome:
             gone = let_go_at.get(last.proc, [])
             if bisect_right(gone, t) > bisect_left(gone, last.sent):
                 continue
-            if any(asked <= t and last.reply <= done for asked, done in revoked):
+            if any(asked <= t and _before_resume(last, done) for asked, done in revoked):
                 continue  # the resume took the lease: applied after the mark, before t
             out.append(
                 Violation(
