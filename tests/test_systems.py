@@ -73,6 +73,33 @@ def test_each_adapter_carries_out_every_act_of_a_system() -> None:
     assert SYSTEMS[DEFAULT_SYSTEM].adapter("sim") is RedisRabbitSim
 
 
+def test_the_workflow_engines_adapters_carry_out_every_act_too() -> None:
+    for name in ("temporal", "dbos"):
+        adapter = SYSTEMS[name].adapter("live")
+        missing = [a for a in acts.SYSTEM_ACTS if not hasattr(adapter, acts.handler_name(a))]
+        assert missing == [], name
+
+
+@pytest.mark.parametrize("system", ["temporal", "dbos"])
+def test_the_engines_mutants_are_refused_on_a_workflow_engine(system: str) -> None:
+    """Their workers run the core inside the workflow, never the engine's worker the
+    mutants patch: a run would judge an unbroken design under a mutant's name."""
+    from chaos.mutants import MUTANTS, design_mutants
+    from chaos.mutants import refusal as mutant_refusal
+
+    for name in MUTANTS:
+        said = mutant_refusal(name, system)
+        assert said == f"--mutant: {name} breaks the engine's worker; {system} runs none of it"
+    assert mutant_refusal("no_sweeper", DEFAULT_SYSTEM) is None
+    # its own mutants run on it, and on no other design
+    own = {n for n, (design, _, _) in design_mutants().items() if design == system}
+    assert own
+    for name in own:
+        assert mutant_refusal(name, system) is None
+        elsewhere = f"breaks {system} only; the scenario runs on {DEFAULT_SYSTEM}"
+        assert mutant_refusal(name, DEFAULT_SYSTEM) == f"--mutant: {name} {elsewhere}"
+
+
 #: The generic harness: what every design shares. None of it may import one design's code,
 #: a client library of a service, or the live runtime of the engine.
 GENERIC = (
@@ -93,6 +120,7 @@ DESIGN_SPECIFIC = (
     "chaos.systems.temporal",
     "chaos.systems.dbos",
     "chaos.systems.core_workflow",
+    "chaos.systems.workflow_engine",
     "engine.runtime",
     "sim.redis",
     "sim.broker",

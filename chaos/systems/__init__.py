@@ -63,6 +63,9 @@ class System:
     #: engine's: a run waits for its old holders before it ends; False: the server refuses
     #: a stale worker's commands, and a workflow engine's worker is never told it lost one).
     stale_copies_act: bool = True
+    #: Its workers are the engine's (`python -m engine.worker`), so the engine's mutants
+    #: reach them (False: a workflow engine's worker runs the core inside its workflow).
+    engine_worker: bool = True
     live: str | None = None
     sim: str | None = None
     #: Its services' class (`module:Class`): `start(containers)`, `available()`, `own()`.
@@ -96,17 +99,20 @@ def _imported(where: str) -> Any:
 #: What the workflow engines (`temporal`, `dbos`) do not have of the engine's machinery,
 #: each the reason its invariant is `n/a` there: their own durable histories replace it.
 NO_ENGINE_MACHINERY: dict[str, str] = {
-    "state_keys_expire": "no keys with TTLs: the workflows' histories are kept by the "
-    "server's retention",
+    "state_keys_expire": "no keys with TTLs: the workflow engine keeps its histories by a "
+    "retention of its own",
     "retries_acked": "a delayed retry is a durable timer, not a message to acknowledge",
-    "leases_renewed": "no leases: a call's heartbeat and a task's timeouts are the server's",
-    "leases_respected": "no leases: a call's heartbeat and a task's timeouts are the server's",
-    "writes_fenced": "no fenced writes: the workflow's history is the one writer, and the "
-    "server refuses a stale worker's task completion",
+    "leases_renewed": "no leases: the workflow engine decides when a call runs again "
+    "(Temporal: a heartbeat timeout; DBOS: a recovery)",
+    "leases_respected": "no leases: the workflow engine decides when a call runs again "
+    "(Temporal: a heartbeat timeout; DBOS: a recovery)",
+    "writes_fenced": "no fenced writes: the workflow's own history is its one writer (one "
+    "execution of it at a time)",
     "prefetch_respected": "no prefetch: a worker takes tasks up to its own concurrency",
     "started_announced": "no evaluation.started event: the client starts the workflow",
     "metrics_match_history": "no engine metrics: the worker is the workflow engine's",
-    "quiet_state": "no running or retries index to leave clean: the server holds the timers",
+    "quiet_state": "no running or retries index to leave clean: the workflow engine holds "
+    "the timers",
 }
 
 SYSTEMS: dict[str, System] = {
@@ -195,8 +201,28 @@ SYSTEMS: dict[str, System] = {
             start_markers=False,
             retries_in_due_order=False,
             stale_copies_act=False,
+            engine_worker=False,
             live="chaos.systems.temporal.live:TemporalLive",
             stack="chaos.systems.temporal.services:TemporalServices",
+        ),
+        System(
+            name="dbos",
+            summary="the best-known PostgreSQL-only peer: an evaluation as a DBOS workflow "
+            "whose body is the engine's core, a step per agent call, the delay tiers as "
+            "durable sleeps; no takeover of its own (an operator's recovery of a dead worker)",
+            services={
+                "postgres": "the run's own PostgreSQL (fsync on): DBOS's system database, "
+                "workflows, step outputs, queue, sleeps",
+            },
+            links=("postgres",),
+            not_applicable=NO_ENGINE_MACHINERY,
+            brokers=("postgres",),
+            start_markers=False,
+            retries_in_due_order=False,
+            stale_copies_act=False,
+            engine_worker=False,
+            live="chaos.systems.dbos.live:DbosLive",
+            stack="chaos.systems.dbos.services:DbosServices",
         ),
     )
 }

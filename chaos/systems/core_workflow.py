@@ -16,12 +16,20 @@ import subprocess
 import sys
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
 from engine.agent import AgentProfile, FakeAgent
+from engine.core.actions import (
+    Finish,
+    PersistResult,
+    PersistStatus,
+    PublishPassResult,
+    ScheduleRetry,
+    SkipRules,
+)
 from engine.failpoints import Failpoints, fired_fields
 from engine.history import History, open_history
 from engine.plan import Plan, plan_from_dict
@@ -63,6 +71,18 @@ class Job:
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(**{**self.policy, "tiers_ms": tuple(self.policy["tiers_ms"])})
+
+
+@dataclass
+class Ended:
+    """What a workflow returns: the evaluation's end, as the other designs announce it."""
+
+    status: str
+    announced: dict[str, str] = field(default_factory=dict)  # rule -> verdict or state
+    states: dict[str, str] = field(default_factory=dict)
+    results: dict[str, str] = field(default_factory=dict)  # rule -> RuleResult.to_json()
+    passes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    statuses: dict[str, str] = field(default_factory=dict)  # rule -> the last status written
 
 
 _plans: dict[str, Plan] = {}
@@ -123,6 +143,49 @@ def record(ev: str, **fields: Any) -> None:
     activities on the event loop, and each event's `seq` must be its own."""
     with _recording:
         _history[0].record(ev, **fields)
+
+
+#: The events that are writes of the workflow's (the caller adds who wrote: its fence).
+WRITES = ("result_persisted", "status_written", "evaluation_terminal")
+
+
+def action_events(action: Any, now_ms: int, time_scale: float) -> list[tuple[str, bool, dict]]:
+    """What the engine's shell records of one of the core's actions, as (event, whether it
+    is a write sent now, its fields): a persisted result, a status, a delayed retry set, the
+    rules skipped, a pass, and the end with its announcement (the workflow's result is
+    the announcement: the client waiting for it is the events' consumer). `now_ms`: when
+    the workflow carried it out, a retry's due time counts from it."""
+    if isinstance(action, PersistResult):
+        result = action.result
+        fields = {"rule_id": action.rule_id, "attempt": result.attempt, "verdict": result.verdict}
+        return [
+            (
+                "result_persisted",
+                True,
+                {**fields, "score": result.score, "won": True, "kept_verdict": None},
+            )
+        ]
+    if isinstance(action, PersistStatus):
+        due = None
+        if action.retry_due_in_ms is not None:
+            due = now_ms + round(action.retry_due_in_ms * time_scale)
+        fields = {"rule_id": action.rule_id, "status": action.status, "kept": None}
+        return [("status_written", True, {**fields, "error": action.error, "due_ms": due})]
+    if isinstance(action, ScheduleRetry):
+        fields = {"rule_id": action.rule_id, "attempt": action.attempt, "tier": action.tier + 1}
+        fields.update(bucket=action.bucket, delay_ms=round(action.delay_ms * time_scale))
+        return [("retry_published", False, fields)]
+    if isinstance(action, SkipRules):
+        fields = {"rule_ids": list(action.rule_ids), "because_of": action.because_of}
+        return [("rules_skipped", False, fields)]
+    if isinstance(action, PublishPassResult):
+        fields = {"pass_id": action.pass_id, "outcome": action.outcome, "rules": dict(action.rules)}
+        return [("pass_published", False, fields)]
+    if isinstance(action, Finish):
+        status = str(action.status.value)
+        end = {"status": status, "won": True, "decided": status, "verdicts": dict(action.verdicts)}
+        return [("evaluation_terminal", True, end), ("final_published", True, {"status": status})]
+    return []
 
 
 class ReadyProcess:

@@ -56,6 +56,21 @@ def applicable(system: str, folders: tuple[str, ...]) -> list[str]:
     return out
 
 
+def caught(system: str, scenario: str, mutant: str, tmp_path: Path) -> dict[str, str]:
+    """The verdicts of a live run of `scenario` on `system` with a design's own mutant
+    (`chaos.mutants.DESIGN_MUTANTS`), on services of the run's own."""
+    from chaos.runner import ScenarioRun
+
+    loaded = on_system(load_scenario(ROOT / "scenarios" / f"{scenario}.yaml"), system)
+    stack = systems.system(system).stack_class().start()
+    try:
+        outcome = asyncio.run(ScenarioRun(loaded, stack, tmp_path, mutant=mutant).run())
+    finally:
+        stack.stop()
+    assert outcome.extra["mutant"] == mutant
+    return outcome.result.verdicts
+
+
 def sweep(
     system: str,
     folders: tuple[str, ...],

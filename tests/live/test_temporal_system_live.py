@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.live.test_pg_store_live import _chaos, applicable, sweep
+from chaos.systems.temporal.mutants import MUTANTS
+from tests.live.test_pg_store_live import _chaos, applicable, caught, sweep
 
 pytestmark = pytest.mark.slow  # a private Temporal server, worker processes
 
@@ -69,6 +70,15 @@ def test_every_shipped_scenario_whose_faults_apply_passes_on_temporal_live(
     # the server refuses a stale worker's commands (`System.stale_copies_act`)
     cut = (tmp_path / "out" / "worker_link_cut" / "history.jsonl").read_text()
     assert '"evaluation_started"' in cut and '"deadline_passed"' not in cut
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_a_broken_temporal_design_is_caught(mutant: str, tmp_path: Path) -> None:
+    """The checker judges Temporal as it judges the engine: calls that never heartbeat
+    are taken for dead past the 1 s timeout and run again beside themselves, with no
+    fault to explain it (calls of 1.2 to 2.4 s)."""
+    verdicts = caught("temporal", "calls_outlast_lease", mutant, tmp_path)
+    assert verdicts[MUTANTS[mutant][0]] == "fail", verdicts
 
 
 def test_the_simulator_has_no_model_of_temporal() -> None:

@@ -1,5 +1,6 @@
-"""`python -m chaos.systems.dbos.worker --executor-id ID`: one DBOS worker of the harness's
-evaluations, its system database named by `EAI_DBOS_URL` (credentials only there).
+"""`python -m chaos.systems.dbos.worker --executor-id ID [--history FILE]`: one DBOS worker
+of the harness's evaluations, its system database named by `EAI_DBOS_URL` (credentials only
+there), recording what it does in the engine's history vocabulary.
 
 A slot keeps its executor id across restarts: DBOS recovers, at launch, the workflows its
 own executor left unfinished, and nothing else (another worker's only when an operator asks
@@ -15,14 +16,22 @@ import signal
 import sys
 import threading
 
-#: Printed on stdout once the worker is launched: a test waits for it, not for time.
-READY_LINE = "dbos worker ready"
+#: Printed on stdout once the worker is launched: a test or a runner waits for it, not for
+#: time (the runner for " ready: ", the engine's workers' word).
+READY_LINE = "dbos worker ready:"
 URL_ENV = "EAI_DBOS_URL"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chaos.systems.dbos.worker")
     parser.add_argument("--executor-id", required=True)
+    parser.add_argument("--history", help="append the event history (JSON lines) to this file")
+    parser.add_argument("--worker-id", help="this worker's name in the history")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        help="evaluations a worker runs at once (the queue's worker_concurrency)",
+    )
     args = parser.parse_args(argv)
     url = os.environ.get(URL_ENV)
     if not url:
@@ -30,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     from dbos import DBOS
 
+    from chaos.systems.core_workflow import open_recorder, record
     from chaos.systems.dbos import workflow
+
+    open_recorder(args.history, args.worker_id or f"w{os.getpid()}-{args.executor_id}")
 
     DBOS(
         config={
@@ -51,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         DBOS.launch()
         DBOS.register_queue(
             workflow.QUEUE_NAME,
-            worker_concurrency=workflow.WORKER_CONCURRENCY,
+            worker_concurrency=args.concurrency or workflow.WORKER_CONCURRENCY,
             polling_interval_sec=0.1,
         )
     except Exception as exc:  # an unreachable database, refused credentials: one line
@@ -61,9 +73,16 @@ def main(argv: list[str] | None = None) -> int:
             DBOS.destroy()
         return 3
     log.setLevel(level)
-    print(READY_LINE, flush=True)
+    record("worker_started", sweeper=False)
+    print(f"{READY_LINE} executor {args.executor_id}", flush=True)
     stop.wait()
+    workflow.STOPPING[0] = True
+    record("worker_stopping")
+    for attempt_id in sorted(workflow.RUNNING):  # pending under this executor id: its
+        # relaunch recovers them
+        record("evaluation_abandoned", attempt_id=attempt_id, reason="worker stopping")
     DBOS.destroy()
+    record("worker_stopped", metrics={})
     return 0
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -33,16 +33,22 @@ from temporalio.common import RetryPolicy as TemporalRetry
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from chaos.systems.core_workflow import Job, agent_of, failpoints, plan_of, record
+    from chaos.systems.core_workflow import (
+        WRITES,
+        Ended,
+        Job,
+        action_events,
+        agent_of,
+        failpoints,
+        plan_of,
+        record,
+    )
     from engine.agent import AgentError
     from engine.core.actions import (
         Finish,
-        PersistResult,
-        PersistStatus,
         PublishPassResult,
         RunRule,
         ScheduleRetry,
-        SkipRules,
     )
     from engine.core.evaluation import Evaluation
     from engine.core.results import RuleResult
@@ -94,18 +100,6 @@ class Answer:
     tokens: int = 0
     execution: int = 1
     worker_queue: str | None = None  # the task queue of the worker that answered alone
-
-
-@dataclass
-class Ended:
-    """What the workflow returns: the evaluation's end, as the other designs announce it."""
-
-    status: str
-    announced: dict[str, str] = field(default_factory=dict)  # rule -> verdict or state
-    states: dict[str, str] = field(default_factory=dict)
-    results: dict[str, str] = field(default_factory=dict)  # rule -> RuleResult.to_json()
-    passes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    statuses: dict[str, str] = field(default_factory=dict)  # rule -> the last status written
 
 
 @activity.defn(name="call_rule")
@@ -254,69 +248,21 @@ class EvaluationWorkflow:
             for action in pending:
                 if isinstance(action, RunRule):
                     self._call(job, policy, action)
-                elif isinstance(action, PersistResult):
-                    result = action.result
-                    self._record(
-                        "result_persisted",
-                        rule_id=action.rule_id,
-                        attempt=result.attempt,
-                        verdict=result.verdict,
-                        score=result.score,
-                        won=True,
-                        kept_verdict=None,
-                        sent=True,
-                        **self._written(),
-                    )
-                elif isinstance(action, PersistStatus):
-                    self._statuses[action.rule_id] = action.status
-                    due = None
-                    if action.retry_due_in_ms is not None:
-                        due = self._now_ms() + round(action.retry_due_in_ms * job.time_scale)
-                    self._record(
-                        "status_written",
-                        rule_id=action.rule_id,
-                        status=action.status,
-                        kept=None,
-                        error=action.error,
-                        due_ms=due,
-                        sent=True,
-                        **self._written(),
-                    )
-                elif isinstance(action, ScheduleRetry):
+                    continue
+                for ev, sent, fields in action_events(action, self._now_ms(), job.time_scale):
+                    if ev == "status_written":
+                        self._statuses[fields["rule_id"]] = fields["status"]
+                    written = self._written() if ev in WRITES else {}
+                    self._record(ev, sent=sent, **fields, **written)
+                if isinstance(action, ScheduleRetry):
                     self._later(action, job.time_scale)
-                elif isinstance(action, SkipRules):
-                    self._record(
-                        "rules_skipped",
-                        rule_ids=list(action.rule_ids),
-                        because_of=action.because_of,
-                    )
                 elif isinstance(action, PublishPassResult):
                     rules = dict(action.rules)
                     passes[action.pass_id] = {"outcome": action.outcome, "rules": rules}
-                    self._record(
-                        "pass_published",
-                        pass_id=action.pass_id,
-                        outcome=action.outcome,
-                        rules=rules,
-                    )
                 elif isinstance(action, Finish):
-                    status = str(action.status.value)
-                    verdicts = dict(action.verdicts)
-                    self._record(
-                        "evaluation_terminal",
-                        status=status,
-                        won=True,
-                        decided=status,
-                        verdicts=verdicts,
-                        sent=True,
-                        **self._written(),
-                    )
-                    # the workflow's result is the announcement: the client that waits
-                    # for it is the events' consumer
-                    self._record("final_published", sent=True, status=status)
                     return Ended(
-                        status=status,
-                        announced=verdicts,
+                        status=str(action.status.value),
+                        announced=dict(action.verdicts),
                         states={r: s.value for r, s in core.state.items()},
                         results={r: res.to_json() for r, res in core.results.items()},
                         passes=passes,
@@ -387,17 +333,10 @@ class EvaluationWorkflow:
         self._keep(asyncio.ensure_future(run()))
 
     def _later(self, action: ScheduleRetry, time_scale: float) -> None:
-        """A delay tier as a durable timer: it outlives the worker and the server."""
+        """A delay tier as a durable timer: it outlives the worker and the server (its
+        `retry_published` is recorded with the core's other actions)."""
         delay_ms = round(action.delay_ms * time_scale)
         self._timers[(action.rule_id, action.attempt)] = (self._now_ms(), delay_ms)
-        self._record(
-            "retry_published",
-            rule_id=action.rule_id,
-            attempt=action.attempt,
-            tier=action.tier + 1,
-            bucket=action.bucket,
-            delay_ms=delay_ms,
-        )
 
         async def run() -> None:
             await workflow.sleep(delay_ms / 1000.0)
