@@ -352,33 +352,38 @@ def explore(
         from chaos.cluster import explore_on
 
         return explore_on(cluster, data, seeds, mutant, on_result, measure)
-    jobs = jobs or os.cpu_count() or 1
     exploration = Exploration()
     work = ((data, seed, mutant, measure) for seed in seeds)
-    results: Iterator[SeedResult]
+    for r in map_processes(_one, work, jobs, chunksize=16):
+        exploration.results.append(r)
+        if on_result:
+            on_result(r)
+    return exploration
+
+
+def map_processes(
+    fn: Callable[[Any], Any], work: Iterable[Any], jobs: int = 0, chunksize: int = 1
+) -> Iterator[Any]:
+    """`fn(item)` for each item of `work`, in its order, on `jobs` processes (0: every
+    core; 1: in this one): the pool every local simulation goes through (seeds, the
+    failpoints of `--all-failpoints`), marked for `chaos clean` and abandoned whole on an
+    interrupt, an error or a caller that stops reading."""
+    jobs = jobs or os.cpu_count() or 1
     if jobs == 1:
-        results = map(_one, work)
-        for r in results:
-            exploration.results.append(r)
-            if on_result:
-                on_result(r)
-        return exploration
+        yield from map(fn, work)
+        return
     # Spawned, not forked: only an exec puts the owner mark where a /proc scan sees it.
     context = multiprocessing.get_context("spawn")
     resource_tracker.ensure_running()  # started unmarked: it must outlive a sweep
     pool = ProcessPoolExecutor(jobs, context, initializer=_pool_worker, initargs=(os.getpid(),))
     try:
         with _marked_spawns():  # map() submits every chunk, so it starts every process
-            results = pool.map(_one, work, chunksize=16)
-        for r in results:
-            exploration.results.append(r)
-            if on_result:
-                on_result(r)
+            results = pool.map(fn, work, chunksize=chunksize)
+        yield from results
     except BaseException:
         _abandon(pool)  # an interrupt or an error: never wait for thousands of queued seeds
         raise
     pool.shutdown()
-    return exploration
 
 
 @contextlib.contextmanager

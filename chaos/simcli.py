@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from chaos.explore import SeedResult, document, explore, shrink, simulate, write_regression
+from chaos.explore import (
+    SeedResult,
+    document,
+    explore,
+    map_processes,
+    shrink,
+    simulate,
+    write_regression,
+)
 from chaos.journal import Ticker, summary_line
 from chaos.scenario import LoadedScenario
 from engine.failpoints import FAILPOINTS
@@ -314,6 +322,11 @@ def crash_variant(data: dict[str, Any], seed: int, failpoint: str, hit: int) -> 
     return variant
 
 
+def _crashes(work: tuple[dict[str, Any], str, int, str | None]) -> list[tuple[int, SeedResult]]:
+    """`failpoint_crashes` of one failpoint, in a process of the pool."""
+    return failpoint_crashes(*work)
+
+
 def failpoint_crashes(
     data: dict[str, Any],
     failpoint: str,
@@ -369,9 +382,12 @@ def _all_failpoints(
 
     names = list(FAILPOINTS)
     if cluster is None:
-        for name in names:
+        work = ((data, name, seed, args.mutant) for name in names)
+        jobs = getattr(args, "jobs", None) or 0
+        for name, hits in zip(names, map_processes(_crashes, work, jobs), strict=True):
             now = name
-            failed(name, failpoint_crashes(data, name, seed, args.mutant, lambda _: tick(1)))
+            failed(name, hits)
+            tick(len(hits))
     else:
         from chaos.cluster import map_on
 

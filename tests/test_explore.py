@@ -177,6 +177,22 @@ def test_all_failpoints_enumerates_every_crash_point() -> None:
     assert tried > 40  # 13 rules: dozens of hits of the rule-level failpoints
 
 
+def test_all_failpoints_on_processes_tries_the_same_crash_points_as_in_one() -> None:
+    """`--jobs` is honoured (it was ignored): the failpoints' sequences on two processes
+    give the same crash points tried and the same failing ones, in the same order."""
+
+    def lines(jobs: str) -> list[str]:
+        args = ("sim", "scenarios/crash_in_write_window.yaml", "--all-failpoints")
+        out = chaos(*args, "--mutant", "no_redis_results", "--jobs", jobs)
+        assert out.returncode == 1, out.stdout + out.stderr
+        said = out.stdout.splitlines()
+        first, *rest = [line for line in said if "(sim)" in line or " hit " in line]
+        return [first.split(" in ")[0], first.split(" s, ")[1], *rest]  # the time left out
+
+    one = lines("1")
+    assert lines("2") == one and len(one) > 2, one[:3]
+
+
 def test_a_crash_variant_asks_each_listed_invariant_for_a_case_not_the_scenario_s_count() -> None:
     """transient_llm_errors asks for 6 judged delayed retries; a crash after retry 1 is
     published and before the delivery it holds is ACKed leaves 5 (the retry re-published by
