@@ -106,8 +106,10 @@ class WorkflowEngineLive:
         return final
 
     def _watch(self, attempt_id: str, ended: Any) -> None:
-        """Wait for the coroutine `ended` (the workflow's result, None: it failed) alongside,
-        and record it once it comes."""
+        """Wait for the coroutine `ended` (the workflow's result) alongside, and record it
+        once it comes. A workflow that failed (its code raised: never the core's way to end)
+        gives None and announces nothing: the evaluation stays unfinished, for
+        `all_terminal` to say."""
 
         async def watch() -> None:
             result = await ended
@@ -120,8 +122,7 @@ class WorkflowEngineLive:
 
     def _announce(self, attempt_id: str, ended: Ended) -> None:
         """The workflow's result recorded as the consumer of the other designs records their
-        announcements. A workflow that failed (its code raised: never the core's way to
-        end) announces nothing: the evaluation stays unfinished, for `all_terminal` to say."""
+        announcements."""
         self._ended[attempt_id] = ended
         for pass_id, p in sorted(ended.passes.items()):
             body = {"attempt_id": attempt_id, "pass_id": pass_id, **p}
@@ -198,7 +199,7 @@ class WorkflowEngineLive:
         return sum(1 for attempt_id in a.attempt_ids if attempt_id in self._ended)
 
     async def on_leases(self, a: acts.Leases) -> dict[str, str] | None:
-        """None: no leases here (a call's timeouts are the engine's)."""
+        """None: no leases here (when a call runs again is the workflow engine's to say)."""
         return None
 
     async def on_announced(self, a: acts.Announced) -> set[str]:
