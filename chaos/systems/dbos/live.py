@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import shutil
 from typing import TYPE_CHECKING, Any
 
@@ -185,11 +184,11 @@ class DbosLive(WorkflowEngineLive):
             self._operator = asyncio.get_running_loop().create_task(self._operate())
 
     async def on_submit(self, a: acts.Submit) -> None:
-        from chaos.systems.dbos.workflow import options_of
+        from chaos.systems.dbos.workflow import enqueue
 
         job = self._job(a)
         # the attemptId is the workflow's id: enqueued again, it is the same workflow
-        await self._ask(lambda client: client.enqueue(options_of(job), dataclasses.asdict(job)))
+        await self._ask(enqueue, job)
         self._watch(a.attempt_id, self._wait(a.attempt_id))
 
     async def _wait(self, attempt_id: str) -> Ended | None:

@@ -162,17 +162,13 @@ async def picked(taken: list[int], execution: str) -> dict[str, Any]:
 def enqueue(client: DBOSClient, job: Job) -> Any:
     """Submit: the evaluation enqueued for this version's workers, its attemptId the
     workflow's id (so a second enqueue of it is the same workflow)."""
-    return client.enqueue(options_of(job), dataclasses.asdict(job))
-
-
-def options_of(job: Job, workflow_id: str | None = None) -> Any:
-    """The enqueue options of a job's workflow (its id: the attemptId unless given)."""
-    return {
+    options: Any = {
         "workflow_name": "evaluation",
         "queue_name": QUEUE_NAME,
-        "workflow_id": workflow_id or job.attempt_id,
+        "workflow_id": job.attempt_id,
         "app_version": APP_VERSION,
     }
+    return client.enqueue(options, dataclasses.asdict(job))
 
 
 class _Run:
