@@ -243,6 +243,39 @@ def test_an_owner_never_told_of_the_cancel_that_goes_on_is_a_violation() -> None
     assert any(e["ev"] == "cancel_written" for e in v.timeline)
 
 
+def test_a_retry_is_timed_when_it_was_sent_not_when_the_broker_confirmed_it() -> None:
+    """The cancel lands between a retry's send and its confirm (a slowed broker link, which
+    also holds the broadcast back until the owner parked): the owner did not act after the
+    cancel. The same retry sent after the cancel is a violation."""
+    for sent_after, broken in ((False, False), (True, True)):
+        h = H().submit().begin()
+        h.ok("a")
+        h.start("c")
+        sent = h.t + (0.05 if sent_after else 0.005)
+        h.runner("cancel_requested", attempt_id=A)
+        h.runner("cancel_written", attempt_id=A, state="cancelled")
+        h.fin().state, h.fin().published = "cancelled", True
+        h.ev(
+            "retry_published",
+            attempt_id=A,
+            rule_id="c",
+            attempt=2,
+            tier=1,
+            bucket=0,
+            delay_ms=300,
+            sent_ms=round(sent * 1000),
+            dt=1.5,
+        )
+        h.ev("parked", attempt_id=A, waiting={"c": 2}, sent_ms=round(h.t * 1000))
+        h.ev("cancel_received", attempt_id=A, held=False)
+        result = h.check("cancel_respected")
+        if broken:
+            (v,) = failing(result, "cancel_respected")
+            assert "published a retry of c" in v.message and "never heard of it" in v.message
+        else:
+            passing(result, "cancel_respected")
+
+
 def test_a_late_retry_that_revives_a_cancelled_evaluation_is_a_violation() -> None:
     h = cancelled_run()
     h.ev("cancel_received", attempt_id=A, held=True)

@@ -17,6 +17,10 @@ A process is judged by what it could know, session by session (`holding`):
   it; a session that never hears of the cancel yet goes on, or hears of it and finishes
   the evaluation anyway, is a violation;
 - the sweeper re-publishing a retry after `Tc` is a retry fired for a cancelled evaluation.
+
+An act is timed when the process did it: a retry when it was sent (`sent_ms`; recorded at
+the broker's confirm, which a slowed link may hold back past `Tc`), the others when
+recorded (a status write's landing: the store ordered it before the cancel or refused it).
 """
 
 from __future__ import annotations
@@ -115,10 +119,10 @@ def check_cancel_respected(cx: Context) -> Outcome:
             )
         silent: dict[int, tuple[Session, list[dict]]] = {}
         for e in evs:
-            if not _is_act(e) or event_time(e) <= tc:
+            if not _is_act(e) or _acted(e) <= tc:
                 continue
             proc = proc_of(e)
-            s = session_at(held, proc, event_time(e))
+            s = session_at(held, proc, _acted(e))
             if s is None:
                 flag(
                     f"{proc[0]} {_what(e)} after the cancel, holding no session of the evaluation",
@@ -164,6 +168,14 @@ def check_cancel_respected(cx: Context) -> Outcome:
                 )
     cx.stats.update(cancel_inflight_starts=inflight, cancels_untimed=unknown)
     return cases, out
+
+
+def _acted(e: dict) -> float:
+    """When the process did `e`: a publish when it was sent, anything else when recorded."""
+    sent = e.get("sent_ms")
+    if e.get("ev") == "retry_published" and isinstance(sent, int) and not isinstance(sent, bool):
+        return sent / 1000
+    return event_time(e)
 
 
 def _told(e: dict) -> bool:

@@ -159,7 +159,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         **_WRITE,
         "landed": frozenset({False}),
     },
-    "retry_published": {**_RULE, "tier": INT, "bucket": INT, "delay_ms": INT},
+    "retry_published": {**_RULE, "tier": INT, "bucket": INT, "delay_ms": INT, "sent_ms?": INT},
     "retry_not_scheduled": {**_RULE, "state": EVALUATION_STATUSES},
     "retry_acked": _RULE,
     "retry_requeued": _RULE,

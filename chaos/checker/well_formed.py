@@ -246,10 +246,12 @@ def _marker_of(evs: list[dict], start: dict) -> str | None:
     )
 
 
-#: Writes recorded with when they were sent (`sent_ms`, the store's clock in whole ms).
+#: Writes and publishes recorded with when they were sent (`sent_ms`, the process's clock
+#: in whole ms).
 _SENT = frozenset(
     {
         "result_persisted",
+        "retry_published",
         "status_written",
         "evaluation_terminal",
         "write_refused",

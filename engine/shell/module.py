@@ -77,6 +77,7 @@ def schedule_retry(
             "tier": action.tier + 1,
             "bucket": action.bucket,
             "delay_ms": body["delay_ms"],
+            "sent_ms": body["published_ms"],
         },
     )
     yield Failpoint("after_retry_publish_before_ack", action.rule_id, attempt_id)
