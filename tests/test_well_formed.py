@@ -240,3 +240,26 @@ def test_restores_are_recorded_on_their_side_of_the_final_write() -> None:
     first(events, "results_restored")["rule_ids"] = []
     verdict, _, messages = judge(events)
     assert verdict == "fail" and "with nothing restored" in messages[0]
+
+
+def test_the_quick_answer_agrees_with_the_field_by_field_one(history: list[dict]) -> None:
+    """`WELL_FORMED` (the quick yes) says well formed exactly where `each_problem` finds
+    nothing: on every event of the history, and on each with one field dropped, added, or
+    given a value of each wrong type."""
+    from chaos.checker.vocabulary import WELL_FORMED
+    from chaos.checker.well_formed import each_problem
+
+    wrong = (None, 0, 1.5, True, "x", "failed_attempt_2", [], {}, "1:w")
+    judged = 0
+    for e in history:
+        if e["src"] == "runner":
+            continue
+        variants = [e, {**e, "extra": 1}]
+        for key in e:
+            variants.append({k: v for k, v in e.items() if k != key})
+            variants += [{**e, key: value} for value in wrong]
+        for v in variants:
+            quick = WELL_FORMED.get(v["ev"]) if type(v.get("ev")) is str else None
+            assert (quick is not None and quick(v)) == (each_problem(v) == []), v
+            judged += 1
+    assert judged > 10_000

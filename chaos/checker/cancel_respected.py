@@ -33,7 +33,7 @@ from chaos.checker.context import (
     proc_of,
     timeline,
 )
-from chaos.checker.holding import Session, deaths, session_at, sessions
+from chaos.checker.holding import Session, session_at
 from chaos.checker.records import Violation
 
 CANCELLED = "cancelled"
@@ -63,7 +63,6 @@ def check_cancel_respected(cx: Context) -> Outcome:
     by the sweeper; and the final state of a cancelled evaluation stays `cancelled`."""
     out: list[Violation] = []
     cases = inflight = unknown = 0
-    dead = deaths(cx.events)
     for a in cx.evaluations:
         evs = cx.by_eval[a]
         fin = cx.final_of(a)
@@ -107,7 +106,7 @@ def check_cancel_respected(cx: Context) -> Outcome:
                     f"{e.get('src')} won terminal state {e.get('status')} after the cancel",
                     [*cancel_evs, e],
                 )
-        held = sessions(evs, dead)
+        held = cx.sessions(a)
         revived: list[Session] = [s for s in held if s.begun_after > tc]
         for s in revived:
             acts = [e for e in s.events if _is_act(e)]

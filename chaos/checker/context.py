@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from chaos.checker.oracle import max_attempts_of
@@ -21,7 +22,9 @@ from reports.history import fault_windows as fault_windows
 from reports.history import sort_key as sort_key
 
 if TYPE_CHECKING:
+    from chaos.checker.holding import Session
     from chaos.checker.rounds import Round
+    from chaos.checker.touching import Touch
 
 TERMINAL_STATES = frozenset({"completed", "partial", "failed", "cancelled"})
 FINISHED_STATES = frozenset({"completed", "partial", "failed"})  # terminal, not cancelled
@@ -62,6 +65,7 @@ class Context:
         self.by_eval: dict[str, list[dict]] = defaultdict(Events)
         self.by_pair: dict[tuple[str, str], list[dict]] = defaultdict(Events)
         self._rounds: dict[tuple[str, str], list[Round]] = {}
+        self._once: dict[Any, Any] = {}  # what several checks ask of the whole history
         self.faults: list[dict] = []
         self.submitted: dict[str, dict] = {}
         self.cancelled = set(spec.cancelled)
@@ -110,6 +114,33 @@ class Context:
             from chaos.checker.rounds import rounds_of  # it builds on this module
 
             got = self._rounds[pair] = rounds_of(self.by_pair.get(pair, []))
+        return got
+
+    def deaths(self) -> dict[Any, list[dict]]:
+        """`holding.deaths` of the history, worked out once (read it, never change it)."""
+        got = self._once.get("deaths")
+        if got is None:
+            from chaos.checker.holding import deaths  # it builds on this module
+
+            got = self._once["deaths"] = deaths(self.events)
+        return got
+
+    def touches(self) -> list[Touch]:
+        """`touching.touches` of the history, worked out once."""
+        got = self._once.get("touches")
+        if got is None:
+            from chaos.checker.touching import touches  # it builds on this module
+
+            got = self._once["touches"] = touches(self.events)
+        return got
+
+    def sessions(self, a: str) -> list[Session]:
+        """`holding.sessions` of evaluation `a`, worked out once."""
+        got = self._once.get(("sessions", a))
+        if got is None:
+            from chaos.checker.holding import sessions
+
+            got = self._once[("sessions", a)] = sessions(self.by_eval.get(a, []), self.deaths())
         return got
 
     def final_of(self, a: str) -> EvaluationFinal | None:
@@ -212,29 +243,39 @@ class Events(list[dict]):
 
     def __init__(self, events: Iterable[dict] = ()) -> None:
         super().__init__(events)
-        # (length indexed, events by kind, answers to questions about several kinds)
-        self._index: tuple[int, dict[Any, list[dict]], dict[tuple[str, ...], list[dict]]] | None
-        self._index = None
+        # (length indexed, events by kind, their positions, answers about several kinds)
+        self._index: _Index | None = None
 
     def of(self, kinds: tuple[str, ...]) -> list[dict]:
         index = self._index
         if index is None or index[0] != len(self):
             by_kind: dict[Any, list[dict]] = {}
-            for e in self:
+            at: dict[Any, list[int]] = {}
+            for i, e in enumerate(self):
                 ev = e.get("ev")
                 got = by_kind.get(ev)
                 if got is None:
-                    by_kind[ev] = [e]
+                    by_kind[ev], at[ev] = [e], [i]
                 else:
                     got.append(e)
-            index = self._index = (len(self), by_kind, {})
+                    at[ev].append(i)
+            index = self._index = (len(self), by_kind, at, {})
         if len(kinds) == 1:
             return list(index[1].get(kinds[0], ()))
-        merged = index[2].get(kinds)
-        if merged is None:
-            wanted = set(kinds)
-            merged = index[2][kinds] = [e for e in self if e.get("ev") in wanted]
+        merged = index[3].get(kinds)
+        if merged is None:  # the kinds' own lists put back in order: no scan of the whole
+            by_kind, at = index[1], index[2]
+            pairs = [
+                p for k in set(kinds) if k in by_kind for p in zip(at[k], by_kind[k], strict=True)
+            ]
+            pairs.sort(key=itemgetter(0))  # positions are unique: no two events compared
+            merged = index[3][kinds] = [e for _, e in pairs]
         return list(merged)
+
+
+#: `Events`' index: its length when built, events by kind, their positions, and the
+#: answers to questions about several kinds.
+_Index = tuple[int, dict[Any, list[dict]], dict[Any, list[int]], dict[tuple[str, ...], list[dict]]]
 
 
 def of(events: Iterable[dict], *kinds: str) -> list[dict]:

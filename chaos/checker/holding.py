@@ -112,20 +112,26 @@ def sessions(evs: list[dict], dead: Mapping[Proc | int, list[dict]]) -> list[Ses
     earliest pending one; deliveries while a session is open go to the evaluation in memory.
     """
     out: list[Session] = []
-    open_: dict[Proc, Session] = {}
+    open_: dict[Proc, tuple[Session, dict | None, float]] = {}  # with its death, and when
     pending: dict[Proc, list[dict]] = defaultdict(list)
+
+    def opened(proc: Proc, e: dict, delivered: dict | None) -> None:
+        s = Session(proc, e, delivered)
+        died = death_of(dead, proc, s.t0)  # once a session, not once an event
+        open_[proc] = (s, died, math.inf if died is None else event_time(died))
+        out.append(s)
+
     for e in evs:
-        ev, proc = e.get("ev"), proc_of(e)
-        if proc[0] == "runner":
+        ev, src = e.get("ev"), e.get("src", "")
+        if src == "runner":
             continue
-        current = open_.get(proc)
-        if current is not None:
-            died = death_of(dead, proc, current.t0)
-            if died is not None and event_time(died) < event_time(e):
-                current.end = died
-                del open_[proc]
-                current = None
-        if current is None:
+        proc = (str(src), e.get("pid"))
+        held = open_.get(proc)
+        if held is not None and held[2] < event_time(e):
+            held[0].end = held[1]
+            del open_[proc]
+            held = None
+        if held is None:
             if ev == "delivered":
                 pending[proc].append(e)
             elif ev in SETTLED_ALONE and pending[proc]:
@@ -133,20 +139,19 @@ def sessions(evs: list[dict], dead: Mapping[Proc | int, list[dict]]) -> list[Ses
             elif ev == "evaluation_started":
                 first = pending[proc][0] if pending[proc] else None
                 pending[proc].clear()
-                open_[proc] = Session(proc, e, first)
-                out.append(open_[proc])
+                opened(proc, e, first)
             continue
+        current = held[0]
         if ev == "evaluation_started":  # a second begin without a close: the first ended
             current.end = e
-            open_[proc] = Session(proc, e, None)
-            out.append(open_[proc])
+            opened(proc, e, None)
             continue
         current.events.append(e)
         if ev in CLOSING:
             current.end = e
             del open_[proc]
-    for proc, current in open_.items():
-        current.end = death_of(dead, proc, current.t0)
+    for current, died, _ in open_.values():
+        current.end = died
     return out
 
 

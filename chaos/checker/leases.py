@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from chaos.checker.context import Context, Outcome, event_time, of, proc_of, timeline
-from chaos.checker.holding import deaths, sessions
+from chaos.checker.holding import Session
 from chaos.checker.records import Violation
-from chaos.checker.touching import STORE, Touch, touches, touching
+from chaos.checker.touching import STORE, Touch, touching
 
 #: `lease_renewed`'s `held`: lost to another worker; 1 still ours, 2 ours again.
 LOST = 0
@@ -88,8 +88,7 @@ def check_leases_renewed(cx: Context) -> Outcome:
         return 0, []
     lease = min(leases)
     slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)
-    windows = touches(cx.events)
-    dead = deaths(cx.events)
+    windows = cx.touches()
     end_of_run = max((event_time(e) for e in cx.events), default=0.0)
     cases = 0
     out: list[Violation] = []
@@ -98,7 +97,7 @@ def check_leases_renewed(cx: Context) -> Outcome:
         mine: dict[Any, list[dict]] = defaultdict(list)
         for e in of(evs, "lease_renewed"):
             mine[proc_of(e)].append(e)
-        for s in sessions(evs, dead):
+        for s in cx.sessions(a):
             pid = s.proc[1]
             t_end = min(s.t1, end_of_run)
             held_from, last = s.t0, s.started  # the lease runs out by held_from + lease
@@ -175,13 +174,13 @@ class _Mark:
     event: dict
 
 
-def _marks(evs: list[dict], dead: Any) -> list[_Mark]:
+def _marks(evs: list[dict], held: list[Session]) -> list[_Mark]:
     out = [
         _Mark(proc_of(e), _sent(e), event_time(e), lease, e.get("fence"), e)
         for e in of(evs, "lease_renewed")
         if e.get("held") != LOST and (lease := _lease(e)) is not None
     ]
-    for s in sessions(evs, dead):
+    for s in held:
         lease = _lease(s.started)
         if lease is not None:
             out.append(_Mark(s.proc, s.begun_after, s.t0, lease, s.started.get("fence"), s.started))
@@ -226,13 +225,12 @@ def check_leases_respected(cx: Context) -> Outcome:
     ):
         return 0, []  # a history from before leases were recorded
     slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)
-    windows = touches(cx.events)
-    dead = deaths(cx.events)
+    windows = cx.touches()
     cases = 0
     out: list[Violation] = []
     for a in cx.evaluations:
         evs = cx.by_eval.get(a, [])
-        marks = _marks(evs, dead)
+        marks = _marks(evs, cx.sessions(a))
         if not marks:
             continue
         # A renewal or a begin stamps the running index only while the state is not
@@ -285,7 +283,7 @@ def check_leases_respected(cx: Context) -> Outcome:
         for times in let_go_at.values():
             times.sort()
         revoked = _resumes(evs)
-        for s in sessions(evs, dead):
+        for s in cx.sessions(a):
             begin, t, proc = s.started, s.t0, s.proc
             if begin.get("fence") is None:
                 continue

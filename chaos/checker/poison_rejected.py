@@ -26,9 +26,8 @@ from collections import defaultdict
 from typing import Any
 
 from chaos.checker.context import Context, Outcome, event_time, of, proc_of, timeline
-from chaos.checker.holding import deaths
 from chaos.checker.records import Violation
-from chaos.checker.touching import BROKER, touches
+from chaos.checker.touching import BROKER
 from chaos.poison import DETAILS, expected_reason
 
 NAME = "poison_rejected"
@@ -72,7 +71,7 @@ def check_poison_rejected(cx: Context) -> Outcome:
             named[a].append(e)
         elif e.get("reason") == "malformed":
             nameless.append(e)
-    died, faults = deaths(cx.events), touches(cx.events)
+    died, faults = cx.deaths(), cx.touches()
     out: list[Violation] = []
     anonymous = [p for p in published if p.get("attempt_id") is None]
     for e in rejected:

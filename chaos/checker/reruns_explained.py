@@ -52,10 +52,10 @@ from chaos.checker.context import (
     proc_of,
     timeline,
 )
-from chaos.checker.holding import Proc, death_of, deaths, stop_starts
+from chaos.checker.holding import Proc, death_of, stop_starts
 from chaos.checker.records import Violation
 from chaos.checker.rounds import Round
-from chaos.checker.touching import Touch, touches, touching
+from chaos.checker.touching import Touch, touching
 
 #: What a process records while it resumes or takes over an evaluation: shown as evidence.
 _AROUND = (
@@ -140,8 +140,8 @@ def check_reruns_explained(cx: Context) -> Outcome:
                 reruns += 1
                 if not faults:
                     faults = (
-                        deaths(cx.events),
-                        touches(cx.events),
+                        cx.deaths(),
+                        cx.touches(),
                         _stalls(cx),
                         _injected(cx),
                         _resumes(cx),

@@ -22,7 +22,6 @@ from collections import defaultdict
 from typing import Any
 
 from chaos.checker.context import Context, Outcome, as_int, event_time, proc_of, timeline
-from chaos.checker.holding import deaths
 from chaos.checker.records import Violation
 
 NAME = "retries_acked"
@@ -62,7 +61,7 @@ def _outcome_of(e: dict, started: dict[str, int]) -> tuple[str, int] | None:
 
 def check_retries_acked(cx: Context) -> Outcome:
     """One case per held retry whose attempt's outcome became durable in its process."""
-    died = deaths(cx.events)
+    died = cx.deaths()
     out: list[Violation] = []
     cases = 0
     for a, evs in sorted(cx.by_eval.items()):

@@ -55,7 +55,7 @@ from chaos.checker.context import (
     sort_key,
     timeline,
 )
-from chaos.checker.holding import Proc, Session, deaths, sessions
+from chaos.checker.holding import Proc, Session
 from chaos.checker.oracle import DelayBounds, delay_bounds, retry_delay_ms
 from chaos.checker.records import RetrySettings, Violation
 
@@ -409,8 +409,6 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
     unexplained: list[float] = []  # lateness past the tier that no proven wait covers
     delivery_latencies: list[float] = []
     excused = swept_late = unchecked = explained = 0
-    dead = deaths(cx.events)
-    held_by: dict[str, list[Session]] = {}  # each evaluation's sessions, once
     for (a, r), evs in sorted(cx.by_pair.items()):
         firsts: dict[int, dict] = {}
         for e in of(evs, "rule_started"):
@@ -474,24 +472,20 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
                 carried = max(hold, 0.0) + max(event_time(arrived) - event_time(first), 0.0)
                 delivery_latencies.append(round(max(hold, 0.0), 6))
                 if arrived is not first:
-                    if a not in held_by:
-                        held_by[a] = sessions(cx.by_eval.get(a, []), dead)
                     needless, needless_key, needless_why = _needless_in_transit(
                         cx.by_eval.get(a, []),
                         start,
                         event_time(first),
                         event_time(arrived),
-                        held_by[a],
+                        cx.sessions(a),
                     )
                     carried -= needless
             waited = resumed = marked = 0.0
             waits_key: list[dict] = list(needless_key)
             unproven: list[str] = list(needless_why)
             if arrived is not None:
-                if a not in held_by:
-                    held_by[a] = sessions(cx.by_eval.get(a, []), dead)
                 waited, resumed, marked, waits_key, unproven = _waits(
-                    cx, a, r, k, start, arrived, held_by[a]
+                    cx, a, r, k, start, arrived, cx.sessions(a)
                 )
                 slot_waits.append(round(waited, 6))
                 if resumed:

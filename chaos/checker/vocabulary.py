@@ -321,3 +321,40 @@ def describe(spec: Spec) -> str:
     return " or ".join(
         "null" if t is None else t.__name__ if isinstance(t, type) else describe(t) for t in spec
     )
+
+
+def _fits_fast(spec: Spec) -> Callable[[Any], bool]:
+    """`fits` with `spec` worked out once: most fields are a type or two, or a name."""
+    if isinstance(spec, tuple) and all(t is None or isinstance(t, type) for t in spec):
+        types = frozenset(type(None) if t is None else t for t in spec)
+        return lambda v: type(v) in types
+    if isinstance(spec, frozenset):  # of the same type too, as `fits` has it
+        kinds = frozenset(type(x) for x in spec)
+        return lambda v: type(v) in kinds and v in spec
+    if isinstance(spec, re.Pattern):
+        return lambda v: type(v) is str and spec.fullmatch(v) is not None
+    return lambda v: fits(v, spec)
+
+
+def _well_formed(spec: dict[str, Spec], agrees: Callable[[dict], str | None] | None):
+    required = frozenset(n for n in spec if not n.endswith("?"))
+    allowed = frozenset(n.rstrip("?") for n in spec) | frozenset(COMMON)
+    checks = tuple((n.rstrip("?"), _fits_fast(f)) for n, f in spec.items())
+
+    def ok(e: dict) -> bool:
+        keys = e.keys()
+        if not (required <= keys and keys <= allowed):
+            return False
+        for key, fit in checks:
+            if key in e and not fit(e[key]):
+                return False
+        return agrees is None or agrees(e) is None
+
+    return ok
+
+
+#: Per kind, whether an event is well formed (True: `problems` would find nothing): the
+#: common case, judged without building a sentence or a list.
+WELL_FORMED: dict[str, Callable[[dict], bool]] = {
+    ev: _well_formed(spec, AGREES.get(ev)) for ev, spec in EVENTS.items()
+}

@@ -22,7 +22,15 @@ from chaos.checker.context import Context, Outcome, as_int, event_time, num, tim
 from chaos.checker.history_complete import UNREADABLE
 from chaos.checker.records import Violation
 from chaos.checker.touching import STORE, role
-from chaos.checker.vocabulary import AGREES, COMMON, EVENTS, MESSAGES, describe, fits
+from chaos.checker.vocabulary import (
+    AGREES,
+    COMMON,
+    EVENTS,
+    MESSAGES,
+    WELL_FORMED,
+    describe,
+    fits,
+)
 
 NAME = "history_well_formed"
 #: The events shown one by one for each kind of problem; the rest are counted in one.
@@ -32,6 +40,14 @@ RUNNER = "runner"
 
 def problems(e: dict) -> list[tuple[str, str]]:
     """What is wrong with one event: (a short key to group by, the sentence)."""
+    ev = e.get("ev")
+    if type(ev) is str and (ok := WELL_FORMED.get(ev)) is not None and ok(e):
+        return []
+    return each_problem(e)
+
+
+def each_problem(e: dict) -> list[tuple[str, str]]:
+    """`problems`, field by field, with no quick answer first."""
     ev = e.get("ev")
     spec = EVENTS.get(ev) if isinstance(ev, str) else None
     if spec is None:
@@ -331,9 +347,11 @@ def check_history_well_formed(cx: Context) -> Outcome:
         elif e.get("src") == RUNNER or e.get("ev") == UNREADABLE:
             continue
         else:
-            mine, who = problems(e), f"{e.get('src')} recorded"
+            mine, who = problems(e), None
         cases += 1
-        found += [(e, key, f"{who} {text}") for key, text in mine]
+        if mine:  # the sentence built only for a problem: nearly every event has none
+            said = who or f"{e.get('src')} recorded"
+            found += [(e, key, f"{said} {text}") for key, text in mine]
     across = [_executions_counted, _markers_accounted, _sent_in_session, _restores_in_order]
     if not cx.spec.start_markers:  # the server counts the executions: no marker to write
         across.remove(_markers_accounted)

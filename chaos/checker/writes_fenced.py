@@ -14,7 +14,6 @@ from __future__ import annotations
 from chaos.checker.context import Context, Outcome, event_time, of, timeline
 from chaos.checker.leases import _redis_fault, _sent
 from chaos.checker.records import Violation
-from chaos.checker.touching import touches
 
 #: The write events of an owner, each with its `fence` and `landed`.
 WRITES = ("result_persisted", "status_written", "evaluation_terminal")
@@ -50,7 +49,7 @@ def check_writes_fenced(cx: Context) -> Outcome:
                 continue
             t, _, begin = min(newer, key=lambda x: x[0])
             if windows is None:
-                windows = touches(cx.events)
+                windows = cx.touches()
             if _redis_fault(windows, t, event_time(w), slack) is not None:
                 continue
             what = str(w.get("ev")).replace("_", " ")
