@@ -96,6 +96,27 @@ effects without a keyword dict. Histories, verdicts and evidence the same on 200
 four scenarios and under every mutant. What is left is flat: sha256 of the history (1.9 %
 of a seed: the hash is the evidence, kept), seeding the seed's four `random.Random`
 (0.6 %), simpy, and the checker's invariants at 1 to 3 % each, every one a single pass.
+
+2026-12-06 (issue 30, item 0; a slower host than 12-02's: simpy's raw rate 640k to 700k
+events/s): callgrind (one process, the slope between 40 and 140 seeds of the bench
+scenario after 30) found a seed at 32.5 M instructions, against 18.2 M at 8f0766c (12-02):
+the simulated run made the same calls (the same simpy steps to 8 %), the checker cost three
+times as much (the invariants added since: history_well_formed, the leases, the sessions
+of cancel_respected and reruns_explained, each over the whole history, several asking for
+the same sessions, deaths and fault windows). Cut to 26.3 M (-19 %): the sessions, deaths
+and fault windows worked out once a history, a session's death found once, not once an
+event, a well-formed event judged by one compiled check per kind, questions about several
+kinds answered from the index. `--against` the session's start (3 rounds of 4,000 seeds,
+a quiet host): median 246 against 200 seeds/s (1.23x); two plain runs 40.7 s and 41.6 s
+for 10,000 seeds (245 and 241 seeds/s), history events / raw simpy 0.018 and 0.016; 8f0766c
+ran 425 seeds/s in the same minutes (23.5 s). Verdicts, cases, stats and violations the
+same on every shipped scenario (6 seeds) and every mutant (2 seeds of four scenarios).
+Issue 30's goals are not met: 0.05x raw simpy, 10,000 seeds in 15 s. Where a seed goes
+now (cProfile, relative): the simulated run a bit over half (simpy's steps, the shell's
+`Stepper.advance`, the orchestrator's generators, simulated Redis), the checker a little
+under two fifths, spread over thirty invariants (history_well_formed the largest at 7 %),
+each a pass of its own; what is left to gain is one pass over the history feeding every
+invariant, and fewer simpy events a store call (two timeouts each now).
 """
 
 from __future__ import annotations

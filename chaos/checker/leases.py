@@ -89,7 +89,7 @@ def check_leases_renewed(cx: Context) -> Outcome:
     lease = min(leases)
     slack = float(getattr(cx.spec, "fault_recovery_s", 0.0) or 0.0)
     windows = cx.touches()
-    end_of_run = max((event_time(e) for e in cx.events), default=0.0)
+    end_of_run = event_time(cx.events[-1]) if cx.events else 0.0  # in time order
     cases = 0
     out: list[Violation] = []
     for a in cx.evaluations:
