@@ -217,21 +217,31 @@ def reference_for(
 
 def _topological(plan: Plan) -> list[str]:
     """The plan's rules, each after every rule it depends on (file order otherwise), from
-    the `depends_on` edges alone: the checker's own order, not the plan's."""
+    the `depends_on` edges alone: the checker's own order, not the plan's. The order of
+    sweeps over the file that each place every rule whose dependencies are placed (a rule
+    can follow one placed earlier in the same sweep), worked out without sweeping: a
+    rule's sweep is its latest dependency's, one later if that one is listed after it."""
     rules = plan.rules
     listed = [r for p in plan.passes for r in p.rule_ids]
-    placed: set[str] = set()
-    out: list[str] = []
-    while len(out) < len(listed):
-        progress = False
-        for rid in listed:
-            if rid not in placed and all(d in placed for d in rules[rid].depends_on):
-                placed.add(rid)
-                out.append(rid)
-                progress = True
-        if not progress:  # a cycle: a validated plan has none
-            raise ValueError(f"plan {plan.id}: its dependencies form a cycle")
-    return out
+    at = {rid: i for i, rid in enumerate(listed)}
+    sweep: dict[str, int] = {}
+    pending = {rid: len(rules[rid].depends_on) for rid in listed}
+    dependents: dict[str, list[str]] = {rid: [] for rid in listed}
+    for rid in listed:
+        for d in rules[rid].depends_on:
+            dependents[d].append(rid)
+    ready = [rid for rid in listed if not pending[rid]]
+    while ready:  # each rule once its dependencies are all swept (Kahn's order)
+        rid = ready.pop()
+        deps = rules[rid].depends_on
+        sweep[rid] = max((sweep[d] + (at[d] > at[rid]) for d in deps), default=0)
+        for x in dependents[rid]:
+            pending[x] -= 1
+            if not pending[x]:
+                ready.append(x)
+    if len(sweep) < len(listed):  # a cycle: a validated plan has none
+        raise ValueError(f"plan {plan.id}: its dependencies form a cycle")
+    return sorted(listed, key=lambda rid: (sweep[rid], at[rid]))
 
 
 def fault_free_outcome(

@@ -99,6 +99,11 @@ class Plan:
         """Rule ids in a topological order (stable: pass order, then file order)."""
         return tuple(rid for p in self.passes for rid in _toposort(p.rule_ids, self.rules))
 
+    @cached_property
+    def position(self) -> Mapping[str, int]:
+        """Each rule's place in `order`."""
+        return {rid: i for i, rid in enumerate(self.order)}
+
     def dependents(self, rule_id: str) -> tuple[str, ...]:
         """Direct dependents of a rule."""
         return self._dependents.get(rule_id, ())

@@ -911,6 +911,103 @@ def test_driven_by_hand_never_reruns_a_success(
     assert set(ev.rules_in(RuleState.SUCCEEDED)) == succeeded
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    plan=plans(),
+    max_parallel=st.integers(1, 4),
+    choices=st.lists(st.integers(0, 99), max_size=200),
+)
+def test_each_decision_starts_the_first_ready_rules_in_plan_order(
+    plan: Plan, max_parallel: int, choices: list[int]
+) -> None:
+    """What the core starts after any input is what a scan of the whole plan in order
+    would start: the pending rules whose dependencies all succeeded, first in plan order,
+    until `max_parallel` run; none ready is left waiting while a place is free. (The core
+    looks only at rules whose dependencies moved: this proves it misses none.)"""
+    ev = Evaluation(plan, ATTEMPT, RetryPolicy(immediate_retries=0), max_parallel=max_parallel)
+    running: list[RunRule] = []
+    messages: list[tuple[str, int]] = []
+
+    def decided(actions: list[Action], before: dict[str, RuleState]) -> None:
+        started = [a.rule_id for a in actions if isinstance(a, RunRule) and a.try_no == 1]
+        room = max_parallel - sum(1 for s in before.values() if s is RuleState.RUNNING)
+        scan = [
+            r
+            for r in plan.order
+            if before[r] is RuleState.PENDING
+            and all(before[d] is RuleState.SUCCEEDED for d in plan.rules[r].depends_on)
+        ]
+        if not ev.finished:
+            assert started == scan[: max(room, 0)], (started, scan, room)
+        running.extend(a for a in actions if isinstance(a, RunRule))
+        messages.extend((a.rule_id, a.attempt) for a in actions if isinstance(a, ScheduleRetry))
+
+    def fed(step: Any) -> None:
+        """`step()` an input; what the core decided judged on the states it left."""
+        actions = step()
+        after = dict(ev.state)
+        for a in actions:  # the rules it started were pending and ready before them
+            if isinstance(a, RunRule) and a.try_no == 1:
+                after[a.rule_id] = RuleState.PENDING
+        decided(actions, after)
+
+    fed(ev.start)
+    stream = iter(choices)
+    while running or messages:
+        c = next(stream, 0)
+        if messages and (c % 4 == 3 or not running):
+            rid, n = messages.pop(c % len(messages))
+            fed(lambda rid=rid, n=n: ev.retry_due(rid, n))
+            continue
+        run = running.pop(c % len(running))
+        if c % 3 == 0:
+            fed(
+                lambda run=run: ev.rule_succeeded(run.rule_id, result_for(run.rule_id, run.attempt))
+            )
+        else:
+            fed(lambda run=run, c=c: ev.rule_failed(run.rule_id, TRANSIENT, retryable=c % 3 == 1))
+    assert ev.finished
+
+
+def test_a_long_reversed_chain_is_decided_in_linear_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 3,000-rule chain listed last rule first: each decision asks `dag.ready` of a few
+    rules, not of every pending one (it was quadratic: 4.5 million questions)."""
+    from engine.core import dag
+
+    n = 3000
+    plan = plan_from_dict(
+        {
+            "plan": "reversed_chain",
+            "passes": [
+                {
+                    "id": "p",
+                    "rules": [
+                        {"id": f"r{i}", **({"depends_on": [f"r{i + 1}"]} if i < n - 1 else {})}
+                        for i in range(n)
+                    ],
+                }
+            ],
+        }
+    )
+    asked = 0
+    ready = dag.ready
+
+    def counted(plan: Plan, state: Any, rule_id: str) -> bool:
+        nonlocal asked
+        asked += 1
+        return ready(plan, state, rule_id)
+
+    monkeypatch.setattr(dag, "ready", counted)
+    ev = Evaluation(plan, ATTEMPT)
+    actions = ev.start()
+    done = 0
+    while runs := [a for a in actions if isinstance(a, RunRule)]:
+        actions = [x for a in runs for x in ok(ev, a.rule_id)]
+        done += len(runs)
+    assert ev.finished and done == n
+    assert asked <= 3 * n, asked
+
+
 # --- crash and recovery: two evaluations back to back ---------------------------------------------
 
 

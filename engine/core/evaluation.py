@@ -19,6 +19,7 @@ The rules it keeps, each a guarantee the checker proves on real histories:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping
 
 from engine.core import dag
@@ -139,6 +140,14 @@ class Evaluation:
         # Terminal rules when the passes were last looked at: a terminal state is never
         # left, so a pass can only become announceable when this count grows.
         self._terminal_seen = -1
+        # The pending rules that may be ready, as places in `plan.order` (a heap: `_advance`
+        # takes them in plan order): every pending rule at first, then each rule made
+        # pending and the pending dependents of each rule that moved. A pending rule found
+        # not ready leaves until one of its dependencies moves (readiness is a matter of
+        # their states), so a decision looks at what may have changed, not at every rule:
+        # a 5,000-rule chain was quadratic.
+        self._maybe = [i for i, rid in enumerate(plan.order) if self.state[rid] is _PENDING]
+        self._queued = set(self._maybe)
 
     # --- queries --------------------------------------------------------------------------
 
@@ -286,9 +295,11 @@ class Evaluation:
         count = self._count
         if count[_PENDING] and count[_RUNNING] < self.max_parallel:
             plan, state, ready = self.plan, self.state, dag.ready
-            for rid in plan.order:
-                if count[_RUNNING] >= self.max_parallel:
-                    break
+            order, maybe, queued = plan.order, self._maybe, self._queued
+            while maybe and count[_RUNNING] < self.max_parallel:
+                i = heapq.heappop(maybe)
+                queued.discard(i)
+                rid = order[i]
                 if state[rid] is _PENDING and ready(plan, state, rid):
                     self._move(rid, _RUNNING)
                     self.tries[rid] = 1
@@ -365,6 +376,19 @@ class Evaluation:
         self.state[rule_id] = to
         self._count[here] -= 1
         self._count[to] += 1
+        if to is _PENDING:
+            self._offer(rule_id)
+        state = self.state
+        for d in self.plan.dependents(rule_id):
+            if state[d] is _PENDING:
+                self._offer(d)
         if to in TERMINAL_RULE_STATES:  # entered once: a terminal state has no way out
             for pass_id in self._passes_of[rule_id]:
                 self._open[pass_id] -= 1
+
+    def _offer(self, rule_id: str) -> None:
+        """`rule_id` may be ready now: `_advance` looks at it again."""
+        i = self.plan.position[rule_id]
+        if i not in self._queued:
+            self._queued.add(i)
+            heapq.heappush(self._maybe, i)
