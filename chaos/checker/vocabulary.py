@@ -336,7 +336,10 @@ def _fits_fast(spec: Spec) -> Callable[[Any], bool]:
     return lambda v: fits(v, spec)
 
 
-def _well_formed(spec: dict[str, Spec], agrees: Callable[[dict], str | None] | None):
+def _well_formed(
+    spec: dict[str, Spec], agrees: Callable[[dict], str | None] | None
+) -> Callable[[dict], bool]:
+    """One kind's check, its names and specs read once (the checker asks it per event)."""
     required = frozenset(n for n in spec if not n.endswith("?"))
     allowed = frozenset(n.rstrip("?") for n in spec) | frozenset(COMMON)
     checks = tuple((n.rstrip("?"), _fits_fast(f)) for n, f in spec.items())
