@@ -38,7 +38,7 @@ from engine.core import (
     parse_status,
     status_rank,
 )
-from engine.plan import Plan, load_plan, plan_from_dict
+from engine.plan import Plan, Rule, load_plan, plan_from_dict
 from engine.policy import RetryPolicy
 
 PLANS_DIR = Path(__file__).resolve().parent.parent / "plans"
@@ -337,3 +337,28 @@ def containers(node: Any, here: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         for i, v in enumerate(node):
             out += containers(v, (*here, i))
     return out
+
+
+def sweep_order(rule_ids: list[str], rules: Mapping[str, Rule]) -> list[str]:
+    """Rules ordered by sweeps over `rule_ids`, each placing every rule whose dependencies
+    among them are placed (quadratic: the definition the linear sorts are held to)."""
+    local = set(rule_ids)
+    placed: list[str] = []
+    done: set[str] = set()
+    while len(placed) < len(rule_ids):
+        for rid in rule_ids:
+            if rid not in done and all(d in done or d not in local for d in rules[rid].depends_on):
+                placed.append(rid)
+                done.add(rid)
+    return placed
+
+
+def reversed_chain(n: int, *, cycle: bool = False) -> dict[str, Any]:
+    """One pass of `n` rules, each depending on the next one in the file (the worst case
+    of a sweep: one rule per sweep); `cycle`: the last depends on the first."""
+    rules: list[dict[str, Any]] = [
+        {"id": f"r{i}", "depends_on": [f"r{i + 1}"] if i + 1 < n else []} for i in range(n)
+    ]
+    if cycle:
+        rules[-1]["depends_on"] = ["r0"]
+    return {"plan": "chain", "passes": [{"id": "only", "rules": rules}]}

@@ -50,6 +50,7 @@ from tests.helpers import (
     hashed_agent,
     make_plan,
     result_for,
+    reversed_chain,
     run_plan,
 )
 
@@ -975,20 +976,7 @@ def test_a_long_reversed_chain_is_decided_in_linear_work(monkeypatch: pytest.Mon
     from engine.core import dag
 
     n = 3000
-    plan = plan_from_dict(
-        {
-            "plan": "reversed_chain",
-            "passes": [
-                {
-                    "id": "p",
-                    "rules": [
-                        {"id": f"r{i}", **({"depends_on": [f"r{i + 1}"]} if i < n - 1 else {})}
-                        for i in range(n)
-                    ],
-                }
-            ],
-        }
-    )
+    plan = plan_from_dict(reversed_chain(n))
     asked = 0
     ready = dag.ready
 

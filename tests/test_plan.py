@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from engine.plan import Plan, PlanError, Rule, _toposort, load_plan, plan_from_dict
 from engine.policy import MAX_ATTEMPTS
 from engine.yamlfile import MAX_BYTES
-from tests.helpers import PLANS_DIR, containers, example_plan
+from tests.helpers import PLANS_DIR, containers, example_plan, reversed_chain, sweep_order
 
 # --- the example plans ------------------------------------------------------------------------
 
@@ -122,21 +122,6 @@ def test_order_puts_in_pass_dependencies_first() -> None:
     assert plan.order == ("a", "b")
 
 
-def _sweep_order(rule_ids: list[str], rules: dict[str, Rule]) -> list[str]:
-    """The order as the loader first computed it, one sweep of the pass per step
-    (quadratic): the linear sort must give exactly this order, which the core starts ready
-    rules in."""
-    local = set(rule_ids)
-    placed: list[str] = []
-    done: set[str] = set()
-    while len(placed) < len(rule_ids):
-        for rid in rule_ids:
-            if rid not in done and all(d in done or d not in local for d in rules[rid].depends_on):
-                placed.append(rid)
-                done.add(rid)
-    return placed
-
-
 @st.composite
 def one_pass_dags(draw: st.DrawFn) -> tuple[list[str], dict[str, Rule]]:
     """The rules of one pass in file order, with edges drawn along a hidden topological
@@ -156,27 +141,16 @@ def one_pass_dags(draw: st.DrawFn) -> tuple[list[str], dict[str, Rule]]:
 
 @settings(max_examples=200, deadline=None)
 @given(one_pass_dags())
-def test_linear_order_is_the_sweep_order(case: tuple[list[str], dict[str, Rule]]) -> None:
+def test_linear_order_is_thesweep_order(case: tuple[list[str], dict[str, Rule]]) -> None:
     ids, rules = case
-    assert _toposort(ids, rules) == _sweep_order(ids, rules)
-
-
-def _chain(n: int, *, cycle: bool = False) -> dict[str, Any]:
-    """One pass of `n` rules, each depending on the next one in the file (the worst case
-    of the sweep: one rule per sweep); `cycle`: the last depends on the first."""
-    rules: list[dict[str, Any]] = [
-        {"id": f"r{i}", "depends_on": [f"r{i + 1}"] if i + 1 < n else []} for i in range(n)
-    ]
-    if cycle:
-        rules[-1]["depends_on"] = ["r0"]
-    return {"plan": "chain", "passes": [{"id": "only", "rules": rules}]}
+    assert _toposort(ids, rules) == sweep_order(ids, rules)
 
 
 def test_a_reversed_chain_of_3000_rules_loads_in_linear_time(tmp_path: Path) -> None:
     """It took over 20 s when each sweep of the pass placed one rule; now milliseconds (no
     timer here: a quadratic sort would make this test, not an assertion, slow)."""
     path = tmp_path / "chain.yaml"
-    path.write_text(yaml.safe_dump(_chain(3_000), sort_keys=False))
+    path.write_text(yaml.safe_dump(reversed_chain(3_000), sort_keys=False))
     plan = load_plan(path)
     assert plan.order == tuple(f"r{i}" for i in reversed(range(3_000)))
     assert len(plan.transitive_dependents(["r2999"])) == 2_999
@@ -184,7 +158,7 @@ def test_a_reversed_chain_of_3000_rules_loads_in_linear_time(tmp_path: Path) -> 
 
 def test_a_long_cycle_is_one_short_line() -> None:
     with pytest.raises(PlanError) as info:
-        plan_from_dict(_chain(3_000, cycle=True), source="chain.yaml")
+        plan_from_dict(reversed_chain(3_000, cycle=True), source="chain.yaml")
     msg = _assert_one_line(info.value, Path("chain.yaml"))
     assert "dependency cycle r0 -> r1 -> r2 -> r3 -> r4 -> ... -> r0 (3000 rules)" in msg
     assert len(msg) < 200

@@ -32,8 +32,8 @@ from chaos.scenario import load_scenario, schema_text
 from engine.agent import PERMANENT_KINDS, AgentProfile, AgentProfileError, Draw, FakeAgent
 from engine.core.results import RuleResult
 from engine.core.states import PERMANENTLY_FAILED
-from engine.plan import Plan, PlanError, plan_from_dict
-from tests.helpers import make_plan
+from engine.plan import PlanError, plan_from_dict
+from tests.helpers import make_plan, reversed_chain, sweep_order
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ROOT / "scenarios"
@@ -370,20 +370,6 @@ def test_the_engine_tells_the_agent_a_rerun_is_one() -> None:
         assert first is not None and first.verdict != drawn.verdict  # drifted, as described
 
 
-def _swept(plan: Plan) -> list[str]:
-    """The order by its definition: sweeps over the file, each placing every rule whose
-    dependencies are placed (quadratic on a chain listed last rule first)."""
-    listed = [r for p in plan.passes for r in p.rule_ids]
-    placed: set[str] = set()
-    out: list[str] = []
-    while len(out) < len(listed):
-        for rid in listed:
-            if rid not in placed and all(d in placed for d in plan.rules[rid].depends_on):
-                placed.add(rid)
-                out.append(rid)
-    return out
-
-
 def test_the_reference_orders_rules_as_sweeps_over_the_file_would() -> None:
     """`_topological` (linear) gives the sweeps' order on random plans, rules listed in any
     order, over up to three passes; and a reversed 3,000-rule chain comes out reversed."""
@@ -413,22 +399,10 @@ def test_the_reference_orders_rules_as_sweeps_over_the_file_would() -> None:
             plan = plan_from_dict(doc)
         except PlanError:  # a dependency on a later pass: not a plan
             continue
-        assert _topological(plan) == _swept(plan), doc
+        listed = [r for p in plan.passes for r in p.rule_ids]
+        assert _topological(plan) == sweep_order(listed, plan.rules), doc
         compared += 1
     assert compared > 500
     n = 3000
-    chain = plan_from_dict(
-        {
-            "plan": "reversed_chain",
-            "passes": [
-                {
-                    "id": "p",
-                    "rules": [
-                        {"id": f"r{i}", "depends_on": [f"r{i + 1}"] if i < n - 1 else []}
-                        for i in range(n)
-                    ],
-                }
-            ],
-        }
-    )
+    chain = plan_from_dict(reversed_chain(n))
     assert _topological(chain) == [f"r{i}" for i in reversed(range(n))]
