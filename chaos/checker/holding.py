@@ -122,10 +122,9 @@ def sessions(evs: list[dict], dead: Mapping[Proc | int, list[dict]]) -> list[Ses
         out.append(s)
 
     for e in evs:
-        ev, src = e.get("ev"), e.get("src", "")
-        if src == "runner":
+        ev, proc = e.get("ev"), proc_of(e)
+        if proc[0] == "runner":
             continue
-        proc = (str(src), e.get("pid"))
         held = open_.get(proc)
         if held is not None and held[2] < event_time(e):
             held[0].end = held[1]
