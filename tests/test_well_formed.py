@@ -191,6 +191,33 @@ def test_a_delayed_retry_started_without_its_marker_is_caught(history: list[dict
     assert judge(events, start_markers=False)[0] == "pass"
 
 
+def test_a_copy_delivered_between_a_resumed_retrys_marker_and_its_start_is_no_gap() -> None:
+    """A parked evaluation is begun again by its retry's delivery; a redelivered copy of
+    that retry may be recorded between the marker's write and the start (the consumer
+    records as it goes): the marker was written after the first delivery all the same.
+    Seen live, broker_restart_holding_retries under CI's load."""
+    history = run_scenario(load_scenario(SCENARIOS / "broker_restart_holding_retries.yaml"))
+    events = copy.deepcopy(history.history)
+    marked, start = _marked(events)
+    key = (marked["rule_id"], marked["attempt"])
+    mine = [e for e in events if e["src"] == marked["src"]]
+    delivered = next(
+        e for e in mine if e["ev"] == "delivered" and (e.get("rule_id"), e.get("attempt")) == key
+    )
+    begun = max(
+        i for i, e in enumerate(mine[: mine.index(marked)]) if e["ev"] == "evaluation_started"
+    )
+    assert mine.index(delivered) < begun  # the retry's delivery began the evaluation again
+    events.insert(events.index(start), {**delivered, "t": start["t"]})
+    for seq, e in enumerate(e for e in events if e["src"] == marked["src"]):
+        e["seq"] = seq + mine[0]["seq"]
+    assert judge(events)[0] == "pass"
+    others = (e["rule_id"] for e in events if e.get("rule_id") not in (None, key[0]))
+    marked["rule_id"] = next(others)  # the same with a marker not its own: still caught
+    verdict, _, messages = judge(events)
+    assert verdict == "fail" and "with no write of its start marker before it" in messages[0]
+
+
 def test_a_marker_write_longer_than_its_retry_was_there_is_caught(history: list[dict]) -> None:
     events = copy.deepcopy(history)
     marked, _ = _marked(events)

@@ -232,19 +232,24 @@ def _markers_accounted(events: list[dict]) -> list[tuple[dict, str, str]]:
 def _marker_of(evs: list[dict], start: dict) -> str | None:
     """Why the write of `start`'s marker is not found before it (None: it is): since the
     process last began the evaluation or started this attempt, and after the retry's first
-    delivery there (a duplicate delivery or another rule's status may be recorded in
-    between: the controller and the evaluation's other tasks record as they go)."""
+    delivery there. A duplicate delivery or another rule's status may be recorded in
+    between (the controller and the evaluation's other tasks record as they go): only the
+    first delivery counts, even one that came before the evaluation was begun again (a
+    parked evaluation is resumed by its retry's delivery, and a redelivered copy may be
+    recorded between the marker's write and the start)."""
     key = (start.get("rule_id"), start.get("attempt"))
     region: list[dict] = []
+    begun = -1  # where the evaluation was last begun, counted from the region's end
     for x in reversed(evs):
         ev = x.get("ev")
-        if ev == "evaluation_started" or (
-            ev == "rule_started" and (x.get("rule_id"), x.get("attempt")) == key
-        ):
+        if ev == "rule_started" and (x.get("rule_id"), x.get("attempt")) == key:
             break
+        if ev == "evaluation_started" and begun < 0:
+            begun = len(region)
         region.append(x)
     region.reverse()
-    first = next(
+    after = -1 if begun < 0 else len(region) - 1 - begun
+    delivered = next(
         (
             i
             for i, x in enumerate(region)
@@ -252,7 +257,7 @@ def _marker_of(evs: list[dict], start: dict) -> str | None:
         ),
         -1,
     )
-    for x in region[first + 1 :]:
+    for x in region[max(after, delivered) + 1 :]:
         own = (x.get("rule_id"), x.get("attempt")) == key
         if (x.get("ev") == "start_marked" and own) or (x.get("ev") in _CARRIERS and not own):
             return None
