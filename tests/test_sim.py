@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import simpy
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from chaos.insim import SimOptions, outputs, run_scenario
 from chaos.insim.mutants import _OWNERS, _SHELL_OWNERS, PATCHED, patched
@@ -25,7 +27,7 @@ from chaos.scenario import LoadedScenario, load_scenario, scenario_from_dict
 from engine.core import RuleResult
 from engine.runtime.store import eval_key, result_key, runs_key
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker, Unroutable
-from sim.redis import RedisClient, SimRedis
+from sim.redis import TERMINAL, RedisClient, SimRedis
 from tests.test_chaos_runs import CATCHES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,6 +227,51 @@ def test_a_failover_loses_the_last_writes() -> None:
     redis.restart()
     kept = {r for r in ("r1", "r2", "r3") if redis.get(result_key("a1", r)) is not None}
     assert kept == {"r1"}
+
+
+_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(["state", "final_published", "del", "expire", "wait", "failover"]),
+        st.sampled_from(["a1", "a2", "a3"]),
+        st.sampled_from(["completed", "running", "cancelled"]),
+        st.sampled_from([None, 0.5, 2.0]),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=_STEPS)
+@example(  # settled, then expired with no write in between
+    steps=[
+        ("state", "a1", "completed", 0.5),
+        ("final_published", "a1", "completed", None),
+        ("wait", "a1", "completed", 2.0),
+    ]
+)
+def test_the_settled_poll_reads_what_record_reads(steps: list[tuple]) -> None:
+    """`SimRedis.settled` reads again only what was written or expired since it last
+    looked: after any writes, deletions, TTLs, time and failovers, it finds what a read of
+    every evaluation's record finds."""
+    env, redis = _redis(failover_loss=2)
+    ids = ["a1", "a2", "a3"]
+    for what, a, state, ex in steps:
+        if what in ("state", "final_published"):
+            value = state if what == "state" else "1"
+            redis.apply(redis._set, (eval_key(a, what), value, ex))
+        elif what == "del":
+            redis.apply(redis._del, (eval_key(a, "final_published" if ex else "state"),))
+        elif what == "expire":
+            redis.apply(redis._expire, (eval_key(a, "state"), ex or 1.0))
+        elif what == "wait":
+            env.run(until=env.now + (ex or 1.0))
+        else:
+            redis.kill()
+            redis.restart()
+        records = {i: redis.record(i) for i in ids} if state == "running" else None
+        found = redis.settled(ids)  # before or after the reads, as they come
+        records = records or {i: redis.record(i) for i in ids}
+        assert found == [i for i in ids if records[i][0] in TERMINAL and records[i][2]]
 
 
 # --- whole scenarios --------------------------------------------------------------------

@@ -32,7 +32,7 @@ import simpy
 
 from chaos import acts
 from chaos.acts import Step
-from chaos.checker import CheckResult, CheckSpec, FinalState, check
+from chaos.checker import CheckResult, CheckSpec, FinalState, check, collector_paused
 from chaos.conductor import Conductor
 from chaos.insim import mutants
 from chaos.insim.quiet import quiet
@@ -284,6 +284,10 @@ class SimRun:
         )
 
     def run(self) -> SimOutcome:
+        with collector_paused():
+            return self._run()
+
+    def _run(self) -> SimOutcome:
         with mutants.patched(self.mutant):
             main = self.env.process(self._drive(self.conductor.run()))
             try:

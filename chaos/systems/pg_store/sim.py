@@ -15,7 +15,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from chaos import acts
-from chaos.systems.redis_rabbitmq.sim import TERMINAL, RedisRabbitSim
+from chaos.systems.redis_rabbitmq.sim import RedisRabbitSim
 from engine.core.messages import RESUME_REASON
 from engine.keys import checkpoint_id
 from sim.world import SimOptions
@@ -53,11 +53,7 @@ class PgStoreSim(RedisRabbitSim):
         if not redis.up:
             return 0
         running = redis.get(redis.running_index) or {}
-        settled = 0
-        for attempt_id in a.attempt_ids:
-            state, _, published = redis.record(attempt_id)
-            settled += state in TERMINAL and published and attempt_id not in running
-        return settled
+        return sum(i not in running for i in redis.settled(a.attempt_ids))
 
     def on_resume(self, a: acts.Resume) -> Generator[Any, Any, dict[str, Any]]:
         """`EngineClient.resume` (`eai.resume`'s reference, then the work published), on a

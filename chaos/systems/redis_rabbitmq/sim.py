@@ -20,7 +20,7 @@ from chaos.checker import EvaluationFinal, FinalState
 from chaos.conductor import COMPLETED_QUEUE, EVENT_KEYS, RECEIVED_AS, delivered
 from chaos.insim.quiet import quiet
 from engine.core.messages import SUBMIT_REASON
-from engine.core.states import TERMINAL_EVALUATION_STATUSES, EvaluationStatus
+from engine.core.states import EvaluationStatus
 from engine.history import error_fields
 from engine.keys import eval_key
 from sim.broker import WORK_QUEUE, BrokerClient, Delivery, SimBroker
@@ -32,7 +32,6 @@ from sim.world import SimOptions
 if TYPE_CHECKING:
     from chaos.insim.run import SimRun
 
-TERMINAL = frozenset(s.value for s in TERMINAL_EVALUATION_STATUSES)
 #: The runner's own publishes (submits, a cancel's announcement): `engine.submit`'s, in a
 #: process of its own live, which a mutant of the worker never reaches.
 RUNNER_DELIVERY_MODE = 2
@@ -263,13 +262,7 @@ class RedisRabbitSim:
         yield from client.close()
 
     def on_settled(self, a: acts.Settled) -> int:
-        if not self.redis.up:
-            return 0
-        settled = 0
-        for attempt_id in a.attempt_ids:
-            state, _, published = self.redis.record(attempt_id)
-            settled += state in TERMINAL and published
-        return settled
+        return len(self.redis.settled(a.attempt_ids)) if self.redis.up else 0
 
     def on_leases(self, a: acts.Leases) -> dict[str, str] | None:
         if not self.redis.up:
