@@ -9,8 +9,8 @@ per second of the example plan under faults (one process), the seeds per second 
 `chaos sim` on a one-evaluation, 13-rule scenario with a crash (every core), and the time
 10,000 such seeds take (target: at most 15 s on 2 cores, issue 30's; issue 9's was 20 s),
 measured whole by default: what `chaos sim --seeds 10000` waits for, its pool's start-up
-(spawned processes importing the harness) paid once. With another `--seeds`, the time is projected from it, the start-up
-(measured apart, one seed a process) counted once.
+(spawned processes importing the harness) paid once. With another `--seeds`, the time is
+projected from it, the start-up (measured apart, one seed a process) counted once.
 
 With `--against`, another checkout (an export of the commit before a change) runs the
 same seeds too, each round a fresh interpreter on each checkout in turn (the order

@@ -53,7 +53,8 @@ class PgStoreSim(RedisRabbitSim):
         if not redis.up:
             return 0
         running = redis.get(redis.running_index) or {}
-        return sum(i not in running for i in redis.settled(a.attempt_ids))
+        settled = redis.settled(a.attempt_ids)
+        return len(settled) - sum(i in settled for i in running)
 
     def on_resume(self, a: acts.Resume) -> Generator[Any, Any, dict[str, Any]]:
         """`EngineClient.resume` (`eai.resume`'s reference, then the work published), on a
