@@ -426,8 +426,10 @@ def _pool_worker(parent: int) -> None:
     # collection: 4 % of a seed's instructions (callgrind). Imported, collected and frozen
     # once, then collected every 10,000 allocations. Only the pool's own processes: a
     # caller's process (`jobs=1`) keeps its settings.
-    import chaos.insim.run  # noqa: F401  (what every seed runs: frozen with the rest)
+    import chaos.checker.shared
+    import chaos.insim.run  # (what every seed runs: frozen with the rest)
 
+    chaos.checker.shared.ALLOWED = False  # a long seed's check: each core has a process
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)

@@ -20,21 +20,22 @@ the history is incomplete and the check reads it. A scenario may require minimum
 counts (`CheckSpec.exercised`): fewer, or "unknown", fails the run like a budget. Safety
 checks are judged at every moment of the history; the liveness parts (every independent
 rule completed, every evaluation terminal) only on evaluations the final state calls
-terminal. The package is pure: plain data in, a `CheckResult` out, no I/O. The one clock it
-reads times each check (`CheckResult.durations_s`, for JUnit); no verdict depends on it.
+terminal. The package is pure: plain data in, a `CheckResult` out, no I/O (a long history
+is judged on two processes, `shared`, with the same result). The one clock it reads times
+each check (`CheckResult.durations_s`, for JUnit); no verdict depends on it.
 
 Layout: `records` (the data in and out), `context` (the history indexed once, fault
 windows from the runner's `fault_fired` / `fault_healed`, evidence helpers), `oracle` (the
 checker's own expectations), `rounds` (executions of a rule), one module per invariant,
-and `invariants` (the registry: one line per invariant). This module re-exports the
-public names and runs the checks.
+`invariants` (the registry: one line per invariant) and `shared` (running them, on two
+processes for a long history). This module re-exports the public names and runs the
+checks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import time
 from collections.abc import Iterator
 
 from chaos.checker.budgets import LATENCY_STATS, latency_stats, run_figures
@@ -65,6 +66,7 @@ from chaos.checker.records import (
     Verdict,
     Violation,
 )
+from chaos.checker.shared import merged_stats, run_invariants
 
 __all__ = [
     "BUDGETS",
@@ -129,14 +131,11 @@ def _judged(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckRes
     history (a missing event could hide a violation or fake one: what it found is only
     counted, as `violations_unconfirmed`), and "pass" otherwise."""
     cx = Context(history, final, spec)
-    counts: dict[str, int] = {}
-    found_by: dict[str, list[Violation]] = {}
-    durations: dict[str, float] = {}
-    for inv in REGISTRY:
-        t0 = time.perf_counter()
-        judged, found = inv.check(cx)
-        durations[inv.name] = time.perf_counter() - t0
-        counts[inv.name], found_by[inv.name] = int(judged), found
+    ran = run_invariants(cx, REGISTRY)
+    merged_stats(cx.stats, ran, [inv.name for inv in REGISTRY])
+    counts = {name: r.judged for name, r in ran.items()}
+    found_by = {name: r.found for name, r in ran.items()}
+    durations = {name: r.seconds for name, r in ran.items()}
     incomplete = bool(found_by.get("history_complete"))
     if incomplete:
         cx.stats["history_incomplete"] = True

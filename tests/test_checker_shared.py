@@ -1,0 +1,108 @@
+"""`chaos.checker.shared`: a long history judged on two processes gives what one process
+gives (verdicts, cases, violations with their evidence, stats in their order), also when
+the child fails; and only where it may fork."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+
+import chaos.checker.shared as shared
+from chaos.checker import REGISTRY, CheckResult, Context, check
+from chaos.checker.invariants import Invariant
+from chaos.insim import run_scenario
+from chaos.scenario import load_scenario
+from tests.test_chaos_runs import SCENARIOS
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs fork, 2 cores"
+)
+
+
+@pytest.fixture(scope="module")
+def broken() -> tuple[list[dict], Any, Any]:
+    """What a run with violations to find (a mutant's) hands its check."""
+    import chaos.insim.run as insim
+
+    given: list[tuple] = []
+    real = insim.check
+
+    def keep(*args: Any) -> CheckResult:
+        given.append(args)
+        return real(*args)
+
+    insim.check = keep
+    try:
+        outcome = run_scenario(
+            load_scenario(SCENARIOS / "crash_after_ack.yaml"), mutant="ignore_dag"
+        )
+    finally:
+        insim.check = real
+    assert not outcome.result.ok
+    return given[0]
+
+
+def _judged(
+    given: tuple[list[dict], Any, Any], monkeypatch: pytest.MonkeyPatch, *, two: bool
+) -> CheckResult:
+    monkeypatch.setattr(shared, "LONG", 0 if two else 10**12)
+    return check(*given)
+
+
+def _same(a: CheckResult, b: CheckResult) -> None:
+    assert a.verdicts == b.verdicts and a.cases == b.cases
+    assert a.violations == b.violations
+    assert list(a.stats.items()) == list(b.stats.items())  # in the same order too
+
+
+def test_two_processes_judge_as_one(broken: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    forks: list[int] = []
+    fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or fork())
+    one = _judged(broken, monkeypatch, two=False)
+    assert not forks
+    two = _judged(broken, monkeypatch, two=True)
+    assert forks == [1]
+    _same(one, two)
+    assert one.violations  # there was something to find, and both found it
+    plain = Context(*broken)  # the invariants run one after the other on one stats dict
+    for inv in REGISTRY:
+        inv.check(plain)
+    assert list(two.stats.items())[: len(plain.stats)] == list(plain.stats.items())
+
+
+def test_what_the_child_did_not_send_back_the_parent_runs(
+    broken: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one = _judged(broken, monkeypatch, two=False)
+    parent = os.getpid()
+
+    def dies_in_the_child(inv: Invariant) -> Invariant:
+        def check(cx: Any) -> Any:
+            if os.getpid() != parent:
+                os._exit(3)  # the child dies half-way through its share
+            return inv.check(cx)
+
+        return Invariant(inv.name, inv.meaning, check, inv.needs_history)
+
+    monkeypatch.setattr("chaos.checker.REGISTRY", tuple(dies_in_the_child(i) for i in REGISTRY))
+    _same(one, _judged(broken, monkeypatch, two=True))
+
+
+def test_never_with_other_threads_or_when_not_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert shared.shared(shared.LONG)
+    assert not shared.shared(shared.LONG - 1)
+    monkeypatch.setattr(shared, "ALLOWED", False)
+    assert not shared.shared(shared.LONG)
+    monkeypatch.setattr(shared, "ALLOWED", True)
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
+    try:
+        assert not shared.shared(shared.LONG)  # a fork would copy only this thread
+    finally:
+        done.set()
+        other.join()
