@@ -116,6 +116,20 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _figures(cx: Context) -> Outcome:
+    """The figures of what faults cost, worked out with the invariants (no case, no
+    verdict): one definition (reports.cost), read by the summary line, the journal, the
+    reports and the budgets alike."""
+    spec = cx.spec
+    figures = run_figures(cx.events, spec, cx.evaluations)
+    cx.stats.update(figures.to_stats(spec.price_per_1k_tokens))
+    return 0, []
+
+
+#: `_figures` as a job of `run_invariants`, first: the longest jobs first share out best.
+_FIGURES = Invariant("figures", "what faults cost", _figures)
+
+
 def check(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckResult:
     """`_judged`, the collector paused."""
     with collector_paused():
@@ -131,11 +145,11 @@ def _judged(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckRes
     history (a missing event could hide a violation or fake one: what it found is only
     counted, as `violations_unconfirmed`), and "pass" otherwise."""
     cx = Context(history, final, spec)
-    ran = run_invariants(cx, REGISTRY)
+    ran = run_invariants(cx, (_FIGURES, *REGISTRY))
     merged_stats(cx.stats, ran, [inv.name for inv in REGISTRY])
-    counts = {name: r.judged for name, r in ran.items()}
-    found_by = {name: r.found for name, r in ran.items()}
-    durations = {name: r.seconds for name, r in ran.items()}
+    counts = {inv.name: ran[inv.name].judged for inv in REGISTRY}
+    found_by = {inv.name: ran[inv.name].found for inv in REGISTRY}
+    durations = {inv.name: ran[inv.name].seconds for inv in REGISTRY}
     incomplete = bool(found_by.get("history_complete"))
     if incomplete:
         cx.stats["history_incomplete"] = True
@@ -180,9 +194,7 @@ def _judged(history: list[dict], final: FinalState, spec: CheckSpec) -> CheckRes
     limits = {b: limit for b, limit in spec.budgets.items() if limit is not None}
     if limits:
         cx.stats["budgets"] = limits
-    # the figures of what faults cost: one definition (reports.cost), read by the
-    # summary line, the journal, the reports and the budgets alike
-    cx.stats.update(run_figures(cx.events, spec, cx.evaluations).to_stats(spec.price_per_1k_tokens))
+    cx.stats.update(ran[_FIGURES.name].stats)
     if any(COST_BUDGETS.get(b) in LATENCY_STATS for b in limits):
         cx.stats.update(latency_stats(cx.events, spec))
     for budget, limit in sorted(spec.budgets.items()):
