@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import dataclasses
 import gc
 import itertools
@@ -26,7 +25,6 @@ import multiprocessing
 import os
 import random
 import signal
-import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -37,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from chaos.lifetime import die_with_parent
 from chaos.scenario import LoadedScenario, ScenarioError, fault_schedule, scenario_from_dict
 from chaos.scenario.schema import TARGETED_ACTIONS
 from engine.policy import MAX_SEED
@@ -415,11 +414,7 @@ def _pool_worker(parent: int) -> None:
     parent (Linux `PR_SET_PDEATHSIG`) rather than wait forever on a queue nobody feeds."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above
-        os._exit(1)
+    die_with_parent(parent)
     # Each seed's simulation is a graph of generators and events that dies whole at its
     # end; with the default threshold (a young collection every 700 allocations) its live
     # objects are traversed many times over before that, and the imports' at each full
@@ -433,9 +428,6 @@ def _pool_worker(parent: int) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _abandon(pool: ProcessPoolExecutor) -> None:

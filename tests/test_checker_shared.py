@@ -5,7 +5,12 @@ the child fails; and only where it may fork."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +21,8 @@ from chaos.checker.invariants import Invariant
 from chaos.insim import run_scenario
 from chaos.scenario import load_scenario
 from tests.test_chaos_runs import SCENARIOS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs fork, 2 cores"
@@ -106,3 +113,49 @@ def test_never_with_other_threads_or_when_not_allowed(monkeypatch: pytest.Monkey
     finally:
         done.set()
         other.join()
+
+
+_CHILD = """
+import os, sys, time
+from chaos.lifetime import die_with_parent
+parent = os.getpid()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    die_with_parent(parent)
+    os.write(write, b"1")
+    time.sleep(120)
+    os._exit(0)
+os.read(read, 1)  # the child asked to die with us
+print(pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_forked_checker_dies_with_its_parent() -> None:
+    """A parent killed outright (SIGKILL: no `finally` runs) leaves no child computing."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        child = int(proc.stdout.readline())
+        assert not _gone(child)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30  # patience only: the kernel's signal is immediate
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gone = _gone(child)
+    if not gone:  # the test failed: leave nothing behind all the same
+        os.kill(child, signal.SIGKILL)
+    assert gone

@@ -7,7 +7,9 @@ own (`Ran`), and `merged_stats` puts them back in the registry's order, whicheve
 ran them, so the result is the one a single process gives. A forked child shares the
 history copy-on-write (nothing is pickled on the way in), takes invariants from a shared
 counter as the parent does, and sends back what it found, pickled, on a pipe; an
-invariant it did not send back (it died, or failed) the parent runs itself.
+invariant it did not send back (it died, or failed) the parent runs itself. Ctrl-C is the
+parent's: it kills the child and goes on with the interrupt; a parent killed outright
+takes the child with it (`chaos.lifetime`).
 
 Only for long histories (`LONG`: the fork and the way back cost milliseconds), with a
 second core to run on, never from a process with other threads (a fork copies only the
@@ -29,6 +31,7 @@ from typing import Any
 from chaos.checker.context import Context
 from chaos.checker.invariants import Invariant
 from chaos.checker.records import Violation
+from chaos.lifetime import die_with_parent
 
 #: From how many events a history is judged on two processes: a 10,000-evaluation run
 #: has 600,000; an explored seed a few hundred.
@@ -104,12 +107,14 @@ def _on_two(cx: Context, invariants: Sequence[Invariant]) -> dict[str, Ran]:
         return out
 
     read, write = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: its share, pickled into the pipe, and gone
         code = 1
         try:
-            os.close(read)
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's to handle
+            die_with_parent(parent)
+            os.close(read)
             with os.fdopen(write, "wb") as pipe:
                 pipe.write(pickle.dumps(share(), protocol=pickle.HIGHEST_PROTOCOL))
             code = 0
