@@ -8,19 +8,10 @@ and the final state they leave (keys with their TTLs, the indexes' members).
 
 from __future__ import annotations
 
-import gc
 from collections import Counter
 from typing import Any
 
-from chaos.checker import (
-    CheckResult,
-    CheckSpec,
-    EvaluationFinal,
-    FinalState,
-    Violation,
-    check,
-    collector_paused,
-)
+from chaos.checker import CheckResult, CheckSpec, EvaluationFinal, FinalState, Violation, check
 from chaos.reference import Outcome, PassOutcome, Reference
 from engine.config import STATE_TTL_SECONDS
 from engine.core import RuleResult
@@ -654,26 +645,3 @@ def test_a_retry_held_past_its_failed_attempts_status_is_a_violation() -> None:
     assert result.cases["retries_acked"] == 1  # the status (text) made the ACK owed
     (v,) = failing(run(acked=False).check("retries_acked"), "retries_acked")
     assert "held the retry of attempt 2 past the attempt's durable outcome" in v.message
-
-
-def test_the_collector_is_paused_for_a_check_and_left_as_it_was() -> None:
-    assert gc.isenabled()
-    with collector_paused():
-        assert not gc.isenabled()
-        with collector_paused():  # a check within a simulated run
-            assert not gc.isenabled()
-        assert not gc.isenabled()
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        with collector_paused():
-            pass
-        assert not gc.isenabled()  # a caller's own setting is kept
-    finally:
-        gc.enable()
-    try:
-        with collector_paused():
-            raise KeyError("x")
-    except KeyError:
-        pass
-    assert gc.isenabled()

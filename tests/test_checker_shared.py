@@ -1,9 +1,11 @@
-"""`chaos.checker.shared`: a long history judged on two processes gives what one process
-gives (verdicts, cases, violations with their evidence, stats in their order), also when
-the child fails; and only where it may fork."""
+"""How the checker runs: a long history judged on two processes (`chaos.checker.shared`)
+gives what one process gives (verdicts, cases, violations with their evidence, stats in
+their order), also when the child fails, and only where it may fork; the collector paused
+for a check."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 
 import chaos.checker.shared as shared
-from chaos.checker import REGISTRY, CheckResult, Context, check
+from chaos.checker import REGISTRY, CheckResult, Context, check, collector_paused
 from chaos.checker.invariants import Invariant
 from chaos.insim import run_scenario
 from chaos.scenario import load_scenario
@@ -24,7 +26,7 @@ from tests.test_chaos_runs import SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(
+two_cores = pytest.mark.skipif(
     not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs fork, 2 cores"
 )
 
@@ -65,6 +67,7 @@ def _same(a: CheckResult, b: CheckResult) -> None:
     assert list(a.stats.items()) == list(b.stats.items())  # in the same order too
 
 
+@two_cores
 def test_two_processes_judge_as_one(broken: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     forks: list[int] = []
     fork = os.fork
@@ -81,6 +84,7 @@ def test_two_processes_judge_as_one(broken: Any, monkeypatch: pytest.MonkeyPatch
     assert list(two.stats.items())[: len(plain.stats)] == list(plain.stats.items())
 
 
+@two_cores
 def test_what_the_child_did_not_send_back_the_parent_runs(
     broken: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -99,6 +103,7 @@ def test_what_the_child_did_not_send_back_the_parent_runs(
     _same(one, _judged(broken, monkeypatch, two=True))
 
 
+@two_cores
 def test_never_with_other_threads_or_when_not_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert shared.shared(shared.LONG)
     assert not shared.shared(shared.LONG - 1)
@@ -159,3 +164,26 @@ def test_a_forked_checker_dies_with_its_parent() -> None:
     if not gone:  # the test failed: leave nothing behind all the same
         os.kill(child, signal.SIGKILL)
     assert gone
+
+
+def test_the_collector_is_paused_for_a_check_and_left_as_it_was() -> None:
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():  # a check within a simulated run
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own setting is kept
+    finally:
+        gc.enable()
+    try:
+        with collector_paused():
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert gc.isenabled()
