@@ -158,8 +158,8 @@ class SimRedis:
         # `attempt:{a}:checkpoints`, only for the designs that have them (None: Redis)
         self.numbering = False
         self._synced = False  # the running operation's commit is synchronous (`synced`)
-        # The keys written since `settled` last looked (None: it never has), and what it
-        # found: attempt id -> (terminal and announced, until when that holds unwritten)
+        # `settled`'s: the keys written since it last looked (None: it never has), the ids
+        # it is asked of, those of them it found settled, and when to read one again
         self._written: set[str] | None = None
         self._asked: Sequence[str] | None = None  # the ids it was asked of
         self._found: set[str] = set()  # those of them terminal and announced
@@ -639,9 +639,9 @@ class SimRedis:
         """Those of `attempt_ids` terminal and announced (`record`'s state and flag), as
         the harness asks every 0.1 s simulated (`on_settled`, the same ids each time): read
         again only where one of the two keys was written or reached its expiry since the
-        last time (a run of 10,000 evaluations asks about 500 times). What a read finds is
-        what it found then: a key's value changes only by a write, or by its expiry. The
-        set is this server's own, kept up to date: read it, never change it."""
+        last time (a run of 10,000 evaluations asks about 500 times): a key's value changes
+        only by a write or by its expiry, so what a read found holds until then. The set is
+        this server's own, kept up to date: read it, never change it."""
         now, found, keys, expiring = self.env.now, self._found, self._settled_keys, self._expiring
         if attempt_ids is not self._asked:  # other ids: every one read
             self._asked = attempt_ids

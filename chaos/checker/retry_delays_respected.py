@@ -414,10 +414,10 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
     proven delays cover all but tol of the lateness (`late_retries_explained`): its
     delivery's own (the broker's hold past the message's due time, then its way to the
     process that started it, less any slot wait on the way for an evaluation another
-    process held all along: `_needless_in_transit`),
-    and the waits in that process since its delivery there (slots, a resume's begin and
-    recovery, its start marker's write); a `retry_published` with another tier, a bucket
-    its tier has not, or a delay other than its tier and bucket give is one."""
+    process held all along: `_needless_in_transit`) and the waits in that process since
+    its delivery there (slots, a resume's begin and recovery, its start marker's write);
+    a `retry_published` with another tier, a bucket its tier has not, or a delay other
+    than its tier and bucket give is one."""
     spec = cx.spec
     settings = RetrySettings.of(spec.policy)
     tol = spec.delay_tolerance_s
