@@ -141,7 +141,7 @@ def one_pass_dags(draw: st.DrawFn) -> tuple[list[str], dict[str, Rule]]:
 
 @settings(max_examples=200, deadline=None)
 @given(one_pass_dags())
-def test_linear_order_is_thesweep_order(case: tuple[list[str], dict[str, Rule]]) -> None:
+def test_linear_order_is_the_sweep_order(case: tuple[list[str], dict[str, Rule]]) -> None:
     ids, rules = case
     assert _toposort(ids, rules) == sweep_order(ids, rules)
 
