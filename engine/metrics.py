@@ -1,11 +1,13 @@
 """Prometheus metrics of one worker, named after the second seed's `*_retries_total`.
 
-The counters are plain numbers, moved by `count` and read by a collector when Prometheus
-scrapes: a `prometheus_client.Counter` validates and takes a lock on every increment, and
-a rule moves two or three of them. A scrape shows them exactly as `Counter`s would (the
-`_total` and `_created` samples, children in the order they first moved). The scrape runs
-in the server's thread; the event loop's thread is the only writer, so a scrape reads
-each number whole, at worst one increment old.
+The counters and the gauge are plain numbers, moved by `count` and `running.set` and read
+by collectors when Prometheus scrapes: a `prometheus_client.Counter` validates and takes a
+lock on every increment, and a rule moves two or three of them. A scrape shows them exactly
+as `Counter`s and a `Gauge` would (the `_total` and `_created` samples, children in the
+order they first moved). The scrape runs in the server's thread; the event loop's thread is
+the only writer, so a scrape reads each number whole, at worst one increment old. The
+registry is made when first asked for: the simulator makes a worker at every process start
+and never scrapes.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -41,16 +43,28 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
         now = time.time()
         # (metric, labels) -> [value, created]; the unlabelled ones exist from the start.
         self._counts: dict[tuple[str, Labels], list[float]] = {
             (name, ()): [0.0, now] for name, (_, _, labels) in COUNTERS.items() if not labels
         }
-        self.registry.register(_Counters(self._counts))
-        self.running = Gauge(
-            "engine_evaluations_running", "Evaluations in memory", registry=self.registry
+        self.running = GaugeValue()
+        self._registry: CollectorRegistry | None = None
+        if registry is not None:
+            self._register(registry)
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The registry a scrape reads, made on first use."""
+        return self._registry or self._register(CollectorRegistry())
+
+    def _register(self, registry: CollectorRegistry) -> CollectorRegistry:
+        registry.register(_Counters(self._counts))
+        registry.register(
+            _Gauge("engine_evaluations_running", "Evaluations in memory", self.running)
         )
+        self._registry = registry
+        return registry
 
     def count(self, metric: str, labels: Labels = (), amount: float = 1) -> None:
         """Move the counter `metric` (its child for `labels`) by `amount` (>= 0)."""
@@ -91,6 +105,31 @@ class Metrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+
+class GaugeValue:
+    """A gauge's number, set by the event loop and read at a scrape (as `Gauge.set`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+
+class _Gauge:
+    """The collector that shows a `GaugeValue` as a Prometheus gauge."""
+
+    def __init__(self, name: str, doc: str, gauge: GaugeValue) -> None:
+        self._name, self._doc, self._gauge = name, doc, gauge
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self._name, self._doc)]
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self._name, self._doc, value=self._gauge.value)
 
 
 class _Counters:

@@ -30,6 +30,39 @@ def test_totals_name_counters_as_a_scrape_does() -> None:
     }
 
 
+def test_a_scrape_shows_what_prometheus_own_counters_and_gauge_would() -> None:
+    """The plain numbers, exposed by their collectors, read as `Counter`s and a `Gauge`
+    moved the same way (their `_created` timestamps aside)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    from engine.metrics import COUNTERS
+
+    ours, theirs = Metrics(), CollectorRegistry()
+    made = {
+        name: Counter(exposed, doc, labels, registry=theirs)
+        for name, (exposed, doc, labels) in COUNTERS.items()
+    }
+    running = Gauge("engine_evaluations_running", "Evaluations in memory", registry=theirs)
+    for metric, labels, amount in [
+        ("tokens", (), 120),
+        ("calls", (("outcome", "quota"),), 1),
+        ("calls", (("outcome", "ok"),), 2),
+        ("calls", (("outcome", "quota"),), 1),
+        ("retries", (("level", "2"),), 1),
+    ]:
+        ours.count(metric, labels, amount)
+        counter = made[metric].labels(*(v for _, v in labels)) if labels else made[metric]
+        counter.inc(amount)
+    ours.running.set(3)
+    running.set(3)
+
+    def scrape(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return [line for line in text.splitlines() if "_created" not in line]
+
+    assert scrape(ours.registry) == scrape(theirs)
+
+
 def test_each_stopped_worker_is_judged_and_a_wrong_counter_named() -> None:
     history = run_scenario(load_scenario(SCENARIOS / "transient_llm_errors.yaml")).history
     verdict, cases, _ = judge(history)
