@@ -32,6 +32,7 @@ from engine.core import (
     Evaluation,
     Recovery,
     RuleState,
+    RunRule,
     Snapshot,
     classify,
     dag,
@@ -1062,6 +1063,25 @@ def marker_write_misread() -> None:
     orchestrator.PassExecutionOrchestrator._execute = misreading  # type: ignore[method-assign]
 
 
+def retry_starts_unmarked() -> None:
+    """history_well_formed: a delayed retry's first try starts with no round trip before it
+    (a refactor took the retry's delivery for the store's word): no start marker is written
+    for it, and nothing asks the store about a cancel or the lease first, unless a write of
+    the same batch happens to. The engine records its start as before; a crash during it
+    would rerun it told it is execution 1 again."""
+    execute = orchestrator.PassExecutionOrchestrator._execute
+
+    def unmarked(self: Any, action: Any) -> Step:
+        if isinstance(action, RunRule) and action.attempt > 1 and action.try_no == 1:
+            key = (action.rule_id, action.attempt)
+            self._starts = [s for s in self._starts if s != key]
+            self._looked = True
+            self._lease_until = float("inf")
+        return (yield from execute(self, action))
+
+    orchestrator.PassExecutionOrchestrator._execute = unmarked  # type: ignore[method-assign]
+
+
 def cancel_read_unheard() -> None:
     """quiet_state: a cancel the owner reads in the store right before a call stops that
     call, but its core never hears it (the fix of 2026-12-04 undone): with the broadcast
@@ -1533,6 +1553,11 @@ MUTANTS: dict[str, Mutant] = {
             marker_write_misread,
             "history_well_formed",
             "a start marker's write is recorded in microseconds as milliseconds",
+        ),
+        _mutant(
+            retry_starts_unmarked,
+            "history_well_formed",
+            "a delayed retry starts with no round trip before it: no start marker written",
         ),
         _mutant(
             cancel_read_unheard,

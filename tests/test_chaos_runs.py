@@ -89,6 +89,7 @@ CATCHES = {
     "unlabelled_reruns": "crash_after_ack",
     "executions_uncounted": "crash_after_ack",  # each rerun told it is execution 1
     "marker_write_misread": "delay_tiers",  # a marker's write longer than since its delivery
+    "retry_starts_unmarked": "delay_tiers",  # a retry's start with no marker before it
     "failed_calls_uncounted": "transient_llm_errors",
     "failed_calls_free": "transient_llm_errors",  # each failed call drew its tokens
     "cancel_unknown": "cancel_midway",  # the broadcast rejected, the owner reads Redis

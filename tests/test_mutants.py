@@ -1212,6 +1212,17 @@ def test_marker_write_misread() -> None:
     assert all("`start_marked` of a" in v.message for v in broken.result.violations)
 
 
+def test_retry_starts_unmarked() -> None:
+    """A delayed retry started with no marker written and no start_marked before it: the
+    well-formedness rule that only unit tests reached before (`_markers_accounted`)."""
+    clean, broken = _sim_pair("delay_tiers", "retry_starts_unmarked")
+    assert clean.result.ok
+    assert any(e["ev"] == "start_marked" for e in clean.history)
+    assert not any(e["ev"] == "start_marked" for e in broken.history)
+    assert _broken(broken) == {"history_well_formed"}
+    assert all("with no write of its start marker" in v.message for v in broken.result.violations)
+
+
 def test_failed_calls_free() -> None:
     clean, broken = _sim_pair("transient_llm_errors", "failed_calls_free")
     assert clean.result.ok and clean.result.stats["reference_calls_compared"] > 0

@@ -76,6 +76,7 @@ CORE: tuple[str, ...] = (
     "unlabelled_reruns",
     "executions_uncounted",
     "marker_write_misread",
+    "retry_starts_unmarked",
     "failed_calls_uncounted",
     "failed_calls_free",
     "cancel_unknown",
