@@ -49,6 +49,18 @@ BATCHES_PER_THREAD = 4
 MAX_BATCH = 200
 
 
+#: Dask's settings for our LocalCluster's workers (a Nanny hands its config to its worker
+#: process): the statistical profiler walks the running seed's stack every 10 ms and the
+#: memory monitor reads the process's size every 100 ms, each taking the interpreter lock
+#: from the seeds; a seed's memory is freed at its end. A user's `dask worker` takes them
+#: as environment variables (docs/cluster.md).
+WORKER_SETTINGS = {
+    "distributed.worker.profile.enabled": False,
+    "distributed.worker.memory.monitor-interval": "1s",
+    "distributed.admin.system-monitor.interval": "1s",
+}
+
+
 class ClusterError(RuntimeError):
     """The cluster cannot run the exploration (unreachable, another version of the code,
     Dask missing, lost mid-run): one line, `chaos sim` exits 3."""
@@ -220,7 +232,10 @@ def connect(address: str) -> Iterator[ClusterSession]:
                 # semaphores, a traceback each)
                 resource_tracker.ensure_running()
                 # the scheduler's scratch space too (it reads only the config)
-                with _marked_spawns(), dask.config.set({"temporary-directory": str(scratch)}):
+                with (
+                    _marked_spawns(),
+                    dask.config.set({"temporary-directory": str(scratch), **WORKER_SETTINGS}),
+                ):
                     # the worker processes carry the owner mark
                     try:
                         local = distributed.LocalCluster(
