@@ -21,11 +21,14 @@ There is no slack. A retry may start later than its tier only by what the histor
   each write waits for the replica), and the same set-up from the delivery to its wait
   for an evaluation slot (the plan and the lease's holder read from the store first: a
   round trip each, on a busy PostgreSQL tens of milliseconds);
+- the delivery's own latency, as its events measure it: the broker's hold past the
+  message's due time (its publisher's stamp plus its delay, against the first delivery),
+  then the forward from the process that first received it to the one that started it,
+  less any wait there for an evaluation slot of an evaluation another process held all
+  along (the retry should have been passed on at once: that wait is unexplained);
 - a fault window (from the runner's own `fault_fired` / `fault_healed` records) open
   during the wait, or the sweeper's lost-retry path.
-What is left, the broker's hold past the TTL, a forward, the delivery's own hops and the
-worker's processing (but not a wait for an evaluation slot on the way, in a process that
-should have passed the retry on to the one holding its evaluation), must fit within
+What is left, the worker's processing from the delivery to the start, must fit within
 `delay_tolerance_s` (the timer granularity, the same tolerance an early start gets); live,
 each event's own recorded event-loop lag (`loop_lag_ms`, measured by the worker) is added
 to it. Anything else is a violation.
