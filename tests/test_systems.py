@@ -459,3 +459,24 @@ def test_a_mutant_of_another_design_s_store_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="pg_jobs_unlogged breaks pg only"):
         SimRun(loaded, mutant="pg_jobs_unlogged", system="pg-store")
     assert SimRun(loaded, mutant="pg_unfenced", system="pg").mutant == "pg_unfenced"
+
+
+def test_temporal_workflows_read_the_stop_flag_their_worker_sets() -> None:
+    """Temporal's sandbox imports a workflow's module afresh for its workflows: a flag of
+    that module's own would stay False there whatever the worker set (an eviction at a stop
+    said `lease lost`). The flag lives in a module the sandbox passes through."""
+    import importlib
+
+    from temporalio.worker.workflow_sandbox import SandboxRestrictions
+    from temporalio.worker.workflow_sandbox._importer import Importer
+    from temporalio.worker.workflow_sandbox._restrictions import RestrictionContext
+
+    import chaos.systems.temporal.workflow as outside
+    from chaos.systems import core_workflow
+    from chaos.systems.temporal import worker
+
+    importer = Importer(SandboxRestrictions.default, RestrictionContext())
+    with importer.applied():
+        inside = importlib.import_module("chaos.systems.temporal.workflow")
+    assert inside is not outside  # imported afresh, as Temporal's workflows see it
+    assert inside.STOPPING is outside.STOPPING is worker.STOPPING is core_workflow.STOPPING

@@ -85,6 +85,11 @@ class Ended:
     statuses: dict[str, str] = field(default_factory=dict)  # rule -> the last status written
 
 
+#: Whether this process's worker is stopping (set by the worker). Here, not in a design's
+#: workflow module: Temporal's sandbox imports a workflow module afresh for its workflows
+#: (their copy of a flag of its own would stay False), and passes this one through.
+STOPPING: list[bool] = [False]
+
 _plans: dict[str, Plan] = {}
 _history: list[History] = [History()]
 _recording = threading.Lock()

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     from dbos import DBOS
 
-    from chaos.systems.core_workflow import open_recorder, record
+    from chaos.systems.core_workflow import STOPPING, open_recorder, record
     from chaos.systems.dbos import workflow
 
     open_recorder(args.history, args.worker_id or f"w{os.getpid()}-{args.executor_id}")
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     record("worker_started", sweeper=False)
     print(f"{READY_LINE} executor {args.executor_id}", flush=True)
     stop.wait()
-    workflow.STOPPING[0] = True
+    STOPPING[0] = True
     record("worker_stopping")
     for attempt_id in sorted(workflow.RUNNING):  # pending under this executor id: its
         # relaunch recovers them

@@ -36,6 +36,7 @@ from typing import Any
 from dbos import DBOS, DBOSClient
 
 from chaos.systems.core_workflow import (
+    STOPPING,
     WRITES,
     Job,
     action_events,
@@ -64,14 +65,12 @@ CALLS_ENV = "CHAOS_DBOS_CALLS"
 STARTS_ENV = "CHAOS_DBOS_STARTS"
 #: The evaluations this process runs now (what a stopping worker lets go of).
 RUNNING: set[str] = set()
-#: Whether this process's worker is stopping (set by the worker): from then on nothing
-#: begins here (a call or an evaluation waits to be cancelled with the rest, unrecorded).
-STOPPING: list[bool] = [False]
 
 
 async def _unless_stopping() -> None:
-    """Wait for the cancel of a stopping worker's `DBOS.destroy`, if it is stopping (a
-    step must not fail: its error would be its durable answer)."""
+    """Wait for the cancel of a stopping worker's `DBOS.destroy`, if it is stopping: from
+    then on nothing begins here (a call or an evaluation waits to be cancelled with the
+    rest, unrecorded; a step must not fail: its error would be its durable answer)."""
     if STOPPING[0]:
         await asyncio.Event().wait()
 

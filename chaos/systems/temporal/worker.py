@@ -16,11 +16,10 @@ from datetime import timedelta
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from chaos.systems.core_workflow import open_recorder, record
+from chaos.systems.core_workflow import STOPPING, open_recorder, record
 from chaos.systems.temporal.server import NAMESPACE
 from chaos.systems.temporal.workflow import (
     OWN_QUEUE,
-    STOPPING,
     TASK_QUEUE,
     EvaluationWorkflow,
     call_rule,

@@ -34,6 +34,7 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from chaos.systems.core_workflow import (
+        STOPPING,
         WRITES,
         Ended,
         Job,
@@ -69,8 +70,6 @@ WORKER_DEATH_RETRY = TemporalRetry(
 SAME_WORKER_WAIT = timedelta(seconds=2)
 #: This process's own task queue (set by the worker; None: it has none).
 OWN_QUEUE: list[str | None] = [None]
-#: Whether this process's worker is stopping (set by the worker): what evicts its workflows.
-STOPPING: list[bool] = [False]
 
 
 @dataclass
