@@ -316,26 +316,26 @@ def run_batch(
     fn: Callable[..., Any], shared: Any, items: list[Any], args: tuple[Any, ...]
 ) -> tuple[str, str, list[Any]]:
     """On a worker: `fn(shared, item, *args)` for each item of the batch (a seed, a
-    failpoint, a shrink candidate), the garbage collector tuned meanwhile as in the pool's
-    processes (`explore._pool_worker`: the objects already there, the worker's and the
-    imports', frozen out of every collection, young collections spaced out), then put back
-    as found: the worker is not ours to retune. With the results, which worker ran them and
-    its `fingerprint`: a worker that joined after the check at connect is checked too."""
-    import gc
-
+    failpoint, a shrink candidate), the process tuned at its first batch as the pool's are
+    (`explore.tune_for_seeds`: the objects already there, the worker's and the imports',
+    frozen out of every collection, young collections spaced out) and left so: a worker
+    given our batches runs seeds. Tuned for each batch and put back after it, the worker
+    explored 3 % fewer seeds a second (`bench/sim_speed.py --cluster`). With the results,
+    which worker ran them and its `fingerprint`: a worker that joined after the check at
+    connect is checked too."""
     from distributed import get_worker
 
     checked = _process_fingerprint()
-
-    saved = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
-    try:
-        results = [fn(shared, item, *args) for item in items]
-    finally:
-        gc.set_threshold(*saved)
-        gc.unfreeze()
+    _tuned()
+    results = [fn(shared, item, *args) for item in items]
     return get_worker().address, checked, results
+
+
+@functools.cache
+def _tuned() -> None:
+    from chaos.explore import tune_for_seeds
+
+    tune_for_seeds()
 
 
 @functools.cache

@@ -415,12 +415,17 @@ def _pool_worker(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     die_with_parent(parent)
-    # Each seed's simulation is a graph of generators and events that dies whole at its
-    # end; with the default threshold (a young collection every 700 allocations) its live
-    # objects are traversed many times over before that, and the imports' at each full
-    # collection: 4 % of a seed's instructions (callgrind). Imported, collected and frozen
-    # once, then collected every 10,000 allocations. Only the pool's own processes: a
-    # caller's process (`jobs=1`) keeps its settings.
+    tune_for_seeds()
+
+
+def tune_for_seeds() -> None:
+    """A process that runs seeds and nothing else (the pool's, a cluster's worker), tuned
+    once: each seed's simulation is a graph of generators and events that dies whole at its
+    end; with the default threshold (a young collection every 700 allocations) its live
+    objects are traversed many times over before that, and the imports' at each full
+    collection: 4 % of a seed's instructions (callgrind). Imported, collected and frozen
+    once, then collected every 10,000 allocations. A caller's process (`jobs=1`) keeps its
+    settings."""
     import chaos.checker.shared
     import chaos.insim.run  # (what every seed runs: frozen with the rest)
 
