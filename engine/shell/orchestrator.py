@@ -575,21 +575,22 @@ class PassExecutionOrchestrator:
             raise
         status = kept or action.status.value
         verdicts = self.core.announced(action.verdicts)
-        if self._recording:
-            yield Record(
-                "evaluation_terminal",
-                {
-                    "attempt_id": a,
-                    "status": status,
-                    "won": kept is None,
-                    "decided": action.status.value,  # the core's own decision (a cancel heard)
-                    "verdicts": verdicts,
-                    "fence": self.fence,
-                    "landed": True,
-                    "sent_ms": sent_ms,
-                },
-            )
+        terminal = Record(
+            "evaluation_terminal",
+            {
+                "attempt_id": a,
+                "status": status,
+                "won": kept is None,
+                "decided": action.status.value,  # the core's own decision (a cancel heard)
+                "verdicts": verdicts,
+                "fence": self.fence,
+                "landed": True,
+                "sent_ms": sent_ms,
+            },
+        )
         if kept is None:
+            if self._recording:
+                yield terminal
             yield Count("evaluations", labels=(("status", status),))
             # The terminal state is this copy's and durable: its announcement goes out even
             # if the lease is lost meanwhile (`abandon` cancels this task, not that one).
@@ -600,8 +601,15 @@ class PassExecutionOrchestrator:
             return
         if action.status is not EvaluationStatus.CANCELLED:
             yield Log("info", f"evaluation {a} was already {kept}")
+        # Over without this copy: out of the indexes and the lease given back before the
+        # copy says it ended it (the runner reads the leases once every copy has: recorded
+        # at the reply, a release still on the wire was read as a lease left behind).
         yield Store("unindex", (a,))
-        yield from self._close()
+        self.leaving = True
+        yield from release(a, self.worker_id)
+        if self._recording:
+            yield terminal
+        yield from self._close(release_lease=False)
 
     def _announce(self, action: Finish, status: str, verdicts: dict[str, str]) -> Step:
         a = self.attempt_id
