@@ -93,6 +93,18 @@ def test_swarm_draws_within_the_scenario_bounds() -> None:
             assert 1 <= fault["count"] <= 6 and fault["random_at_s"] == [0.2, 2.5]
 
 
+def test_a_shrunk_regression_explores_as_its_source_did() -> None:
+    """A shrunk scenario leaves `faults_fired` out already (its variant did): the swarm does
+    not list it twice, which made every seed of it an invalid variant."""
+    path = SCENARIOS / "regressions" / "cancel-before-a-status-write-cancel-respected-s50.yaml"
+    data = document(load_scenario(path))
+    assert "faults_fired" in data["not_checked"]
+    variants = [swarm(data, s) for s in range(3)]
+    assert all(v["not_checked"].count("faults_fired") == 1 for v in variants)
+    results = [simulate(v) for v in variants]
+    assert not any("invalid_variant" in r.failed for r in results), results
+
+
 def test_concrete_schedule_replays_the_same_run() -> None:
     variant = swarm(data_of("worker_kill_storm"), 4)
     written = concrete(variant)
