@@ -31,7 +31,7 @@ class OneServerServices:
 
     @staticmethod
     def new() -> Any:
-        """A server, started."""
+        """A server, not started yet (`start` starts it)."""
         raise NotImplementedError
 
     @property
