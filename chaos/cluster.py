@@ -325,17 +325,12 @@ def run_batch(
     connect is checked too."""
     from distributed import get_worker
 
-    checked = _process_fingerprint()
-    _tuned()
-    results = [fn(shared, item, *args) for item in items]
-    return get_worker().address, checked, results
-
-
-@functools.cache
-def _tuned() -> None:
     from chaos.explore import tune_for_seeds
 
+    checked = _process_fingerprint()
     tune_for_seeds()
+    results = [fn(shared, item, *args) for item in items]
+    return get_worker().address, checked, results
 
 
 @functools.cache

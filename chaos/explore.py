@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import itertools
 import multiprocessing
@@ -420,14 +421,15 @@ def _pool_worker(parent: int) -> None:
     tune_for_seeds()
 
 
+@functools.cache
 def tune_for_seeds() -> None:
     """A process that runs seeds and nothing else (the pool's, a cluster's worker), tuned
-    once: each seed's simulation is a graph of generators and events that dies whole at its
-    end; with the default threshold (a young collection every 700 allocations) its live
-    objects are traversed many times over before that, and the imports' at each full
-    collection: 4 % of a seed's instructions (callgrind). Imported, collected and frozen
-    once, then collected every 10,000 allocations. A caller's process (`jobs=1`) keeps its
-    settings."""
+    once (a second call does nothing): each seed's simulation is a graph of generators and
+    events that dies whole at its end; with the default threshold (a young collection every
+    700 allocations) its live objects are traversed many times over before that, and the
+    imports' at each full collection: 4 % of a seed's instructions (callgrind). Imported,
+    collected and frozen once, then collected every 10,000 allocations. A caller's process
+    (`jobs=1`) keeps its settings."""
     import chaos.checker.shared
     import chaos.insim.run  # (what every seed runs: frozen with the rest)
 

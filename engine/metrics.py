@@ -56,7 +56,9 @@ class Metrics:
     @property
     def registry(self) -> CollectorRegistry:
         """The registry a scrape reads, made on first use."""
-        return self._registry or self._register(CollectorRegistry())
+        if self._registry is None:
+            return self._register(CollectorRegistry())
+        return self._registry
 
     def _register(self, registry: CollectorRegistry) -> CollectorRegistry:
         registry.register(_Counters(self._counts))
