@@ -378,6 +378,30 @@ def test_copies_of_an_announcement_must_agree() -> None:
     assert any("copies of pass two disagree" in v.message for v in violations)
 
 
+def test_one_process_announcing_a_pass_twice_is_a_violation() -> None:
+    h = H().golden()
+    h.announce("two", "complete", {"b": "fail"})  # w1 again, with nothing in between
+    (v,) = failing(h.check("pass_results_correct"), "pass_results_correct")
+    assert "w1 announced pass two twice" in v.message
+
+
+def test_a_process_that_began_the_evaluation_again_may_announce_again() -> None:
+    """A Temporal worker whose workflow task the server refused after it ran (it was frozen
+    past the task's timeout) runs the workflow again from its history: a new owner, which
+    announces what the refused task had announced, as another process would."""
+    h = H().golden()
+    h.ev("evaluation_abandoned", attempt_id=A, reason="lease lost")
+    h.ev("evaluation_started", attempt_id=A, kind="execute", resumed=True)
+    h.announce("two", "complete", {"b": "fail"})
+    passing(h.check("pass_results_correct"), "pass_results_correct")
+    # another process beginning it is no excuse for this one
+    h = H().golden()
+    h.ev("evaluation_started", "w2", 22, attempt_id=A, kind="execute", resumed=True)
+    h.announce("two", "complete", {"b": "fail"})
+    (v,) = failing(h.check("pass_results_correct"), "pass_results_correct")
+    assert "announced pass two twice" in v.message
+
+
 def test_a_pass_announced_unlike_the_reference_is_a_violation() -> None:
     h = H().golden()
     ref = reference(one=PassOutcome("partial", {"a": "permanently_failed", "c": "needs_review"}))

@@ -8,7 +8,10 @@ of its result was recorded (`result_persisted`, won or lost: either way Redis ho
 it from Redis (its `recovered` event). Copies of one announcement (a crash between the
 publish and the mark in Redis) must agree, and one process never announces a pass twice
 (unless a resume from a checkpoint deleted results in between: the passes are announced
-again, the runner's `resume_written` with rules `discarded`).
+again, the runner's `resume_written` with rules `discarded`; or unless the process began the
+evaluation again in between, its `evaluation_started`: a new owner that knows only what the
+store holds, as another process would be, such as a Temporal worker whose workflow task the
+server refused after it ran, and which then ran the workflow again from its history).
 An evaluation that finished (not cancelled) must have announced every pass, in the history
 or, when its announcer died before recording it, in its `passes` hash in Redis (judged only
 where the final state holds that hash: without it a missing record proves nothing). When the
@@ -126,6 +129,7 @@ def check_pass_results_correct(cx: Context) -> Outcome:
             by_pass[str(e.get("pass_id"))].append(e)
         rules_of = {p.id: list(p.rule_ids) for p in plan.passes}
         resets = [event_time(e) for e in of(evs, "resume_written") if e.get("discarded")]
+        begun = [(event_time(e), proc_of(e)) for e in of(evs, "evaluation_started")]
 
         def flag(
             message: str,
@@ -168,10 +172,11 @@ def check_pass_results_correct(cx: Context) -> Outcome:
             seen: dict[tuple[str, Any], dict] = {}
             for e in copies:
                 key = proc_of(e)
-                if key in seen and not any(
-                    event_time(seen[key]) <= t <= event_time(e) for t in resets
-                ):
-                    flag(f"{e.get('src')} announced pass {pid} twice", [seen[key], e], pid)
+                if key in seen:
+                    first, then = event_time(seen[key]), event_time(e)
+                    anew = [t for t, p in begun if p == key] + resets
+                    if not any(first <= t <= then for t in anew):
+                        flag(f"{e.get('src')} announced pass {pid} twice", [seen[key], e], pid)
                 seen[key] = e
             duplicates += max(0, len(copies) - 1)
             shapes = {(str(e.get("outcome")), _frozen(e.get("rules"))) for e in copies}
