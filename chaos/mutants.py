@@ -1002,6 +1002,15 @@ def pg_resume_forgets() -> None:
     worker is the engine's, unpatched."""
 
 
+def pg_resume_keeps_owner() -> None:
+    """writes_fenced: `eai.resume` deletes what follows the checkpoint but takes no lease:
+    the run's owner is left holding it with its token, so the resume's own delivery finds
+    the run held, and the owner goes on with the results it had in memory, its writes
+    landing past a resume that should have fenced it off (the rules after the checkpoint
+    never run again). The breakage is the database's, installed by the pg-store adapter
+    (`chaos.systems.pg_store.mutants`); the worker is the engine's, unpatched."""
+
+
 def pg_jobs_unlogged() -> None:
     """nothing_lost_on_restart: `pg`'s job queue, `eai.jobs`, is an UNLOGGED table (no WAL:
     faster inserts, the trade a queue table is often offered). PostgreSQL truncates an
@@ -1531,6 +1540,12 @@ MUTANTS: dict[str, Mutant] = {
             pg_resume_forgets,
             "no_completed_rerun",
             "pg-store only: eai.resume deletes the checkpoints it was asked to keep",
+            "pg-store",
+        ),
+        _mutant(
+            pg_resume_keeps_owner,
+            "writes_fenced",
+            "pg-store only: eai.resume takes no lease: the owner goes on past the resume",
             "pg-store",
         ),
         _mutant(

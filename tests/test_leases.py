@@ -259,6 +259,31 @@ def test_a_stale_status_or_final_write_that_landed_is_a_violation() -> None:
         assert "landed with token 1:w1" in v.message and "token 2:w2" in v.message
 
 
+def resumed_then_written(sent_after: bool, landed: bool = True) -> H:
+    """w1 holds A (token 1); a resume from a checkpoint is asked and answered (it moves the
+    fence: pg's `eai.resume`); w1's result write, sent before the answer or after it, is
+    recorded after it."""
+    h = held(1, park=False)
+    h.runner("resume_requested", attempt_id=A, checkpoint=1)
+    sent_ms = round(h.t * 1000) + 1
+    h.runner("resume_written", attempt_id=A, resume={"checkpoint_id": "chk_0001"}, dt=0.01)
+    if sent_after:
+        sent_ms = round(h.t * 1000) + 2
+    fields = {"attempt_id": A, "rule_id": "a", "fence": "1:w1", "sent_ms": sent_ms}
+    h.ev("result_persisted", "w1", 11, landed=landed, dt=0.005, **fields)
+    return h
+
+
+def test_a_write_sent_after_a_resume_with_a_token_it_revoked_must_be_refused() -> None:
+    """The resume took the lease and moved the fence; the old owner's write landed after
+    it, as if the resume had not happened (the `pg_resume_keeps_owner` mutant)."""
+    (v,) = failing(check(resumed_then_written(True), "writes_fenced"), "writes_fenced")
+    assert "landed with token 1:w1" in v.message and "a resume" in v.message
+    assert not check(resumed_then_written(True, landed=False), "writes_fenced").violations
+    # sent before the resume was answered: the store may have applied it first
+    passing(check(resumed_then_written(False), "writes_fenced"), "writes_fenced")
+
+
 # --- reruns_explained: a fault of that execution -------------------------------------------
 
 

@@ -1546,6 +1546,11 @@ def test_pg_resume_forgets() -> None:
     _pg_caught("resume_from_checkpoint", "pg_resume_forgets", (None, 1, 2), folder="pg")
 
 
+def test_pg_resume_keeps_owner() -> None:
+    # A resume that takes no lease: the busy owner goes on, its writes landing past it.
+    _pg_caught("resume_from_checkpoint", "pg_resume_keeps_owner", (None, 1, 2), folder="pg")
+
+
 def test_pg_jobs_unlogged() -> None:
     # pg only: the kill's crash recovery empties the unlogged eai.jobs, and the retries that
     # waited in it are never delivered (as non_persistent's on RabbitMQ). Live, the table

@@ -193,16 +193,16 @@ def _fence_number(token: Any) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _resumes(evs: list[dict]) -> list[tuple[float, float]]:
-    """The resumes of an evaluation that were done: when each was asked for and answered
-    (the store applied it in between)."""
-    out: list[tuple[float, float]] = []
+def _resumes(evs: list[dict]) -> list[tuple[float, dict]]:
+    """The resumes of an evaluation that were done: when each was asked for, and its answer
+    (`resume_written`; the store applied it in between)."""
+    out: list[tuple[float, dict]] = []
     asked: float | None = None
     for e in of(evs, "resume_requested", "resume_written"):
         if e.get("ev") == "resume_requested":
             asked = event_time(e)
         elif asked is not None and e.get("resume") is not None:
-            out.append((asked, event_time(e)))
+            out.append((asked, e))
     return out
 
 
@@ -282,7 +282,7 @@ def check_leases_respected(cx: Context) -> Outcome:
                 let_go_at[proc_of(e)].append(_sent(e))
         for times in let_go_at.values():
             times.sort()
-        revoked = _resumes(evs)
+        revoked = [(asked, event_time(done)) for asked, done in _resumes(evs)]
         for s in cx.sessions(a):
             begin, t, proc = s.started, s.t0, s.proc
             if begin.get("fence") is None:

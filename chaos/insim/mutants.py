@@ -424,6 +424,26 @@ def _pg_resume_forgets() -> None:
     SimRedis.resume_from = forgets  # type: ignore[method-assign]
 
 
+def _pg_resume_keeps_owner() -> None:
+    """`eai.resume` without taking the lease: the owner keeps it, and its token."""
+    resume_from = SimRedis.resume_from
+
+    def keeps_owner(self: SimRedis, a: str, number: int | None, reason: str) -> list[str]:
+        keys = (eval_key(a, "owner"), eval_key(a, "fence"))
+        kept = {k: (self.get(k), self.expires.get(k)) for k in keys}
+        reply = resume_from(self, a, number, reason)
+        if reply[0] == "ok":  # put back as they were, expiry and all
+            for key, (value, expires) in kept.items():
+                self._del(key)
+                if value is not None:
+                    self.data[key] = value
+                    if expires is not None:
+                        self.expires[key] = expires
+        return reply
+
+    SimRedis.resume_from = keeps_owner  # type: ignore[method-assign]
+
+
 # --- pg: the job queue's table (chaos/systems/pg_store/mutants.py, live) ------------------
 
 
@@ -479,6 +499,7 @@ PATCHED: dict[str, Callable[[], None]] = {
     "pg_overwrite_result": _pg_overwrite_result,
     "pg_double_claim": _pg_double_claim,
     "pg_resume_forgets": _pg_resume_forgets,
+    "pg_resume_keeps_owner": _pg_resume_keeps_owner,
     "pg_jobs_unlogged": _pg_jobs_unlogged,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.

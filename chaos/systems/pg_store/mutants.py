@@ -144,6 +144,22 @@ SQL_MUTANTS: dict[str, SqlMutant] = {
             ),
         ),
         SqlMutant(
+            "pg_resume_keeps_owner",
+            "eai.resume takes no lease: the owner keeps it, and its token",
+            (
+                FunctionEdit(
+                    "eai.resume",
+                    (
+                        Edit(
+                            r"r\.owner := NULL;\s+r\.lease_until_ms := NULL;\s+"
+                            r"r\.fence := [^;]+;",
+                            "-- mutant: the owner keeps its lease and its token",
+                        ),
+                    ),
+                ),
+            ),
+        ),
+        SqlMutant(
             "pg_jobs_unlogged",
             "eai.jobs is UNLOGGED: a crash of PostgreSQL empties the job queue",
             (),
