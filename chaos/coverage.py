@@ -405,12 +405,16 @@ def print_measurement(m: Measurement, accepted: dict[str, str], out: Any = None)
     return unexplained
 
 
+#: The scenarios `chaos coverage` runs by default: every folder the simulator can run, the
+#: PostgreSQL designs' too (their outbox and job queue are paths of the one shell).
+SUITE = ("scenarios", "scenarios/regressions", "scenarios/pg_store", "scenarios/pg")
+
+
 def coverage_command(args: Any) -> int:
     """`chaos coverage`: measure, print, write the JSON; exit 1 with `--strict` when a
     branch is unreached that docs/coverage.md does not list as unreachable."""
     paths = args.scenarios or sorted(
-        [str(p) for p in Path("scenarios").glob("*.yaml")]
-        + [str(p) for p in Path("scenarios/regressions").glob("*.yaml")]
+        str(p) for folder in SUITE for p in Path(folder).glob("*.yaml")
     )
     for p in paths:
         if not Path(p).is_file():

@@ -446,7 +446,7 @@ class PassExecutionOrchestrator:
                     )
                 # A retry that arrived while parking is handed back, not dropped: its
                 # redelivery resumes the evaluation from Redis.
-                yield from self._close(release_lease=False, requeue_held=True)
+                yield from self._close(requeue_held=True)
             case Finish():
                 yield from self._finish(action)
 
@@ -597,7 +597,7 @@ class PassExecutionOrchestrator:
             announcing = self.host.spawn(self._announce(action, status, verdicts))
             if announcing is not None:
                 yield Join(announcing)
-            yield from self._close(release_lease=False)
+            yield from self._close()
             return
         if action.status is not EvaluationStatus.CANCELLED:
             yield Log("info", f"evaluation {a} was already {kept}")
@@ -614,7 +614,7 @@ class PassExecutionOrchestrator:
         yield from release(a, self.worker_id)
         if self._recording:
             yield terminal
-        yield from self._close(release_lease=False)
+        yield from self._close()
 
     def _announce(self, action: Finish, status: str, verdicts: dict[str, str]) -> Step:
         a = self.attempt_id
@@ -674,7 +674,9 @@ class PassExecutionOrchestrator:
         if self._recording:
             yield Record("passes_restored", {"attempt_id": a, "pass_ids": list(self._passes)})
 
-    def _close(self, release_lease: bool = True, requeue_held: bool = False) -> Step:
+    def _close(self, requeue_held: bool = False) -> Step:
+        """Out of memory, the lease already let go by the caller's write (the final state,
+        the park) or its `release` (a copy that found the evaluation over)."""
         if self._closed:
             return
         self._closed = True
@@ -686,9 +688,6 @@ class PassExecutionOrchestrator:
                 "retry_requeued" if requeue_held else "stale_retry_dropped",
                 {"attempt_id": self.attempt_id, "rule_id": rule_id, "attempt": attempt},
             )
-        if release_lease:
-            self.leaving = True
-            yield from release(self.attempt_id, self.worker_id)
         yield from self._on_done(self)
 
     def _let_go(self) -> None:
