@@ -961,6 +961,14 @@ def final_unfenced() -> None:
     _unfence("_FINISH", "final_unfenced")
 
 
+def park_unfenced() -> None:
+    """writes_fenced: parks are not fenced. The park script no longer refuses a stale token,
+    so an owner that lost its lease (paused before it parked) still marks the evaluation
+    `parked` and takes it out of the running index while its successor runs it. The source
+    is edited before `RedisStore.__init__` registers it."""
+    _unfence("_PARK", "park_unfenced")
+
+
 # --- pg-store and pg: mutants of the database, not of the worker ---------------------------
 # Each is a PL/pgSQL function of engine/runtime/migrations replaced, in the run's database,
 # by a broken one derived from the shipped definition, or a table of it altered
@@ -1229,6 +1237,7 @@ _REDIS_STORE = frozenset(
         "sweeper_claims_early",
         "status_unfenced",
         "final_unfenced",
+        "park_unfenced",
         "leak_running_index",
     }
 )
@@ -1517,6 +1526,11 @@ MUTANTS: dict[str, Mutant] = {
             final_unfenced,
             "writes_fenced",
             "final-state writes are not fenced: an owner that lost its lease writes its end",
+        ),
+        _mutant(
+            park_unfenced,
+            "writes_fenced",
+            "parks are not fenced: an owner that lost its lease parks its successor's run",
         ),
         _mutant(
             pg_unfenced,

@@ -87,6 +87,7 @@ CATCHES = {
     "sweeper_claims_early": "calls_outlast_lease",  # long calls: stamps a beat old
     "status_unfenced": "stale_owner_status",  # the frozen owner's status write lands
     "final_unfenced": "stale_owner_final_write",  # the frozen owner's final write lands
+    "park_unfenced": "stale_owner_park",  # the frozen owner's park lands
     "unlabelled_reruns": "crash_after_ack",
     "executions_uncounted": "crash_after_ack",  # each rerun told it is execution 1
     "marker_write_misread": "delay_tiers",  # a marker's write longer than since its delivery

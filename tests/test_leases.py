@@ -253,8 +253,8 @@ def test_a_stale_write_refused_passes() -> None:
     passing(check(h, "writes_fenced"), "writes_fenced")
 
 
-def test_a_stale_status_or_final_write_that_landed_is_a_violation() -> None:
-    for ev in ("status_written", "evaluation_terminal", "result_persisted"):
+def test_a_stale_status_final_write_or_park_that_landed_is_a_violation() -> None:
+    for ev in ("status_written", "evaluation_terminal", "result_persisted", "parked"):
         (v,) = failing(check(written("1:w1", ev=ev), "writes_fenced"), "writes_fenced")
         assert "landed with token 1:w1" in v.message and "token 2:w2" in v.message
 

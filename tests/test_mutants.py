@@ -783,7 +783,7 @@ async def _probe_store(go: Any) -> dict[str, Any]:
     """`go(store, attempt_ids)` on a store of a namespace of its own, deleted afterwards."""
     ns = f"probe-{uuid.uuid4().hex[:8]}."
     store = RedisStore(EngineConfig(namespace=ns))
-    ids = [f"{ns}att-{i}" for i in range(2)]
+    ids = [f"{ns}att-{i}" for i in range(3)]
     try:
         return await go(store, ids)
     finally:
@@ -1453,19 +1453,21 @@ def test_sweeper_claims_early() -> None:
 
 def probe_stale_writes() -> dict[str, Any]:
     """w1 begins an evaluation; its lease lapses; w2 begins it (a new token); w1, awake,
-    writes a status and the final state with its old token. What lands?"""
+    writes a status, the final state or a park with its old token. What lands?"""
 
     async def go(store: RedisStore, ids: list[str]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for a, what in zip(ids, ("status", "final"), strict=True):
+        for a, what in zip(ids, ("status", "final", "park"), strict=True):
             first = await store.begin(a, "w1", TINY.order, TINY.to_json())
             await store.redis.delete(eval_key(a, "owner"))  # the lease lapses
             await store.begin(a, "w2", TINY.order, None)
             try:
                 if what == "status":
                     await store.write_status(a, "compiles", "failed_attempt_1", None, first.fence)
-                else:
+                elif what == "final":
                     await store.finish(a, "completed", {}, [], first.fence)
+                else:
+                    await store.park(a, "w1", first.fence, ["compiles"])
                 out[what] = "landed"
             except LeaseLost:
                 out[what] = "refused"
@@ -1477,15 +1479,22 @@ def probe_stale_writes() -> dict[str, Any]:
 @live
 def test_status_unfenced() -> None:
     before, after = _probe("probe_stale_writes", "status_unfenced")
-    assert before == {"status": "refused", "final": "refused"}
-    assert after == {"status": "landed", "final": "refused"}  # the status alone is unfenced
+    assert before == {"status": "refused", "final": "refused", "park": "refused"}
+    assert after == {"status": "landed", "final": "refused", "park": "refused"}  # alone
 
 
 @live
 def test_final_unfenced() -> None:
     before, after = _probe("probe_stale_writes", "final_unfenced")
-    assert before == {"status": "refused", "final": "refused"}
-    assert after == {"status": "refused", "final": "landed"}  # the final state alone
+    assert before == {"status": "refused", "final": "refused", "park": "refused"}
+    assert after == {"status": "refused", "final": "landed", "park": "refused"}  # alone
+
+
+@live
+def test_park_unfenced() -> None:
+    before, after = _probe("probe_stale_writes", "park_unfenced")
+    assert before == {"status": "refused", "final": "refused", "park": "refused"}
+    assert after == {"status": "refused", "final": "refused", "park": "landed"}  # alone
 
 
 # --- pg-store: broken PL/pgSQL functions (chaos.systems.pg_store.mutants) ----------------------

@@ -46,7 +46,7 @@ PASS_OUTCOMES: Spec = frozenset({"complete", "partial"})
 #: A renewal's answer: lost (another holder, or none), held, forgotten by Redis.
 RENEWAL: Spec = frozenset({0, 1, 2})
 SLOTS: Spec = frozenset({"evaluation", "rule", "lock"})
-WRITES: Spec = frozenset({"result", "status", "final"})
+WRITES: Spec = frozenset({"result", "status", "final", "park"})
 FENCE: Spec = re.compile(r"[0-9]+:.+")
 #: Why an evaluation was dropped: a stop, a lost lease, a failed delivery, a task's
 #: exception (its type and message), another copy's result write.
@@ -120,7 +120,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "expires_ms": OPT_INT,
     },
     "parking": {**_ID, "sent_ms": INT},
-    "parked": {**_ID, "waiting": DICT, "sent_ms": INT},
+    "parked": {**_ID, "waiting": DICT, **_WRITE},
     "cancel_received": {**_ID, "held": BOOL},
     "cancel_seen": {**_ID, "state": EVALUATION_STATUSES},
     "evaluation_abandoned": {**_ID, "reason": ABANDONED},

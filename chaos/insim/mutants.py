@@ -365,6 +365,17 @@ def _final_unfenced() -> None:
     SimRedis.finish = unfenced  # type: ignore[method-assign]
 
 
+def _park_unfenced() -> None:
+    """The live patch's park script that no longer refuses a stale token."""
+    park = SimRedis.park
+
+    def unfenced(self: SimRedis, a: str, me: str, fence: str | None = None, *rest: Any) -> Any:
+        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
+        return park(self, a, me, None, *rest)
+
+    SimRedis.park = unfenced  # type: ignore[method-assign]
+
+
 # --- pg-store: each the SQL mutant's counterpart (chaos/systems/pg_store/mutants.py) ------
 # pg-store's simulator runs the same references as Redis (`sim.redis.REFERENCES`), so the
 # counterpart of a broken PL/pgSQL function is the same patch of its `SimRedis` reference.
@@ -495,6 +506,7 @@ PATCHED: dict[str, Callable[[], None]] = {
     "sweeper_claims_early": _sweeper_claims_early,
     "status_unfenced": _status_unfenced,
     "final_unfenced": _final_unfenced,
+    "park_unfenced": _park_unfenced,
     "pg_unfenced": _pg_unfenced,
     "pg_overwrite_result": _pg_overwrite_result,
     "pg_double_claim": _pg_double_claim,

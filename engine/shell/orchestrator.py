@@ -439,10 +439,21 @@ class PassExecutionOrchestrator:
                 self.leaving = True
                 if self._recording:  # sent: it may land though this process dies first
                     yield Record("parking", {"attempt_id": a, "sent_ms": sent_ms})
-                yield Store("park", (a, self.worker_id, self.fence, list(waiting)))
+                try:
+                    yield Store("park", (a, self.worker_id, self.fence, list(waiting)))
+                except LeaseLost:
+                    yield from self._refused("park", None, sent_ms)
+                    raise
                 if self._recording:  # with when the lease was let go: before the reply
                     yield Record(
-                        "parked", {"attempt_id": a, "waiting": dict(waiting), "sent_ms": sent_ms}
+                        "parked",
+                        {
+                            "attempt_id": a,
+                            "waiting": dict(waiting),
+                            "fence": self.fence,
+                            "landed": True,
+                            "sent_ms": sent_ms,
+                        },
                     )
                 # A retry that arrived while parking is handed back, not dropped: its
                 # redelivery resumes the evaluation from Redis.
