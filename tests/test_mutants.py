@@ -779,11 +779,11 @@ def test_all_passes_complete() -> None:
     assert after == dict.fromkeys(before, "complete")
 
 
-async def _probe_store(go: Any) -> dict[str, Any]:
+async def _probe_store(go: Any, evaluations: int = 2) -> dict[str, Any]:
     """`go(store, attempt_ids)` on a store of a namespace of its own, deleted afterwards."""
     ns = f"probe-{uuid.uuid4().hex[:8]}."
     store = RedisStore(EngineConfig(namespace=ns))
-    ids = [f"{ns}att-{i}" for i in range(3)]
+    ids = [f"{ns}att-{i}" for i in range(evaluations)]
     try:
         return await go(store, ids)
     finally:
@@ -1473,7 +1473,7 @@ def probe_stale_writes() -> dict[str, Any]:
                 out[what] = "refused"
         return out
 
-    return asyncio.run(_probe_store(go))
+    return asyncio.run(_probe_store(go, evaluations=3))
 
 
 @live
