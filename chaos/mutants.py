@@ -518,6 +518,26 @@ def all_passes_complete() -> None:
     dag.pass_outcome = lambda p, state: "complete"
 
 
+class _Unkept(set):
+    """A set that keeps nothing added to it (what was there at the start stays)."""
+
+    def add(self, item: object) -> None:
+        pass
+
+
+def pass_announced_again() -> None:
+    """pass_results_correct: the core forgets which passes it announced (`_published`
+    keeps only those the snapshot said were): each finished pass is announced again, by
+    the same process, whenever another of the evaluation's rules ends."""
+    init = Evaluation.__init__
+
+    def forgetting(self: Evaluation, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._published = _Unkept(self._published)
+
+    Evaluation.__init__ = forgetting
+
+
 #: What `_rewritten`'s change returns for an effect to drop (the step gets None back, as
 #: from an effect carried out).
 _DROP = object()
@@ -1393,6 +1413,11 @@ MUTANTS: dict[str, Mutant] = {
             all_passes_complete,
             "pass_results_correct",
             "every pass is announced complete, whatever it lost",
+        ),
+        _mutant(
+            pass_announced_again,
+            "pass_results_correct",
+            "each finished pass is announced again whenever another rule ends",
         ),
         _mutant(
             no_completed_event,

@@ -60,6 +60,7 @@ CATCHES = {
     "start_after_cancel": "cancel_midway",  # the owner runs to the end after the cancel
     "spurious_cancel": "cancel_midway",  # the cancel of evaluation 0 ends the others too
     "all_passes_complete": "permanent_failure_prunes",  # passes that lost a rule
+    "pass_announced_again": "crash_after_ack",  # intake's pass again at each rule's end
     "no_completed_event": "permanent_failure_prunes",
     "leak_running_index": "permanent_failure_prunes",
     "done_keeps_lease": "delay_tiers",  # a 2 s lease: still there when the run ends

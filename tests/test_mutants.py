@@ -779,6 +779,22 @@ def test_all_passes_complete() -> None:
     assert after == dict.fromkeys(before, "complete")
 
 
+def probe_pass_announcements() -> list[str] | str:
+    """code_review, one rule at a time: each pass announcement in order, or what the unit
+    tests' driver refused (`tests.helpers`: a pass announced twice)."""
+    try:
+        shell = run_plan(CODE_REVIEW, agent(), max_parallel=1)
+    except AssertionError as exc:
+        return str(exc)
+    return [a.pass_id for a in shell.of_type(PublishPassResult)]
+
+
+def test_pass_announced_again() -> None:
+    before, after = _probe("probe_pass_announcements", "pass_announced_again")
+    assert before == [p.id for p in CODE_REVIEW.passes]  # each once, in the plan's order
+    assert after == "pass intake published twice"  # at the next rule's end
+
+
 async def _probe_store(go: Any, evaluations: int = 2) -> dict[str, Any]:
     """`go(store, attempt_ids)` on a store of a namespace of its own, deleted afterwards."""
     ns = f"probe-{uuid.uuid4().hex[:8]}."

@@ -62,6 +62,7 @@ CORE: tuple[str, ...] = (
     "give_up_early",
     "slow_tier",
     "all_passes_complete",
+    "pass_announced_again",
     "results_only_reannounced",
     "raise_in_shell",
     "retry_to_undeclared_queue",
@@ -118,7 +119,11 @@ def known() -> tuple[str, ...]:
 
 
 def refusal(name: str | None, system: str) -> str | None:
-    """`chaos.mutants.refusal`: a mutant of another design's part does not run here."""
+    """`chaos.mutants.refusal`: a mutant of another design's part does not run here.
+    Without a mutant nothing imports `chaos.mutants` (and the live engine's worker, its
+    clients with it): a pool's processes start without them."""
+    if name is None:
+        return None
     from chaos.mutants import refusal as mutant_refusal
 
     return mutant_refusal(name, system)
