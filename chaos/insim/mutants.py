@@ -17,6 +17,7 @@ No mutant is a switch inside the engine, the simulator or the simulated runner. 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -346,58 +347,30 @@ def _sweeper_claims_early() -> None:
     SimRedis.claim_stale = lease_blind_claim  # type: ignore[method-assign]
 
 
-def _status_unfenced() -> None:
-    """The live patch's status script that no longer refuses a stale token."""
-    write_status = SimRedis.write_status
+def _unfence(script: str) -> Callable[[], None]:
+    """The patch of a live mutant whose fenced script (`SimRedis.<script>`, its reference)
+    no longer refuses a stale token: the lease still runs on for a token the fence lets
+    through (`_fenced` as before), a refusal is ignored."""
 
-    def unfenced(self: SimRedis, a: str, *args: Any) -> Any:
-        *rest, fence = args if len(args) == 4 else (*args, None)
-        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
-        return write_status(self, a, *rest, None)
+    def patch() -> None:
+        original = getattr(SimRedis, script)
+        signature = inspect.signature(original)
 
-    SimRedis.write_status = unfenced  # type: ignore[method-assign]
+        def unfenced(self: SimRedis, a: str, *args: Any) -> Any:
+            bound = signature.bind(self, a, *args)
+            self._fenced(a, bound.arguments.get("fence"))
+            bound.arguments["fence"] = None
+            return original(*bound.args, **bound.kwargs)
 
+        setattr(SimRedis, script, unfenced)
 
-def _final_unfenced() -> None:
-    """The live patch's finish script that no longer refuses a stale token."""
-    finish = SimRedis.finish
-
-    def unfenced(self: SimRedis, a: str, *args: Any) -> Any:
-        *rest, fence = args if len(args) == 4 else (*args, None)
-        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
-        return finish(self, a, *rest, None)
-
-    SimRedis.finish = unfenced  # type: ignore[method-assign]
-
-
-def _park_unfenced() -> None:
-    """The live patch's park script that no longer refuses a stale token."""
-    park = SimRedis.park
-
-    def unfenced(self: SimRedis, a: str, me: str, fence: str | None = None, *rest: Any) -> Any:
-        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
-        return park(self, a, me, None, *rest)
-
-    SimRedis.park = unfenced  # type: ignore[method-assign]
+    return patch
 
 
 # --- pg-store: each the SQL mutant's counterpart (chaos/systems/pg_store/mutants.py) ------
 # pg-store's simulator runs the same references as Redis (`sim.redis.REFERENCES`), so the
 # counterpart of a broken PL/pgSQL function is the same patch of its `SimRedis` reference.
 # Only meaningful on `--system pg-store`: live, these mutants are in the database alone.
-
-
-def _pg_unfenced() -> None:
-    """`eai.write_status` without its refusal: a stale token's status lands; the lease runs
-    on only for a token the fence would have let through (`_fence_on` as before)."""
-    write_status = SimRedis.write_status
-
-    def unfenced(self: SimRedis, a: str, *args: Any) -> Any:
-        *rest, fence = args if len(args) == 4 else (*args, None)
-        self._fenced(a, fence)  # a lease still ours runs on; a refusal is ignored
-        return write_status(self, a, *rest, None)
-
-    SimRedis.write_status = unfenced  # type: ignore[method-assign]
 
 
 def _pg_overwrite_result() -> None:
@@ -509,10 +482,11 @@ PATCHED: dict[str, Callable[[], None]] = {
     "non_persistent": _non_persistent,
     "renew_never_extends": _renew_never_extends,
     "sweeper_claims_early": _sweeper_claims_early,
-    "status_unfenced": _status_unfenced,
-    "final_unfenced": _final_unfenced,
-    "park_unfenced": _park_unfenced,
-    "pg_unfenced": _pg_unfenced,
+    "status_unfenced": _unfence("write_status"),
+    "final_unfenced": _unfence("finish"),
+    "park_unfenced": _unfence("park"),
+    # `eai.write_status` without its refusal: the Redis script's counterpart, the same patch
+    "pg_unfenced": _unfence("write_status"),
     "pg_overwrite_result": _pg_overwrite_result,
     "pg_double_claim": _pg_double_claim,
     "pg_resume_forgets": _pg_resume_forgets,
