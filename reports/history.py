@@ -61,11 +61,16 @@ def as_int(value: Any, default: int = 0) -> int:
 
 #: The events `fault_windows` reads (every other one is passed over at once).
 _WINDOW_EVENTS = frozenset({"crash", "fault_fired", "failpoint_fired", "worker_exited"})
+#: Every kind `fault_windows` reads, the heals with them.
+WINDOW_KINDS = _WINDOW_EVENTS | {"fault_healed"}
 
 
-def fault_windows(events: list[dict]) -> list[FaultWindow]:
-    """The fault windows of a history sorted by time (see `FaultWindow`)."""
-    end_of_run = max(map(event_time, events), default=0.0)
+def fault_windows(events: list[dict], end_of_run: float | None = None) -> list[FaultWindow]:
+    """The fault windows of a history sorted by time (see `FaultWindow`); `end_of_run`: the
+    time of its last event when the caller knows it (then `events` may be only those of
+    `WINDOW_KINDS`), else worked out here."""
+    if end_of_run is None:
+        end_of_run = max(map(event_time, events), default=0.0)
     healed: dict[Any, float] = {}
     crashes: dict[Any, float] = {}
     for e in events:

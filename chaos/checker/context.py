@@ -14,7 +14,8 @@ from chaos.checker.oracle import max_attempts_of
 from chaos.checker.records import CheckSpec, EvaluationFinal, FinalState, Violation
 from engine.core.results import RuleResult
 from engine.plan import Plan, PlanError, plan_from_dict
-from reports.cost import lost_writes
+from reports.cost import LOSING, lost_writes
+from reports.history import WINDOW_KINDS
 from reports.history import FaultWindow as FaultWindow
 from reports.history import as_int as as_int
 from reports.history import event_time as event_time
@@ -48,6 +49,10 @@ FAULT_EVENTS = frozenset(
     }
 )
 
+#: What `Context` keeps aside for the whole history's fault figures: `FAULT_EVENTS`, and
+#: what `fault_windows`, `faults_fired` and `lost_writes` read.
+_NOTED = FAULT_EVENTS | WINDOW_KINDS | {"failpoint_fired"} | frozenset(LOSING)
+
 
 def proc_of(e: Mapping[str, Any]) -> tuple[str, Any]:
     return (str(e.get("src", "")), e.get("pid"))
@@ -70,6 +75,7 @@ class Context:
         self.submitted: dict[str, dict] = {}
         self.cancelled = set(spec.cancelled)
         by_eval, by_pair = self.by_eval, self.by_pair
+        noted: list[dict] = []  # what the whole history's fault figures read (`_NOTED`)
         for e in self.events:
             ev = e.get("ev")
             if type(ev) is not str:  # a broken engine's record: `history_well_formed` says so
@@ -84,8 +90,10 @@ class Context:
                     self.submitted.setdefault(a, e)
                 elif ev == "cancel_requested":
                     self.cancelled.add(a)
-            if ev in FAULT_EVENTS:
-                self.faults.append(e)
+            if ev in _NOTED:
+                noted.append(e)
+                if ev in FAULT_EVENTS:
+                    self.faults.append(e)
         self.plans: dict[str, Plan] = dict(spec.plans)
         for a, e in self.submitted.items():
             raw = e.get("plan")
@@ -95,15 +103,17 @@ class Context:
         self.evaluations = sorted(
             set(self.plans) | set(final.evaluations) | set(self.submitted) | set(self.by_eval)
         )
-        self.fault_windows = fault_windows(self.events)
+        # sorted by `sort_key`, whose first part is `event_time`: the last is the latest
+        end = event_time(self.events[-1]) if self.events else 0.0
+        self.fault_windows = fault_windows(noted, end)
         self.stats: dict[str, Any] = {
             "events": len(self.events),
             "evaluations": len(self.evaluations),
             "faults": len(self.faults),
             "crashes": sum(1 for e in self.faults if e.get("ev") == "crash"),
-            "faults_fired": faults_fired(self.events),
+            "faults_fired": faults_fired(noted),
         }
-        lost = lost_writes(self.events)
+        lost = lost_writes(noted)
         if lost is not None:  # the store counted what it lost (a restart, a failover)
             self.stats["lost_writes"] = lost
 
