@@ -117,6 +117,13 @@ now (cProfile, relative): the simulated run a bit over half (simpy's steps, the 
 under two fifths, spread over thirty invariants (history_well_formed the largest at 7 %),
 each a pass of its own; what is left to gain is one pass over the history feeding every
 invariant, and fewer simpy events a store call (two timeouts each now).
+
+2026-12-06, later (a quiet host, simpy's raw rate 1.44 to 1.50 M events/s): 19.8 and 20.5
+s for 10,000 seeds (0.014 to 0.015x the raw rate), the pool's start-up 0.44 to 0.49 s
+(0.58 s before: a process without a mutant imports no `chaos.mutants`, so none of the live
+worker and its clients). A store call's landing that schedules its reply itself (one
+resumption of the caller fewer) kept the histories and gained nothing measurable: 26 calls
+a seed. bench/README.md has the day's figures; neither goal is met.
 """
 
 from __future__ import annotations
