@@ -518,10 +518,10 @@ def all_passes_complete() -> None:
     dag.pass_outcome = lambda p, state: "complete"
 
 
-class _Unkept(set):
+class _Unkept(set[str]):
     """A set that keeps nothing added to it (what was there at the start stays)."""
 
-    def add(self, item: object) -> None:
+    def add(self, item: str) -> None:
         pass
 
 
