@@ -476,8 +476,9 @@ class PassExecutionOrchestrator:
             if self._over is not None:
                 return
             if self._lease_short((yield MONO)) and not (yield from self._still_ours()):
-                if self._over is not None:  # a cancel the store told of: the core hears it
-                    yield from self._feed(_no_input)
+                # a cancel the store told of (`_still_ours` is False for nothing else; a
+                # lease lost raises): the core hears it
+                yield from self._feed(_no_input)
                 return
             if action.try_no > 1:
                 yield _RETRIED_AT_ONCE
