@@ -1134,6 +1134,18 @@ def cancel_read_unheard() -> None:
     orchestrator.PassExecutionOrchestrator._feed = deaf  # type: ignore[method-assign]
 
 
+def call_after_close() -> None:
+    """cancel_respected: a started rule's task that waited for its first step calls the
+    agent though its evaluation closed meanwhile (the fix of 2026-12-06 undone): only the
+    store's word that it is over stops a call, so a cancel's broadcast ends the evaluation
+    and the tasks still waiting call for it all the same, and are paid for."""
+
+    def only_over(self: Any) -> bool:
+        return self._over is not None
+
+    orchestrator.PassExecutionOrchestrator._gone = only_over  # type: ignore[method-assign]
+
+
 def cancel_unknown() -> None:
     """poison_rejected: the controller no longer knows a cancel broadcast (its `type`
     compared with another spelling) and rejects it as a message of an unknown type, ACKed:
@@ -1617,6 +1629,11 @@ MUTANTS: dict[str, Mutant] = {
             cancel_read_unheard,
             "quiet_state",
             "a cancel read before a call stops the call, but the core never hears it",
+        ),
+        _mutant(
+            call_after_close,
+            "cancel_respected",
+            "a started rule's task calls though its evaluation closed while it waited",
         ),
         _mutant(
             cancel_unknown,

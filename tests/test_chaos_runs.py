@@ -97,6 +97,7 @@ CATCHES = {
     "failed_calls_free": "transient_llm_errors",  # each failed call drew its tokens
     "cancel_unknown": "cancel_midway",  # the broadcast rejected, the owner reads Redis
     "cancel_read_unheard": "regressions/cancel-read-before-a-call-quiet-state-s4",
+    "call_after_close": "regressions/cancel-before-a-call-cancel-respected-s15",
     "poison_requeued": "poison_messages",  # each malformed one comes round again
     "retry_held_to_the_end": "delay_tiers",
     "pass_result_misrouted": "permanent_failure_prunes",

@@ -1266,6 +1266,17 @@ def test_cancel_read_unheard() -> None:
     assert any("when the run's deadline passed" in v.message for v in broken.result.violations)
 
 
+def test_call_after_close() -> None:
+    clean, broken = _sim_pair(
+        "regressions/cancel-before-a-call-cancel-respected-s15", "call_after_close"
+    )
+    assert clean.result.ok and clean.result.verdicts["cancel_respected"] == "pass"
+    assert _broken(broken) == {"cancel_respected"}
+    assert all("holding no session" in v.message for v in broken.result.violations)
+    # the calls the closed evaluation's waiting tasks made were paid for
+    assert broken.result.stats["not_run_tokens"] < clean.result.stats["not_run_tokens"]
+
+
 def test_started_after_ack() -> None:
     clean, broken = _sim_pair("crash_right_after_ack", "started_after_ack")
     assert clean.result.ok and clean.result.verdicts["started_announced"] == "pass"

@@ -83,6 +83,7 @@ CORE: tuple[str, ...] = (
     "failed_calls_free",
     "cancel_unknown",
     "cancel_read_unheard",
+    "call_after_close",
     "poison_requeued",
     "retry_held_to_the_end",
     "pass_result_misrouted",

@@ -268,6 +268,11 @@ class PassExecutionOrchestrator:
         may be seconds old), so the store is asked again, fenced, before any start."""
         return now > self._lease_until - self.config.heartbeat_ms / 1000
 
+    def _gone(self) -> bool:
+        """No call may start for this evaluation any more: the store said it is over, or it
+        closed (a cancel's broadcast heard while a started rule waited for its first step)."""
+        return self._over is not None or self._closed
+
     def _still_ours(self) -> Generator[Effect, Any, bool]:
         """Right before a call: a worker paused since the store last ran its lease on (the
         start was allowed seconds ago) asks again, fenced; a refusal raises `LeaseLost`."""
@@ -275,7 +280,7 @@ class PassExecutionOrchestrator:
             _, over = yield Store("mark_started", (self.attempt_id, [], self.fence))
             self._leased(sent)
             self._look(over)
-        return self._over is None
+        return not self._gone()
 
     def _mark_starts(self, counts: list[int]) -> None:
         for (rule_id, _), count in zip(self._starts, counts, strict=True):
@@ -473,11 +478,12 @@ class PassExecutionOrchestrator:
                 yield Failpoint("rule_before_call", rule.id, a)
             # `_still_ours`, its usual case (the lease long enough) without its generator;
             # a short lease leaves it to `_still_ours`, which reads the clock again.
-            if self._over is not None:
+            if self._gone():
                 return
             if self._lease_short((yield MONO)) and not (yield from self._still_ours()):
-                # a cancel the store told of (`_still_ours` is False for nothing else; a
-                # lease lost raises): the core hears it
+                # a cancel the store told of, or the evaluation closed during the look
+                # (`_still_ours` is False for nothing else; a lease lost raises): the core
+                # hears it (a closed one's feed does nothing)
                 yield from self._feed(_no_input)
                 return
             if action.try_no > 1:
