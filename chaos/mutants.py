@@ -1039,6 +1039,14 @@ def pg_resume_keeps_owner() -> None:
     (`chaos.systems.pg_store.mutants`); the worker is the engine's, unpatched."""
 
 
+def pg_pass_unfenced() -> None:
+    """writes_fenced: `eai.mark_pass_published` skips its fence. The function no longer
+    refuses a stale token, so an owner that a resume fenced off (its pass's flag sent just
+    after the resume moved the fence) still flags the pass published over the resumed run.
+    The breakage is the database's, installed by the pg-store adapter
+    (`chaos.systems.pg_store.mutants`); the worker is the engine's, unpatched."""
+
+
 def pg_jobs_unlogged() -> None:
     """nothing_lost_on_restart: `pg`'s job queue, `eai.jobs`, is an UNLOGGED table (no WAL:
     faster inserts, the trade a queue table is often offered). PostgreSQL truncates an
@@ -1597,6 +1605,13 @@ MUTANTS: dict[str, Mutant] = {
             pg_resume_keeps_owner,
             "writes_fenced",
             "pg-store only: eai.resume takes no lease: the owner goes on past the resume",
+            "pg-store",
+        ),
+        _mutant(
+            pg_pass_unfenced,
+            "writes_fenced",
+            "pg-store only: eai.mark_pass_published skips its fence: a stale owner's pass flag "
+            "lands",
             "pg-store",
         ),
         _mutant(

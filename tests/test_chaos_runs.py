@@ -39,6 +39,7 @@ CATCHES = {
     "pg_double_claim": "pg_store/postgres_calls_outlast_lease",  # a retry begun beside its owner
     "pg_resume_forgets": "pg/resume_from_checkpoint",  # the kept checkpoint's rule runs again
     "pg_resume_keeps_owner": "pg/resume_from_checkpoint",  # the owner writes past the resume
+    "pg_pass_unfenced": "pg_store/resume_before_a_pass_mark",  # the fenced-off owner's flag lands
     "pg_jobs_unlogged": "pg/postgres_restart_holding_retries",  # the kill empties the queue
     "no_redis_results": "crash_after_ack",
     "no_sweeper": "crash_after_ack",

@@ -253,8 +253,14 @@ def test_a_stale_write_refused_passes() -> None:
     passing(check(h, "writes_fenced"), "writes_fenced")
 
 
-def test_a_stale_status_final_write_or_park_that_landed_is_a_violation() -> None:
-    for ev in ("status_written", "evaluation_terminal", "result_persisted", "parked"):
+def test_a_stale_status_final_write_park_or_pass_flag_that_landed_is_a_violation() -> None:
+    for ev in (
+        "status_written",
+        "evaluation_terminal",
+        "result_persisted",
+        "parked",
+        "pass_published",
+    ):
         (v,) = failing(check(written("1:w1", ev=ev), "writes_fenced"), "writes_fenced")
         assert "landed with token 1:w1" in v.message and "token 2:w2" in v.message
 
@@ -272,6 +278,19 @@ def resumed_then_written(sent_after: bool, landed: bool = True) -> H:
     fields = {"attempt_id": A, "rule_id": "a", "fence": "1:w1", "sent_ms": sent_ms}
     h.ev("result_persisted", "w1", 11, landed=landed, dt=0.005, **fields)
     return h
+
+
+def test_a_pass_flag_sent_after_a_resume_with_a_token_it_revoked_must_be_refused() -> None:
+    """The owner's flag of a pass, sent after the resume moved the fence, landed (the
+    `pg_pass_unfenced` mutant): judged as any other write of the owner."""
+    h = held(1, park=False)
+    h.runner("resume_requested", attempt_id=A, checkpoint=1)
+    h.runner("resume_written", attempt_id=A, resume={"checkpoint_id": "chk_0001"}, dt=0.01)
+    fields = {"attempt_id": A, "fence": "1:w1", "sent_ms": round(h.t * 1000) + 2}
+    flag = {"pass_id": "p", "outcome": "complete", "rules": {"a": "pass"}}
+    h.ev("pass_published", "w1", 11, landed=True, dt=0.005, **fields, **flag)
+    (v,) = failing(check(h, "writes_fenced"), "writes_fenced")
+    assert "(pass published) landed with token 1:w1" in v.message
 
 
 def test_a_write_sent_after_a_resume_with_a_token_it_revoked_must_be_refused() -> None:

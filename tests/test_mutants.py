@@ -1587,6 +1587,15 @@ def test_pg_resume_keeps_owner() -> None:
     _pg_caught("resume_from_checkpoint", "pg_resume_keeps_owner", (None, 1, 2), folder="pg")
 
 
+def test_pg_pass_unfenced() -> None:
+    # The owner a resume fenced off flags its pass published over the resumed run; clean,
+    # that write is refused (`write_refused`, write `pass`).
+    for clean, broken in _pg_caught("resume_before_a_pass_mark", "pg_pass_unfenced"):
+        refused = [e for e in clean.history if e["ev"] == "write_refused"]
+        assert [e["write"] for e in refused] == ["pass"]
+        assert not [e for e in broken.history if e["ev"] == "write_refused"]
+
+
 def test_pg_jobs_unlogged() -> None:
     # pg only: the kill's crash recovery empties the unlogged eai.jobs, and the retries that
     # waited in it are never delivered (as non_persistent's on RabbitMQ). Live, the table

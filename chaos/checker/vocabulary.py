@@ -46,7 +46,7 @@ PASS_OUTCOMES: Spec = frozenset({"complete", "partial"})
 #: A renewal's answer: lost (another holder, or none), held, forgotten by Redis.
 RENEWAL: Spec = frozenset({0, 1, 2})
 SLOTS: Spec = frozenset({"evaluation", "rule", "lock"})
-WRITES: Spec = frozenset({"result", "status", "final", "park"})
+WRITES: Spec = frozenset({"result", "status", "final", "park", "pass"})
 FENCE: Spec = re.compile(r"[0-9]+:.+")
 #: Why an evaluation was dropped: a stop, a lost lease, a failed delivery, a task's
 #: exception (its type and message), another copy's result write.
@@ -165,7 +165,7 @@ EVENTS: dict[str, dict[str, Spec]] = {
     "retry_requeued": _RULE,
     "rules_skipped": {**_ID, "rule_ids": LIST, "because_of": STR},
     # --- an evaluation's end
-    "pass_published": {**_ID, "pass_id": STR, "outcome": PASS_OUTCOMES, "rules": DICT},
+    "pass_published": {**_ID, "pass_id": STR, "outcome": PASS_OUTCOMES, "rules": DICT, **_WRITE},
     "evaluation_terminal": {
         **_ID,
         "status": EVALUATION_STATUSES,

@@ -278,6 +278,7 @@ _SENT = frozenset(
         "write_refused",
         "parking",
         "parked",
+        "pass_published",
         "final_published",
     }
 )

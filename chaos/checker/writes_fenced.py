@@ -2,8 +2,8 @@
 
 Each acquisition of a lease (`begin`, recorded as `evaluation_started` with the token it
 got) makes a new token, `n:worker`, n one more than the last; every write of the owner (a
-result, a status, the final state, a park) carries its token and is recorded with it,
-whether it landed or the fence refused it. A write sent after another begin's token was
+result, a status, the final state, a park, a pass's flag) carries its token and is
+recorded with it, whether it landed or the fence refused it. A write sent after another begin's token was
 recorded carries a stale token if its own is older, and must have been refused: one that
 landed is an owner that lost its lease writing over its successor. A resume from a
 checkpoint (the runner's `resume_requested`, answered `resume_written`) moves the fence
@@ -19,7 +19,7 @@ from chaos.checker.leases import _redis_fault, _resumes, _sent
 from chaos.checker.records import Violation
 
 #: The write events of an owner, each with its `fence` and `landed`.
-WRITES = ("result_persisted", "status_written", "evaluation_terminal", "parked")
+WRITES = ("result_persisted", "status_written", "evaluation_terminal", "parked", "pass_published")
 
 
 def _number(token: object) -> int | None:

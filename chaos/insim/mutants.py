@@ -492,6 +492,7 @@ PATCHED: dict[str, Callable[[], None]] = {
     "pg_double_claim": _pg_double_claim,
     "pg_resume_forgets": _pg_resume_forgets,
     "pg_resume_keeps_owner": _pg_resume_keeps_owner,
+    "pg_pass_unfenced": _unfence("mark_pass_published"),
     "pg_jobs_unlogged": _pg_jobs_unlogged,
 }
 #: Every object a patch of `PATCHED` may change: saved and restored whole.

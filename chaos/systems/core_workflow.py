@@ -151,7 +151,7 @@ def record(ev: str, **fields: Any) -> None:
 
 
 #: The events that are writes of the workflow's (the caller adds who wrote: its fence).
-WRITES = ("result_persisted", "status_written", "evaluation_terminal")
+WRITES = ("result_persisted", "status_written", "evaluation_terminal", "pass_published")
 
 
 def action_events(action: Any, now_ms: int, time_scale: float) -> list[tuple[str, bool, dict]]:
@@ -185,7 +185,7 @@ def action_events(action: Any, now_ms: int, time_scale: float) -> list[tuple[str
         return [("rules_skipped", False, fields)]
     if isinstance(action, PublishPassResult):
         fields = {"pass_id": action.pass_id, "outcome": action.outcome, "rules": dict(action.rules)}
-        return [("pass_published", False, fields)]
+        return [("pass_published", True, fields)]
     if isinstance(action, Finish):
         status = str(action.status.value)
         end = {"status": status, "won": True, "decided": status, "verdicts": dict(action.verdicts)}

@@ -201,15 +201,15 @@ Effect = (
 Step = Generator[Effect, Any, Any]
 
 
-def published_then(outbox: bool, event: PublishEvent, store: Store) -> Step:
-    """Publish `event`, then run `store`, the operation that flags it published: on a
-    broker, two writes (a crash between them announces it again on recovery; consumers
-    dedupe on its id); where events are rows of the store, one transaction."""
+def published_before(outbox: bool, event: PublishEvent, store: Store) -> Step:
+    """Publish `event` before `store`, the operation that flags it published (the caller's
+    next effect): on a broker, two writes (a crash between them announces it again on
+    recovery; consumers dedupe on its id); where events are rows of the store, one
+    transaction (the event rides `store`)."""
     if outbox:
         store.event = event
     else:
         yield event
-    return (yield store)
 
 
 class Lock(Protocol):

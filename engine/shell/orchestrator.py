@@ -54,7 +54,7 @@ from engine.shell.effects import (
     Settle,
     Step,
     Store,
-    published_then,
+    published_before,
 )
 from engine.shell.replies import LeaseLost
 
@@ -407,11 +407,18 @@ class PassExecutionOrchestrator:
                     "outcome": action.outcome,
                     "rules": rules,
                 }
-                yield from published_then(
+                mark = Store("mark_pass_published", (a, action.pass_id, action.outcome, self.fence))
+                yield from published_before(
                     self.host.outbox,
                     PublishEvent("evaluation.pass_result", body, f"{a}:pass:{action.pass_id}"),
-                    Store("mark_pass_published", (a, action.pass_id, action.outcome, self.fence)),
+                    mark,
                 )
+                sent_ms = (yield NOW) if self._recording else 0  # the flag's write, fenced
+                try:
+                    yield mark
+                except LeaseLost:
+                    yield from self._refused("pass", None, sent_ms)
+                    raise
                 self._passes[action.pass_id] = body
                 if self._recording:
                     yield Record(
@@ -421,6 +428,9 @@ class PassExecutionOrchestrator:
                             "pass_id": action.pass_id,
                             "outcome": action.outcome,
                             "rules": rules,
+                            "fence": self.fence,
+                            "landed": True,
+                            "sent_ms": sent_ms,
                         },
                     )
             case Recovered():
@@ -684,11 +694,13 @@ class PassExecutionOrchestrator:
         dedupe on the message id, as after any redelivery)."""
         a = self.attempt_id
         for pass_id, body in self._passes.items():
-            yield from published_then(
+            mark = Store("mark_pass_published", (a, pass_id, body["outcome"], self.fence))
+            yield from published_before(
                 self.host.outbox,
                 PublishEvent("evaluation.pass_result", body, f"{a}:pass:{pass_id}"),
-                Store("mark_pass_published", (a, pass_id, body["outcome"], self.fence)),
+                mark,
             )
+            yield mark
         if self._recording:
             yield Record("passes_restored", {"attempt_id": a, "pass_ids": list(self._passes)})
 

@@ -160,6 +160,11 @@ SQL_MUTANTS: dict[str, SqlMutant] = {
             ),
         ),
         SqlMutant(
+            "pg_pass_unfenced",
+            "eai.mark_pass_published skips its fence: a stale owner's pass flag lands",
+            (FunctionEdit("eai.mark_pass_published", (_UNFENCE,)),),
+        ),
+        SqlMutant(
             "pg_jobs_unlogged",
             "eai.jobs is UNLOGGED: a crash of PostgreSQL empties the job queue",
             (),
