@@ -335,7 +335,13 @@ def simulate(data: dict[str, Any], mutant: str | None = None, measure: bool = Fa
 
 def _one(args: tuple[dict[str, Any], int, str | None, bool]) -> SeedResult:
     data, seed, mutant, measure = args
-    return simulate(swarm(data, seed), mutant, measure)
+    result = simulate(swarm(data, seed), mutant, measure)
+    if _SEEDS_ONLY:
+        # the seed's cycles (generators, events, their callbacks) collected as it ends,
+        # while they are still in the cache and before the next seed's allocations pile
+        # on them: a young collection every twenty seeds or so traversed them cold
+        gc.collect(1)
+    return result
 
 
 def explore(
@@ -421,6 +427,11 @@ def _pool_worker(parent: int) -> None:
     tune_for_seeds()
 
 
+#: Whether this process runs seeds and nothing else (`tune_for_seeds`): `_one` then
+#: collects each seed's garbage as the seed ends.
+_SEEDS_ONLY = False
+
+
 @functools.cache
 def tune_for_seeds() -> None:
     """A process that runs seeds and nothing else (the pool's, a cluster's worker), tuned
@@ -428,15 +439,17 @@ def tune_for_seeds() -> None:
     events that dies whole at its end; with the default threshold (a young collection every
     700 allocations) its live objects are traversed many times over before that, and the
     imports' at each full collection: 4 % of a seed's instructions (callgrind). Imported,
-    collected and frozen once, then collected every 10,000 allocations. A caller's process
-    (`jobs=1`) keeps its settings."""
+    collected and frozen once, then collected every 10,000 allocations and at each seed's
+    end (`_one`). A caller's process (`jobs=1`) keeps its settings."""
     import chaos.checker.shared
     import chaos.insim.run  # (what every seed runs: frozen with the rest)
 
+    global _SEEDS_ONLY
     chaos.checker.shared.ALLOWED = False  # a long seed's check: each core has a process
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
+    _SEEDS_ONLY = True
 
 
 def _abandon(pool: ProcessPoolExecutor) -> None:

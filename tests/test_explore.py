@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -249,3 +251,37 @@ def test_a_variant_validated_once_is_the_variant_validated_for_each_seed() -> No
         )
         served += got.plans[0][0] is load_variant(swarm(data, seed + 1000)).plans[0][0]
     assert served  # some seeds drew a variant already validated
+
+
+_COLLECTED = """
+import gc, sys
+from chaos.explore import _one, document, tune_for_seeds
+from chaos.scenario import load_scenario
+
+data = document(load_scenario(sys.argv[1]))
+if sys.argv[2] == "tuned":
+    tune_for_seeds()
+else:
+    gc.disable()  # only what `_one` collects itself is collected
+_one((data, 0, None, False))
+print(gc.collect())
+"""
+
+
+@pytest.mark.parametrize("process", ["tuned", "caller"])
+def test_a_seed_process_collects_each_seed_s_cycles_as_it_ends(process: str) -> None:
+    """A process tuned for seeds (the pool's, a cluster worker's) collects a seed's cyclic
+    garbage (its generators and events) as the seed ends, while it is still in the cache;
+    a caller's own process (`--jobs 1`) is left to its own collector."""
+    out = subprocess.run(
+        [sys.executable, "-c", _COLLECTED, str(SCENARIOS / "crash_after_ack.yaml"), process],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    left = int(out.stdout.split()[-1])
+    if process == "tuned":
+        assert left == 0
+    else:
+        assert left > 100  # the seed's cycles, there to be collected
