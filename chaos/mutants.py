@@ -1154,6 +1154,18 @@ def call_after_close() -> None:
     orchestrator.PassExecutionOrchestrator._gone = only_over  # type: ignore[method-assign]
 
 
+def final_retry_disowned() -> None:
+    """completed_delivered: the owner takes the end its retried final write finds for
+    another copy's (the fix of 2026-12-06 undone): a final write whose reply a stalled
+    Redis held past the read timeout is sent again, finds the owner's own `completed`, and
+    the owner announces nothing, so nobody does."""
+
+    def as_found(self: Any, kept: str | None, action: Any) -> str | None:
+        return kept
+
+    orchestrator.PassExecutionOrchestrator._other_end = as_found  # type: ignore[method-assign]
+
+
 def cancel_unknown() -> None:
     """poison_rejected: the controller no longer knows a cancel broadcast (its `type`
     compared with another spelling) and rejects it as a message of an unknown type, ACKed:
@@ -1649,6 +1661,11 @@ MUTANTS: dict[str, Mutant] = {
             call_after_close,
             "cancel_respected",
             "a started rule's task calls though its evaluation closed while it waited",
+        ),
+        _mutant(
+            final_retry_disowned,
+            "completed_delivered",
+            "the owner takes its own retried final write for another's and announces nothing",
         ),
         _mutant(
             cancel_unknown,

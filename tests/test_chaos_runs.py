@@ -99,6 +99,7 @@ CATCHES = {
     "cancel_unknown": "cancel_midway",  # the broadcast rejected, the owner reads Redis
     "cancel_read_unheard": "regressions/cancel-read-before-a-call-quiet-state-s4",
     "call_after_close": "regressions/cancel-before-a-call-cancel-respected-s15",
+    "final_retry_disowned": "regressions/final-write-retried-completed-delivered-s1",
     "poison_requeued": "poison_messages",  # each malformed one comes round again
     "retry_held_to_the_end": "delay_tiers",
     "pass_result_misrouted": "permanent_failure_prunes",

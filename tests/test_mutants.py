@@ -1277,6 +1277,18 @@ def test_call_after_close() -> None:
     assert broken.result.stats["not_run_tokens"] < clean.result.stats["not_run_tokens"]
 
 
+def test_final_retry_disowned() -> None:
+    clean, broken = _sim_pair(
+        "regressions/final-write-retried-completed-delivered-s1", "final_retry_disowned"
+    )
+    assert clean.result.ok and clean.result.verdicts["completed_delivered"] == "pass"
+    assert _broken(broken) == {"completed_delivered"}
+    # the owner's retried final write found its own end: announced clean, not broken
+    (won,) = [e["won"] for e in clean.history if e["ev"] == "evaluation_terminal"]
+    (lost,) = [e["won"] for e in broken.history if e["ev"] == "evaluation_terminal"]
+    assert won is True and lost is False
+
+
 def test_started_after_ack() -> None:
     clean, broken = _sim_pair("crash_right_after_ack", "started_after_ack")
     assert clean.result.ok and clean.result.verdicts["started_announced"] == "pass"

@@ -3,13 +3,13 @@
 Each acquisition of a lease (`begin`, recorded as `evaluation_started` with the token it
 got) makes a new token, `n:worker`, n one more than the last; every write of the owner (a
 result, a status, the final state, a park, a pass's flag) carries its token and is
-recorded with it, whether it landed or the fence refused it. A write sent after another begin's token was
-recorded carries a stale token if its own is older, and must have been refused: one that
-landed is an owner that lost its lease writing over its successor. A resume from a
-checkpoint (the runner's `resume_requested`, answered `resume_written`) moves the fence
-too and takes the lease from its holder: a write sent after it was answered, carrying a
-token recorded before it was asked for, must have been refused. A Redis fault in between
-(a restart or failover may roll the token back) excuses either.
+recorded with it, whether it landed or the fence refused it. A write sent after another
+begin's token was recorded carries a stale token if its own is older, and must have been
+refused: one that landed is an owner that lost its lease writing over its successor. A
+resume from a checkpoint (the runner's `resume_requested`, answered `resume_written`)
+moves the fence too and takes the lease from its holder: a write sent after it was
+answered, carrying a token recorded before it was asked for, must have been refused. A
+Redis fault in between (a restart or failover may roll the token back) excuses either.
 """
 
 from __future__ import annotations

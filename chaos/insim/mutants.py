@@ -84,6 +84,7 @@ CORE: tuple[str, ...] = (
     "cancel_unknown",
     "cancel_read_unheard",
     "call_after_close",
+    "final_retry_disowned",
     "poison_requeued",
     "retry_held_to_the_end",
     "pass_result_misrouted",

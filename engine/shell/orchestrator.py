@@ -601,6 +601,7 @@ class PassExecutionOrchestrator:
         except LeaseLost:
             yield from self._refused("final", None, sent_ms)
             raise
+        kept = self._other_end(kept, action)
         status = kept or action.status.value
         verdicts = self.core.announced(action.verdicts)
         terminal = Record(
@@ -643,6 +644,16 @@ class PassExecutionOrchestrator:
         if self._recording:
             yield terminal
         yield from self._close()
+
+    def _other_end(self, kept: str | None, action: Finish) -> str | None:
+        """The end the final write found written by another (None: none, or this copy's
+        own). A first write that landed while its reply was lost (a store stalled past the
+        read timeout) is sent again by the client and finds its own end: the fence let
+        this token through, and only the owner writes an end other than a cancel, so the
+        announcement is still this copy's to make."""
+        if kept == action.status.value and action.status is not EvaluationStatus.CANCELLED:
+            return None
+        return kept
 
     def _announce(self, action: Finish, status: str, verdicts: dict[str, str]) -> Step:
         a = self.attempt_id
