@@ -150,6 +150,24 @@ def record(ev: str, **fields: Any) -> None:
         _history[0].record(ev, **fields)
 
 
+def record_unless_stopping(ev: str, **fields: Any) -> bool:
+    """`record`, unless the worker is stopping (False: nothing recorded). Checked under the
+    lock `stopping` takes: a step that looked before the stop on one thread would
+    otherwise record what it takes after the stop's `worker_stopping`, on another."""
+    with _recording:
+        if STOPPING[0]:
+            return False
+        _history[0].record(ev, **fields)
+        return True
+
+
+def stopping() -> None:
+    """The worker begins stopping: `STOPPING` set and `worker_stopping` recorded at once."""
+    with _recording:
+        STOPPING[0] = True
+        _history[0].record("worker_stopping")
+
+
 #: The events that are writes of the workflow's (the caller adds who wrote: its fence).
 WRITES = ("result_persisted", "status_written", "evaluation_terminal", "pass_published")
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     from dbos import DBOS
 
-    from chaos.systems.core_workflow import STOPPING, open_recorder, record
+    from chaos.systems.core_workflow import open_recorder, record, stopping
     from chaos.systems.dbos import workflow
 
     open_recorder(args.history, args.worker_id or f"w{os.getpid()}-{args.executor_id}")
@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     record("worker_started", sweeper=False)
     print(f"{READY_LINE} executor {args.executor_id}", flush=True)
     stop.wait()
-    STOPPING[0] = True
-    record("worker_stopping")
+    stopping()
     for attempt_id in sorted(workflow.RUNNING):  # pending under this executor id: its
         # relaunch recovers them
         record("evaluation_abandoned", attempt_id=attempt_id, reason="worker stopping")

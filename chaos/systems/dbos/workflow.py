@@ -44,6 +44,7 @@ from chaos.systems.core_workflow import (
     failpoints,
     plan_of,
     record,
+    record_unless_stopping,
 )
 from engine.agent import AgentError
 from engine.core.actions import Finish, PublishPassResult, RunRule, ScheduleRetry
@@ -99,18 +100,23 @@ async def call_rule(call: dict[str, Any]) -> dict[str, Any]:
     try_no = call["try_no"]
     before = call.get("execution")  # a level-1 retry's: the execution of the try it retries
     execution = before or _execution(f"{call['attempt_id']}.{rule.id}.{call['attempt']}")
-    if call.get("published_ms") is not None:  # a delayed retry, reaching a worker
-        record(
-            "delivered",
-            **rule_of,
-            kind="retry",
-            redelivered=execution > 1,
-            reason=None,
-            published_ms=call["published_ms"],
-            delay_ms=call["delay_ms"],
-        )
+    # each recorded unless the worker began stopping since the look above (on the main
+    # thread): then the step waits to be cancelled with the rest, unrecorded
+    if call.get("published_ms") is not None and not record_unless_stopping(  # a delayed retry
+        "delivered",
+        **rule_of,
+        kind="retry",
+        redelivered=execution > 1,
+        reason=None,
+        published_ms=call["published_ms"],
+        delay_ms=call["delay_ms"],
+    ):
+        await _unless_stopping()
     rerun = try_no == 1 and execution > 1
-    record("rule_started", **rule_of, try_no=try_no, rerun=rerun, execution=execution)
+    if not record_unless_stopping(
+        "rule_started", **rule_of, try_no=try_no, rerun=rerun, execution=execution
+    ):
+        await _unless_stopping()
     armed = failpoints()
     await armed.hit("rule_before_call", rule.id, call["attempt_id"])
     calls = os.environ.get(CALLS_ENV)
