@@ -47,6 +47,13 @@ from engine.shell.effects import Stepper
 
 READY_TIMEOUT_S = 30.0
 
+#: How long one act of a live run may take (a service restarted, a worker stopped, the
+#: final state read) before the run ends in a `HarnessError` naming it: the slowest bounded
+#: one (a RabbitMQ node's start, 60 s) several times over on a loaded machine. A client
+#: library that never returns (a robust AMQP connection that swallows its cancellation
+#: while it waits for a broker) ends the scenario in one line instead of hanging CI.
+ACT_LIMIT_S = 300.0
+
 __all__ = ["HarnessError", "Outcome", "RunRefused", "ScenarioRun"]
 
 
@@ -155,7 +162,9 @@ class ScenarioRun:
         stepper = Stepper(step)
         while (act := stepper.advance(self._now, self)) is not None:
             try:
-                stepper.reply(await self._later[type(act)](act, self))
+                limit = ACT_LIMIT_S + (act.seconds if isinstance(act, acts.Sleep) else 0.0)
+                reply = await _within(self._later[type(act)](act, self), limit, type(act).__name__)
+                stepper.reply(reply)
             except BaseException as exc:  # into the step (a cancellation too)
                 stepper.fail(exc)
         return stepper.value
@@ -270,16 +279,20 @@ class ScenarioRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         try:
-            await self.system.start()
+            await _within(self.system.start(), ACT_LIMIT_S, "the system's start")
             final: FinalState = await self._drive(self.conductor.run())
         except BaseException:  # what the run left standing (a run that ends stops it all)
-            await self.on_stop_spawned()
-            await self.system.on_disconnect()
-            await self._stop_workers()
-            await self.system.on_close_consumer()
-            await self.system.stop()
+            for name, undo in (
+                ("StopSpawned", self.on_stop_spawned),
+                ("Disconnect", self.system.on_disconnect),
+                ("TerminateWorker", self._stop_workers),
+                ("CloseConsumer", self.system.on_close_consumer),
+                ("the system's stop", self.system.stop),
+            ):
+                with contextlib.suppress(HarnessError):  # the first error is the run's
+                    await _within(undo(), ACT_LIMIT_S, name)
             raise
-        await self.system.stop()
+        await _within(self.system.stop(), ACT_LIMIT_S, "the system's stop")
         self.history.close()
         history, final = self._as_seed_run(
             read_history(self.raw_history, keep_unreadable=True), final
@@ -351,5 +364,21 @@ RECEIVED_EVENTS = frozenset(RECEIVED_AS.values())
 
 
 @functools.cache
+async def _within(work: Coroutine[Any, Any, Any], limit_s: float, what: str) -> Any:
+    """What `work` returns, or a `HarnessError` once it has run `limit_s`: then it is
+    cancelled and left behind, not waited for (`asyncio.wait_for` would wait for a task
+    that swallows its cancellation for as long as it swallows it)."""
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=limit_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise HarnessError(f"the runner's {what} did not end within {limit_s:.0f} s")
+    return task.result()
+
+
 def _tables(system: type) -> tuple[dict[type, acts.Handler], dict[type, acts.Handler]]:
     return acts.handlers(ScenarioRun, system, waits=inspect.iscoroutinefunction)
