@@ -41,6 +41,8 @@ FAILPOINTS: dict[str, str] = {
     "after_final_publish": "evaluation.completed is published; the evaluation is still indexed",
     "rule_after_call_failed": "the agent failed; the rule's status is not in Redis",
     "before_final_write": "the evaluation is decided; its final state is not in Redis",
+    "after_final_write": "the final write has its reply (this copy's state, or another's that "
+    "came first); nothing announced, the evaluation still indexed and leased",
 }
 
 #: Failpoints hit with no rule: a `rule` filter on one of them would never match.
@@ -52,6 +54,7 @@ RULELESS_FAILPOINTS: frozenset[str] = frozenset(
         "before_final_publish",
         "after_final_publish",
         "before_final_write",
+        "after_final_write",
     }
 )
 

@@ -1342,7 +1342,7 @@ def test_poison_requeued() -> None:
 
 def test_failpoints_blind() -> None:
     clean, broken = _sim_pair("failpoints_aimed", "failpoints_blind")
-    assert clean.result.ok and clean.result.cases["faults_fired"] == 13 + 1  # and none unplanned
+    assert clean.result.ok and clean.result.cases["faults_fired"] == 14 + 1  # and none unplanned
     assert _broken(broken) == {"faults_fired"}
     # the sites that name a rule: their failpoints, aimed at one, never fire
     missed = {v.message.split()[1] for v in broken.result.violations}

@@ -602,6 +602,8 @@ class PassExecutionOrchestrator:
             yield from self._refused("final", None, sent_ms)
             raise
         kept = self._other_end(kept, action)
+        if self._failpoints:
+            yield Failpoint("after_final_write", None, a)
         status = kept or action.status.value
         verdicts = self.core.announced(action.verdicts)
         terminal = Record(

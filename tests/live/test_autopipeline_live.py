@@ -2,8 +2,9 @@
 
 The batch is packed and read by hand (not through redis-py's pipeline), so what the
 pipeline did for it is proven here: replies in call order, an error reply kept to its own
-call, a script Redis does not hold loaded on its `NOSCRIPT`, and a silent server timing out with the
-connection dropped rather than left half read.
+call, a script Redis does not hold loaded on its `NOSCRIPT`, a silent server timing out with the
+connection dropped rather than left half read, and a Redis that stays down failing the batch
+after the client's retries, one connect each (as the simulator's client gives up).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from chaos.systems.redis_rabbitmq.stack import RedisServer
 from engine.config import DEFAULT_REDIS_URL
 from engine.runtime.autopipeline import AutoPipeline
 
@@ -86,3 +90,40 @@ def test_a_silent_server_times_the_batch_out_and_drops_the_connection() -> None:
 
     with _silent_server() as port:
         asyncio.run(main(port))
+
+
+def test_a_redis_that_stays_down_fails_the_batch_after_the_client_s_retries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch's connection, kept from the last batch, is lost with the server: each of
+    the batch's tries connects again, once. redis-py's connect retries inside each try:
+    nested, that was 6 x 6 connects here, and about twenty minutes with the store's
+    settings (41 tries, each cut by the 30 s read timeout) where the simulator's client
+    gives up after 37 s."""
+    connects: list[int] = []
+    real = Connection._connect
+
+    async def counted(self: Connection) -> None:
+        connects.append(self.port)
+        await real(self)
+
+    monkeypatch.setattr(Connection, "_connect", counted)
+
+    async def main(server: RedisServer) -> None:
+        client = aioredis.Redis.from_url(
+            server.url, socket_timeout=5.0, retry=Retry(NoBackoff(), 5)
+        )
+        try:
+            batch = AutoPipeline(client)
+            sha = batch.register(_ECHO)
+            assert await batch.call(sha, ["k"], [1]) == [b"k", b"1"]
+            server.kill()  # SIGKILL: every connect from now on is refused
+            connects.clear()
+            with pytest.raises(RedisConnectionError):
+                await batch.call(sha, ["k"], [2])
+        finally:
+            await client.aclose()
+
+    with RedisServer() as server:
+        asyncio.run(main(server))
+    assert connects == [server.port] * 5  # the first try wrote on the lost connection
