@@ -363,7 +363,6 @@ class ScenarioRun:
 RECEIVED_EVENTS = frozenset(RECEIVED_AS.values())
 
 
-@functools.cache
 async def _within(work: Coroutine[Any, Any, Any], limit_s: float, what: str) -> Any:
     """What `work` returns, or a `HarnessError` once it has run `limit_s`: then it is
     cancelled and left behind, not waited for (`asyncio.wait_for` would wait for a task
@@ -380,5 +379,6 @@ async def _within(work: Coroutine[Any, Any, Any], limit_s: float, what: str) -> 
     return task.result()
 
 
+@functools.cache
 def _tables(system: type) -> tuple[dict[type, acts.Handler], dict[type, acts.Handler]]:
     return acts.handlers(ScenarioRun, system, waits=inspect.iscoroutinefunction)
