@@ -610,6 +610,37 @@ def test_a_rerun_after_the_first_process_froze_is_explained() -> None:
     passing(h.check("reruns_explained"), "reruns_explained")
 
 
+def _fenced_off_then_started(began_again: bool) -> H:
+    """w1 holds the evaluation; a resume fences it off; w1, not knowing yet, starts c
+    (`began_again`: after beginning the evaluation anew); then w2 resumes it and reruns c."""
+    h = H().submit().begin()
+    h.ok("a")
+    resume = {"checkpoint_id": "chk_0001", "attempt": 2}
+    h.ev("resume_written", "runner", 1, attempt_id=A, resume=resume, discarded=["a"])
+    if began_again:
+        h.begin()
+    h.start("c")
+    h.ev("evaluation_abandoned", "w1", 11, attempt_id=A, reason="LeaseLost")
+    h.begin(src="w2", pid=22)
+    h.ok("a", src="w2", pid=22)
+    h.ok("c", src="w2", pid=22)
+    h.ok("b", src="w2", pid=22)
+    return h
+
+
+def test_a_round_started_by_a_copy_a_resume_had_fenced_off_is_explained() -> None:
+    result = _fenced_off_then_started(began_again=False).check("reruns_explained")
+    passing(result, "reruns_explained")
+    assert result.stats["reruns_explained_by"] == {"resume": 2}  # a, deleted; c, in flight
+
+
+def test_a_resume_before_the_copy_began_explains_none_of_its_rounds() -> None:
+    (v,) = failing(
+        _fenced_off_then_started(began_again=True).check("reruns_explained"), "reruns_explained"
+    )
+    assert v.rule_id == "c"
+
+
 def test_a_rerun_no_fault_explains_is_a_violation() -> None:
     """The engine gave up a lease it held (nothing broke) and another worker reran c."""
     h = rerun([("evaluation_abandoned", "w1", 11, {"attempt_id": A, "reason": "lease lost"})])

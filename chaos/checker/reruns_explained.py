@@ -24,7 +24,11 @@ start and the rerun's, something broke what the earlier round's process held:
 - a resume from a checkpoint was asked for meanwhile (the runner's `resume_written`): it
   takes the lease from the owner (its calls in flight are dropped) and deletes the results
   after the checkpoint, so it explains the rerun of a rule it deleted (`discarded`) or
-  that had no durable result yet when it came; never that of a rule it kept.
+  that had no durable result yet when it came; never that of a rule it kept. "Meanwhile"
+  starts when the earlier round's process last began the evaluation, not at the round's
+  start: a copy the resume has already fenced off learns it at its next write, and may
+  start a round before that (seen in the gate on `pg/resume_from_checkpoint`: a start
+  20 ms after the resume, its next write refused).
 
 Anything else is an engine that gave up work it held, and a violation with its evidence:
 the two starts and what each process did in between (an engine that needlessly gives up its
@@ -238,8 +242,17 @@ def _resumed(
     resumes: Mapping[str, list[tuple[float, frozenset[str]]]],
 ) -> bool:
     """A resume between the two starts that deleted the rule's result, or came while it
-    had none durable (the round it fenced off was in flight)."""
+    had none durable (the round it fenced off was in flight); or one before the earlier
+    start that fenced off the copy that made it (its process began the evaluation before
+    the resume, and not again since)."""
     t0, t1 = event_time(prev.start), event_time(rnd.start)
+    began = [
+        event_time(e)
+        for e in of(cx.by_eval.get(a, []), "evaluation_started")
+        if proc_of(e) == prev.proc and event_time(e) <= t0
+    ]
+    if began:
+        t0 = max(began)
     for t, deleted in resumes.get(a, ()):
         if not t0 <= t <= t1:
             continue
