@@ -158,6 +158,11 @@ class Conductor:
         self._on_links: dict[tuple[str, int, str], int] = {}
         self._network = False  # a network fault fired: the links are reset at the end
         self._t0 = 0.0  # the first submit: faults' `at_s` and the deadline count from it
+        # the harness's own time bringing killed services back (a restart's `took_s`: on a
+        # loaded machine a PostgreSQL's crash recovery alone may take most of a deadline):
+        # not the engine's, so the deadline is that much later
+        self._restarts_s = 0.0
+        self._restarting: list[float] = []  # when each restart under way began
         # poison messages published and not seen rejected yet: by the attempt id they name,
         # and a count of those that name none
         self._poison: set[str] = set()
@@ -212,8 +217,7 @@ class Conductor:
         in memory any more (`Holdings`), every poison message published has been rejected
         (`poison_rejected` judges how), and no timed fault, restart or heal is pending (a
         restarted worker not ready yet would leave its fault's window open to the end);
-        or the deadline."""
-        deadline = self._t0 + self.spec.deadline_s
+        or the deadline, later by the time the harness took to restart killed services."""
         progress = self.progress
         holdings, cursor = Holdings(), None
         while True:
@@ -242,7 +246,8 @@ class Conductor:
             poisoned = bool(self._poison) or self._nameless_poison > 0
             if settled and not (pending_faults or restarting or holding or poisoned):
                 return
-            if now >= deadline:
+            restarts_s = self._restarts_s + sum(now - began for began in self._restarting)
+            if now >= self._t0 + self.spec.deadline_s + restarts_s:
                 progress.note = "deadline passed"
                 # what kept the run from settling: `quiet_state` judges an evaluation over
                 # and announced that a living worker still held in memory
@@ -525,8 +530,13 @@ class Conductor:
 
     def _restart(self, name: str, fault_id: int | None) -> Step:
         """Bring a killed service back; it heals `fault_id` (None: a failover healed it)."""
+        began = yield acts.Now()
+        self._restarting.append(began)
         found = yield acts.RestartService(name)  # what the system counted of the restart
-        yield acts.Record("service_restarted", {"service": name, **found})
+        took = (yield acts.Now()) - began
+        self._restarting.remove(began)
+        self._restarts_s += took
+        yield acts.Record("service_restarted", {"service": name, **found, "took_s": round(took, 3)})
         if fault_id is not None:
             yield from self._healed(fault_id)
 

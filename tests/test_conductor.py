@@ -44,6 +44,7 @@ class Toy:
     _pids: Any = field(default_factory=lambda: itertools.count(100))
     history: list[tuple[float, dict[str, Any]]] = field(default_factory=list)  # (t, event)
     boot_s: float = 0.0  # how long a restarted worker takes to be ready
+    restart_s: float = 0.0  # how long a killed service takes to come back
 
     def run(self) -> Any:
         main = Stepper(self.conductor.run())
@@ -54,6 +55,10 @@ class Toy:
                 self.acts.append(act)
                 if isinstance(act, acts.Sleep):
                     self._at(self.now + act.seconds, stepper)
+                    break
+                if isinstance(act, acts.RestartService) and self.restart_s:
+                    stepper.reply(self._carry(act))  # answered once the service is back
+                    self._at(self.now + self.restart_s, stepper)
                     break
                 stepper.reply(self._carry(act))
             if stepper is main and act is None:
@@ -180,6 +185,22 @@ def test_a_service_kill_restarts_later_and_the_run_waits_for_it() -> None:
     times = {e: t for t, e, _ in toy.records}
     assert times["service_killed"] == 0.1 and times["service_restarted"] == 2.1
     assert times["fault_healed"] == 2.1 and times["run_finished"] >= 2.1
+
+
+def test_the_deadline_is_later_by_the_time_a_service_took_to_come_back() -> None:
+    """A restart that takes the harness 8 s (a loaded machine's crash recovery) is not the
+    engine's time: a 5 s deadline then passes at 13 s, not 5 s."""
+    fault = {"at_s": 0.1, "action": "kill_redis", "restart_after_s": 0.5}
+    never = Toy(conductor(deadline_s=5.0, faults=[fault]), settles_at=99.0, restart_s=8.0)
+    never.run()
+    times = {e: t for t, e, _ in never.records}
+    assert times["service_restarted"] == 8.6
+    assert [f["took_s"] for _, e, f in never.records if e == "service_restarted"] == [8.0]
+    assert 13.0 <= times["deadline_passed"] < 13.0 + POLL_S + 1e-9
+    late = Toy(conductor(deadline_s=5.0, faults=[fault]), settles_at=12.0, restart_s=8.0)
+    late.run()  # settled within the deadline the restart moved
+    assert "deadline_passed" not in late.events()
+    assert 12.0 <= {e: t for t, e, _ in late.records}["run_finished"] < 12.0 + POLL_S + 1e-9
 
 
 def test_a_timed_fault_still_to_come_holds_a_settled_run_open() -> None:

@@ -105,6 +105,16 @@ def test_a_retry_held_behind_a_later_one_is_caught_whatever_its_delivery_took() 
     # ...unless the design's retries are timers of their own (a workflow engine's)
     clean(judged(held, "retry_delays_respected", time_scale=0.01, retries_in_due_order=False))
 
+    # c due only 20 ms after b by their stamps: b's publish answered 40 ms after its
+    # stamp may have reached the broker then, and its delay counts from there (the
+    # queue's TTL; on `pg`, the commit's clock), so b was due as late as 40 ms after c
+    ahead["published_ms"] = round(t_status * 1000) + 20
+    fails(judged(held, "retry_delays_respected", time_scale=0.01), "retry_delays_respected")
+    published["t"] = t_status + 0.04
+    clean(judged(held, "retry_delays_respected", time_scale=0.01))
+    published["t"] = t_status + 0.01  # still surely due 10 ms before c: held behind
+    fails(judged(held, "retry_delays_respected", time_scale=0.01), "retry_delays_respected")
+
 
 def test_the_live_worker_measures_its_event_loops_lag() -> None:
     """A loop blocked for 60 ms shows it in the lag the next events are recorded with; a

@@ -352,9 +352,11 @@ def _held_behind(cx: Context, tol: float) -> list[Violation]:
     expires only at the queue's head, so a short delay waits behind a long one. The
     delivery's own latency is allowed, and so is the publish's: a message is in the
     broker by its `retry_published` at the latest (recorded once the publish returned,
-    confirmed), and a broker cannot hand out what it has not received (on `pg` a publish
-    waits for its group commit, tens of milliseconds on a busy database); an inversion
-    of the order the messages were due in, once both were there, is not. Two deliveries to
+    confirmed), and its delay counts from the broker's receipt (a queue's TTL; on `pg`
+    the visible time is the commit's clock plus the delay), so it may be due as late as
+    that answer plus its delay (on `pg` a publish waits for its group commit, tens of
+    milliseconds on a busy database); an inversion of the order the messages were surely
+    due in is not. Two deliveries to
     two processes within the tolerance of each other (the timer granularity) have no order
     (at one instant, out of a busy broker's backlog, the history lists them by source
     name); one process's own deliveries come in the order its connection carried them."""
@@ -362,10 +364,15 @@ def _held_behind(cx: Context, tol: float) -> list[Violation]:
     for e in of(cx.events, "delivered"):
         if e.get("kind") == "retry" and _due_s(e) is not None:
             firsts.setdefault((e.get("attempt_id"), e.get("rule_id"), e.get("attempt")), e)
-    answers: dict[tuple[Any, Any, Any], list[float]] = {}  # each publish's, of each retry
+    # each publish of each retry: when it was answered, and the latest it can be due (the
+    # broker's clock starts at its receipt, at the latest that answer)
+    answers: dict[tuple[Any, Any, Any], list[tuple[float, float]]] = {}
     for e in of(cx.events, "retry_published"):
         key = (e.get("attempt_id"), e.get("rule_id"), e.get("attempt"))
-        answers.setdefault(key, []).append(event_time(e))
+        delay = e.get("delay_ms")
+        numeric = isinstance(delay, int | float) and not isinstance(delay, bool)
+        wait_s = float(delay) / 1000.0 if numeric and delay > 0 else 0.0
+        answers.setdefault(key, []).append((event_time(e), event_time(e) + wait_s))
     out: list[Violation] = []
     before: dict | None = None  # the message due last of those delivered before this one
     recent: deque[dict] = deque()  # delivered within the tolerance before it
@@ -386,9 +393,9 @@ def _held_behind(cx: Context, tol: float) -> list[Violation]:
             ahead = _due_s(latest)
             assert ahead is not None
             gap = ahead - due
-            # due and in the broker: by the last publish answered before the delivery
-            # (the sweeper's, when it re-published a lost one)
-            sent = [t for t in answers.get(key, ()) if t <= event_time(e)]
+            # due by the broker's clock: at the latest, the last publish answered before
+            # the delivery (the sweeper's, when it re-published a lost one) plus its delay
+            sent = [latest_due for t, latest_due in answers.get(key, ()) if t <= event_time(e)]
             there = max([due, *sent])
             if ahead - there > tol + _lag_s(e, latest) and not cx.fault_between(due, event_time(e)):
                 out.append(

@@ -861,7 +861,10 @@ class Scenario(_Model):
         default=30.0,
         gt=0,
         le=MAX_RUN_S,
-        description="every evaluation must be terminal by then",
+        description=(
+            "every evaluation must be terminal by then (from the first submit; later by "
+            "the time the harness took to restart killed services, each restart's took_s)"
+        ),
     )
     faults: ListOf[Fault] = ()
     invariants: ListOf[InvariantName] = INVARIANT_NAMES

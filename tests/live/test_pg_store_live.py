@@ -71,6 +71,17 @@ def caught(system: str, scenario: str, mutant: str, tmp_path: Path) -> dict[str,
     return outcome.result.verdicts
 
 
+def _violations(out: Path, most: int = 8) -> list[str]:
+    """What each failed scenario's journal says broke (the CI's output is all that is left
+    of a run on a clean clone: its histories are gone with its temporary folder)."""
+    lines = []
+    for journal in sorted(out.glob("*/journal.json")):
+        doc = json.loads(journal.read_text())
+        for v in doc.get("violations", [])[:most]:
+            lines.append(f"  {doc['scenario']}: {json.dumps(v)[:1500]}")
+    return lines
+
+
 def sweep(
     system: str,
     folders: tuple[str, ...],
@@ -92,7 +103,7 @@ def sweep(
         "run", *run_these, "--system", system, "--mode", "live", "--quiet", "--out", str(out)
     )
     failed = [line for line in run.stdout.splitlines() if line.startswith("FAIL")]
-    said = "\n".join(failed) + run.stdout[-3000:] + run.stderr[-2000:]
+    said = "\n".join([*failed, *_violations(out), run.stdout[-3000:], run.stderr[-2000:]])
     assert run.returncode in ((0, 1) if findings else (0,)), said
     journals = sorted(out.glob("*/journal.json"))
     assert len(journals) == len(run_these)
