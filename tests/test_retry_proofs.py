@@ -135,6 +135,21 @@ def test_the_live_worker_measures_its_event_loops_lag() -> None:
     assert blocked >= 50.0 > quiet
 
 
+def test_a_stall_just_before_an_event_is_in_its_lag() -> None:
+    """The loop blocked for 60 ms, then an event recorded before the measuring task has run
+    again (it is overdue, not yet woken): the event carries the stall all the same."""
+
+    async def main() -> float:
+        lag = LoopLag()
+        lag.lag_ms()
+        for _ in range(3):
+            await asyncio.sleep(LoopLag.INTERVAL_S)
+        time.sleep(0.06)
+        return lag.lag_ms()  # no await in between: the task has not woken since
+
+    assert asyncio.run(main()) >= 50.0
+
+
 def test_a_history_without_a_delivery_in_the_starting_process_proves_no_wait() -> None:
     run = Run()
     run.submit()

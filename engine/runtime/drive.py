@@ -61,25 +61,30 @@ class LoopLag:
     def __init__(self) -> None:
         self._samples: collections.deque[tuple[float, float]] = collections.deque()
         self._task: asyncio.Task[None] | None = None
+        self._due = 0.0  # when the measuring task asked to wake next (the loop's clock)
 
     def lag_ms(self) -> float:
-        """The worst lag of the last `WINDOW_S` (ms); starts the measuring task at first."""
+        """The worst lag of the last `WINDOW_S` (ms), the one under way included (the
+        measuring task overdue now: a stall just before this event, which the task has not
+        yet woken to note); starts the measuring task at first."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._samples.clear()  # another loop's (a test's earlier worker): not this one's
+            self._due = loop.time() + self.INTERVAL_S
             self._task = loop.create_task(self._measure())
         samples = self._samples
         horizon = time.monotonic() - self.WINDOW_S
         while samples and samples[0][0] < horizon:
             samples.popleft()
-        return round(max((lag for _, lag in samples), default=0.0) * 1000, 3)
+        worst = max((lag for _, lag in samples), default=0.0)
+        return round(max(worst, loop.time() - self._due) * 1000, 3)
 
     async def _measure(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            asked = loop.time()
+            self._due = loop.time() + self.INTERVAL_S
             await asyncio.sleep(self.INTERVAL_S)
-            late = loop.time() - asked - self.INTERVAL_S
+            late = loop.time() - self._due
             self._samples.append((time.monotonic(), max(late, 0.0)))
 
 
