@@ -356,10 +356,10 @@ def _held_behind(cx: Context, tol: float) -> list[Violation]:
     the visible time is the commit's clock plus the delay), so it may be due as late as
     that answer plus its delay (on `pg` a publish waits for its group commit, tens of
     milliseconds on a busy database); an inversion of the order the messages were surely
-    due in is not. Two deliveries to
-    two processes within the tolerance of each other (the timer granularity) have no order
-    (at one instant, out of a busy broker's backlog, the history lists them by source
-    name); one process's own deliveries come in the order its connection carried them."""
+    due in is not. Two deliveries to two processes within the tolerance of each other (the
+    timer granularity) have no order (at one instant, out of a busy broker's backlog, the
+    history lists them by source name); one process's own deliveries come in the order its
+    connection carried them."""
     firsts: dict[tuple[Any, Any, Any], dict] = {}
     for e in of(cx.events, "delivered"):
         if e.get("kind") == "retry" and _due_s(e) is not None:
