@@ -42,7 +42,15 @@ Measured (2026-12-05, 05:50 UTC, at this commit, a machine loaded by another eng
 simulations, load 2.6): rounds 0.56, 0.79, 0.59, median 0.59 (2,100 to 2,600 rules/s); in
 the same rounds pg-store 0.56 (0.52..0.86) with its store's batches in two lanes.
 
-Where it stands on PostgreSQL (2026-12-05, 02:12 to 02:14 UTC, at 0fc1dd8 with this mode
+Where it stands on PostgreSQL (2026-12-07, 10:41 UTC, with migration 0006, load about 0.5):
+two runs of 5 rounds, median ratio rules/INSERT 1.16 (1.09..1.36) and 1.04 (0.93..1.19),
+4,752 and 3,937 rules/s, 2.46 and 3.37 ms inside PostgreSQL a transaction of 12 rules: the
+goal met. The migration cut PostgreSQL's time an operation to 0.60 to 0.67x
+(`bench/store_replay.py --against`, which replays one round's batches on each schema alone);
+what it changed and what was tried: bench/README.md's ninth look. The paragraphs below are
+the history before it.
+
+Earlier (2026-12-05, 02:12 to 02:14 UTC, at 0fc1dd8 with this mode
 added; a busy 2-core machine shared with other engineers' runs, among them live pg-store
 chaos runs with PostgreSQL servers of their own on the same disk; load average 3.0 to 3.6):
 three runs of `--store postgres --rounds 3 --evaluations 100`, median ratio rules/INSERT

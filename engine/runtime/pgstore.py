@@ -151,7 +151,9 @@ async def migrate(conn: asyncpg.Connection, grant: Iterable[str] = ()) -> list[i
                 f"GRANT SELECT ON eai.schema_migrations TO {r}; "
                 f"GRANT SELECT, INSERT, UPDATE, DELETE ON "
                 f"{', '.join('eai.' + t for t in TENANT_TABLES)} TO {r}; "
-                f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA eai TO {r}"
+                f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA eai TO {r}; "
+                # a checkpoint's number (migration 0006: the trigger runs as the caller)
+                f"GRANT USAGE ON SEQUENCE eai.checkpoint_order TO {r}"
             )
     return applied
 

@@ -318,11 +318,18 @@ def test_an_evaluation_past_its_retention_is_gone_and_purged(pg: PgSandbox) -> N
             for a in ("att-old", "att-new"):
                 b = await store.begin(a, "w1", TINY.order, TINY)
                 await store.write_result(a, RuleResult("compiles", "pass", 1.0, 1), (), b.fence)
-            await owner.execute(
-                "UPDATE eai.runs SET expires_at = now() - interval '1 s' "
-                "WHERE namespace = $1 AND attempt_id = 'att-old'",
+            old = await owner.fetchval(  # as the engine writes a row's retention: both columns
+                "UPDATE eai.runs SET expires_at = now() - interval '1 s', "
+                "expires_hour = eai._hour(now() - interval '1 s') "
+                "WHERE namespace = $1 AND attempt_id = 'att-old' RETURNING id",
                 config.namespace,
             )
+            hanging = (
+                "SELECT (SELECT count(*) FROM eai.checkpoints WHERE run_id = $1)"
+                " + (SELECT count(*) FROM eai.run_steps WHERE run_id = $1)"
+                " + (SELECT count(*) FROM eai.run_events WHERE run_id = $1)"
+            )
+            hung = await owner.fetchval(hanging, old)
             gone = await store.record("att-old")
             stale = await store.stale_evaluations(0)
             purged = await store.purge_expired()
@@ -335,16 +342,19 @@ def test_an_evaluation_past_its_retention_is_gone_and_purged(pg: PgSandbox) -> N
                 "WHERE r.namespace = $1",
                 config.namespace,
             )
-            return gone, stale, purged, rows, steps
+            # what hung off the purged run went with it (migration 0006's cascade trigger)
+            left = await owner.fetchval(hanging, old)
+            return gone, stale, purged, rows, steps, hung, left
         finally:
             await owner.close()
             await store.close()
 
-    gone, stale, purged, rows, steps = _run(scenario())
+    gone, stale, purged, rows, steps, hung, left = _run(scenario())
     assert gone.state is None and gone.plan_json is None
     assert stale == ["att-new"]
     assert purged == 1
-    assert rows == 1 and steps == 1  # its checkpoints went with it
+    assert rows == 1 and steps == 1
+    assert hung > 0 and left == 0  # its checkpoints, steps and events went with it
 
 
 def test_a_claim_skips_an_evaluation_someone_is_busy_with(pg: PgSandbox) -> None:
