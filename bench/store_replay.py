@@ -37,10 +37,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import itertools
 import json
-import os
 import re
 import signal
 import statistics
@@ -71,9 +71,10 @@ _LOGGED = re.compile(
 _PARAM = re.compile(r"\$(\d) = (NULL|'((?:[^']|'')*)')")
 
 
+@functools.cache
 def _rules_per_second() -> Any:
-    """bench/rules_per_second.py as a module: its engine round and its private server's
-    preparation are what is replayed."""
+    """bench/rules_per_second.py as a module (loaded once): its engine round is what is
+    replayed, and its `_cpu_s` reads the backend's CPU."""
     spec = importlib.util.spec_from_file_location(
         "rules_per_second", ROOT / "bench" / "rules_per_second.py"
     )
@@ -147,20 +148,11 @@ async def _prepare(s: PostgresServer, migrations: list[pgstore.Migration]) -> No
     """The schema from `migrations` (this checkout's or another's), granted to the engine's
     role as `migrate` grants it."""
     conn = await s.admin(database=DATABASE)
-    ours = pgstore.migrations
-    pgstore.migrations = lambda: migrations  # type: ignore[assignment]
     try:
-        await pgstore.migrate(conn, grant=[ROLE])
+        await pgstore.migrate(conn, grant=[ROLE], known=migrations)
         await conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
     finally:
-        pgstore.migrations = ours  # type: ignore[assignment]
         await conn.close()
-
-
-def _cpu_s(pid: int) -> float:
-    """A process's CPU seconds (user and system) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _replay(s: PostgresServer, url: str, calls: list[Call]) -> tuple[float, float]:
@@ -177,11 +169,11 @@ async def _replay(s: PostgresServer, url: str, calls: list[Call]) -> tuple[float
         ns = f"r{uuid.uuid4().hex[:8]}."
         stmt = await conn.prepare(_APPLY)
         backend = await conn.fetchval("SELECT pg_backend_pid()")
-        cpu0 = _cpu_s(backend)
+        cpu0 = _rules_per_second()._cpu_s(backend)
         for c in calls:
             ops = c.ops.replace(json.dumps(c.namespace)[1:-1], ns)
             await stmt.fetchval(c.tenant, ns, c.lease_ms, c.ttl, ops, c.now)
-        cpu_ms = (_cpu_s(backend) - cpu0) * 1000
+        cpu_ms = (_rules_per_second()._cpu_s(backend) - cpu0) * 1000
     finally:
         await conn.close()
     admin = await s.admin(database=DATABASE)
@@ -212,14 +204,7 @@ def measure(
 
 def their_migrations(root: Path) -> list[pgstore.Migration]:
     folder = root / "engine" / "runtime" / "migrations"
-    found = sorted(
-        (
-            pgstore.Migration(int(m.group(1)), f.name, f.read_text("utf-8"))
-            for f in folder.iterdir()
-            if (m := pgstore._MIGRATION_NAME.match(f.name))
-        ),
-        key=lambda x: x.version,
-    )
+    found = pgstore.migrations(folder) if folder.is_dir() else []
     if not found:
         raise SystemExit(f"--against {root}: no migration in {folder}")
     return found

@@ -36,6 +36,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from importlib.abc import Traversable
 from typing import Any
 
 import asyncpg
@@ -94,10 +95,12 @@ class Migration:
     sql: str
 
 
-def migrations() -> list[Migration]:
+def migrations(folder: Traversable | None = None) -> list[Migration]:
     """The versioned SQL files shipped with the engine, in order (numbered from 1, no gaps:
-    a schema is described by its version alone)."""
-    folder = resources.files("engine.runtime").joinpath("migrations")
+    a schema is described by its version alone); those of `folder` (another checkout's, for
+    a benchmark's A/B) when given."""
+    if folder is None:
+        folder = resources.files("engine.runtime").joinpath("migrations")
     found = []
     for entry in folder.iterdir():
         m = _MIGRATION_NAME.match(entry.name)
@@ -105,7 +108,7 @@ def migrations() -> list[Migration]:
             found.append(Migration(int(m.group(1)), entry.name, entry.read_text("utf-8")))
     found.sort(key=lambda x: x.version)
     if [x.version for x in found] != list(range(1, len(found) + 1)):
-        raise RuntimeError(f"engine/runtime/migrations: versions {[x.version for x in found]}")
+        raise RuntimeError(f"{folder}: migration versions {[x.version for x in found]}")
     return found
 
 
@@ -118,12 +121,15 @@ def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-async def migrate(conn: asyncpg.Connection, grant: Iterable[str] = ()) -> list[int]:
+async def migrate(
+    conn: asyncpg.Connection, grant: Iterable[str] = (), known: list[Migration] | None = None
+) -> list[int]:
     """Apply the migrations the database lacks, in order, then grant the engine's roles what
     they use; the versions applied. One transaction: a migration that fails leaves the
     schema as it was. Run as the schema's owner (an administrator); a concurrent run waits
-    for this one (an advisory lock). `SchemaTooNew` when the database is ahead."""
-    known = migrations()
+    for this one (an advisory lock). `SchemaTooNew` when the database is ahead. `known`:
+    other migrations than this engine's (a benchmark comparing two schemas)."""
+    known = migrations() if known is None else known
     applied: list[int] = []
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext('eai.migrations'))")

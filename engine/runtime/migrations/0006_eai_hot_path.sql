@@ -229,13 +229,6 @@ END $$;
 -- the user and the settings in and out (0.95x the time an operation without). The
 -- engine's roles get USAGE on the sequence instead (`migrate` grants it), which lets them
 -- take numbers, nothing more than writing the column they could already.
-CREATE OR REPLACE FUNCTION eai._number_checkpoint() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.result IS NOT NULL AND NEW.number IS NULL
-       AND (TG_OP = 'INSERT' OR OLD.result IS NULL) THEN
-        NEW.number := nextval('eai.checkpoint_order');
-    END IF;
-    RETURN NEW;
-END $$;
+ALTER FUNCTION eai._number_checkpoint() SECURITY INVOKER RESET search_path;
 
 REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA eai FROM PUBLIC;
