@@ -3,6 +3,7 @@
     python bench/sim_speed.py [--seeds 10000] [--jobs 0]
     python bench/sim_speed.py --against /tmp/before [--rounds 5] [--seeds 10000] [--jobs 0]
     python bench/sim_speed.py --cluster local:2 [--rounds 5] [--seeds 10000]
+    python bench/sim_speed.py --compiled-ab [--rounds 5] [--seeds 10000]
 
 Prints: simpy's raw rate (a process yielding timeouts, nothing else), simulated evaluations
 per second of the example plan under faults (one process), the seeds per second of
@@ -17,6 +18,11 @@ same seeds too, each round a fresh interpreter on each checkout in turn (the ord
 alternating), and the median rates are compared: the cost of a change measured on the
 same machine in the same minutes. On this shared machine rates drift by half within
 minutes, so read the ratio of medians, never one round.
+
+With `--compiled-ab`, this checkout's compiled checker (`python -m chaos compile`) against
+its source (`CHAOS_COMPILED=0`), rounds interleaved the same way. Without it, the bench
+runs the checker as explorations do: compiled when this source is built (the first line
+says which).
 
 With `--cluster local:W` (or a scheduler's tcp:// address), the same seeds on the Dask
 cluster (`chaos sim --cluster`) against `--jobs W` processes, rounds interleaved the same
@@ -124,6 +130,14 @@ s for 10,000 seeds (0.014 to 0.015x the raw rate), the pool's start-up 0.44 to 0
 worker and its clients). A store call's landing that schedules its reply itself (one
 resumption of the caller fewer) kept the histories and gained nothing measurable: 26 calls
 a seed. bench/README.md has the day's figures; neither goal is met.
+
+2026-12-07 (a slow host, simpy's raw rate 546k to 782k events/s): the checker compiled with
+mypyc (`python -m chaos compile`): 22.16 M instructions a seed against 25.24 M (callgrind,
+-12.2 %), `--compiled-ab` 1.15x seeds/s (3 rounds of 4,000), the same judgement everywhere
+(tests/test_compiled.py). Projected on the quiet host's 16.6 s: about 14.6 s; measured the
+same evening on a quiet host, 20.7 and 20.9 s, `--compiled-ab` 1.076x (bench/README.md).
+Left as source by design: `sim/` (the mutants patch its classes, which a compiled class
+refuses) and the engine (what is simulated must be what runs live).
 """
 
 from __future__ import annotations
@@ -138,6 +152,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from chaos import compiled  # noqa: E402  (first: before any module of the checker)
+
+#: The checker as explorations run it: compiled when this source was (`chaos compile`)
+#: and `CHAOS_COMPILED` is not 0, in this process too (the evaluations' rate).
+BUILD = compiled.wanted()
+if BUILD is not None:
+    compiled.activate(BUILD)
 
 import simpy  # noqa: E402
 
@@ -225,8 +247,11 @@ if __name__ == "__main__":
 """
 
 
-def _round(root: Path, seeds: int, jobs: int) -> float:
+def _round(root: Path, seeds: int, jobs: int, switch: str | None = None) -> float:
+    """`switch`: `CHAOS_COMPILED` for the round ("0": the checker as source)."""
     env = {**os.environ, "PYTHONPATH": str(root)}
+    if switch is not None:
+        env[compiled.SWITCH_ENV] = switch
     out = subprocess.run(
         [sys.executable, "-c", _ROUND, str(seeds), str(jobs)],
         cwd=root,
@@ -305,6 +330,28 @@ def _cluster_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compiled_compare(args: argparse.Namespace) -> int:
+    """Rounds alternating the compiled checker and the source (`CHAOS_COMPILED=0`) on this
+    checkout, each a fresh process; the medians and their ratio."""
+    if compiled.fresh_build() is None:
+        print("no build of this source: python -m chaos compile", file=sys.stderr)
+        return 2
+    on: list[float] = []
+    off: list[float] = []
+    for i in range(args.rounds):
+        order = (("1", on), ("0", off)) if i % 2 == 0 else (("0", off), ("1", on))
+        for switch, rates in order:
+            rates.append(_round(ROOT, args.seeds, args.jobs, switch))
+        print(f"round {i + 1}: compiled checker {on[-1]:6.0f} seeds/s, source {off[-1]:6.0f}")
+    mine, theirs = statistics.median(on), statistics.median(off)
+    print(f"median seeds/s: compiled {mine:.0f}, source {theirs:.0f}; ratio {mine / theirs:.3f}")
+    print(
+        f"{TARGET_SEEDS:,} seeds: {TARGET_SEEDS / mine:.1f} s compiled, "
+        f"{TARGET_SEEDS / theirs:.1f} s source (the median rounds, start-up included)"
+    )
+    return 0
+
+
 def _compare(args: argparse.Namespace) -> int:
     """Rounds alternating this checkout and `--against`, each a fresh process (its pool's
     start-up counted, as in `seeds_rate`); the medians and their ratio."""
@@ -335,7 +382,12 @@ def main() -> int:
     p.add_argument("--against", type=Path, help="another checkout to compare with (A/B)")
     p.add_argument("--rounds", type=int, default=5, help="A/B rounds, with --against")
     p.add_argument("--cluster", help="local:W or tcp://HOST:PORT: against --jobs (A/B)")
+    p.add_argument(
+        "--compiled-ab", action="store_true", help="the compiled checker against the source"
+    )
     args = p.parse_args()
+    if args.compiled_ab:
+        return _compiled_compare(args)
     if args.against is not None:
         return _compare(args)
     if args.cluster is not None:
@@ -346,6 +398,8 @@ def main() -> int:
     startup = startup_s(args.jobs)
     cores = args.jobs or os.cpu_count() or 1
     rate = args.seeds / took
+    shown = f"compiled ({BUILD.name})" if BUILD else "source (no build, or CHAOS_COMPILED=0)"
+    print(f"the checker:                                      {shown}")
     print(f"simpy raw event rate (timeouts, one process):     {raw:12,.0f} events/s")
     print(f"simulated evaluations under faults (one process): {evals:12,.0f} evaluations/s")
     print(f"  history events recorded:                        {events:12,.0f} events/s")

@@ -8,10 +8,17 @@ code (130 SIGINT, 143 SIGTERM) instead of a KeyboardInterrupt traceback from an 
 import os
 import signal
 import sys
+from types import FrameType
 
 
-def _before_start(signum: int, _frame: object) -> None:
-    """Only imports have run: there is nothing to stop, so leave without unwinding them."""
+def _before_start(signum: int, frame: FrameType | None) -> None:
+    """Only imports have run: there is nothing to stop, so leave without unwinding them.
+    A signal that interrupts this handler (Python runs them with none blocked) came second:
+    the one being handled decides."""
+    while frame is not None:
+        if frame.f_code is _before_start.__code__:
+            return
+        frame = frame.f_back
     name = signal.Signals(signum).name
     os.write(2, f"chaos: interrupted ({name}) before it started anything\n".encode())
     os._exit(128 + signum)

@@ -12,6 +12,7 @@
     python -m chaos docs [--check]  # docs/reference/, written from the code
     python -m chaos coverage [SCENARIO...] [--seeds 50] [--json FILE]  # branches reached
     python -m chaos mutate [--paths P ...] [--jobs J]   # mutants of the engine vs the suite
+    python -m chaos compile [--status]  # the checker compiled for explorations (mypyc)
 
 Exit codes: 0 every invariant holds, 1 a violation or a budget exceeded, 2 invalid input,
 3 the stack could not be started (containers mode: no Docker engine answers), 4 the harness
@@ -38,6 +39,7 @@ import warnings
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -246,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--long", action="store_true", help="whole descriptions (default: one line each)"
     )
     sub.add_parser("clean", help="stop and delete what killed runs left (their runner is dead)")
+    comp = sub.add_parser(
+        "compile", help="compile the checker for explorations' processes (mypyc; cached)"
+    )
+    comp.add_argument(
+        "--status", action="store_true", help="say whether a build of this source exists"
+    )
     img = sub.add_parser("images", help="containers mode's images, built from this machine's")
     img.add_argument(
         "action", choices=["build"], help="build: the chaos-redis and chaos-rabbitmq images"
@@ -321,6 +329,8 @@ def _main(argv: list[str] | None) -> int:
     console = make_console()
     if args.command == "clean":
         return _clean(console)
+    if args.command == "compile":
+        return _compile(console, args.status)
     if args.command == "images":
         return _images(console)
     if args.command == "list":
@@ -612,7 +622,7 @@ def _report(
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _COMMANDS = (
     *("run", "sim", "report", "compare", "validate", "list", "clean", "proxy", "images"),
-    *("docs", "coverage", "mutate"),
+    *("docs", "coverage", "mutate", "compile"),
 )
 
 
@@ -658,12 +668,12 @@ def _catch_signals() -> dict[int, Any]:
     return previous
 
 
-def _on_signal(signum: int, _frame: Any) -> None:
+def _on_signal(signum: int, frame: FrameType | None) -> None:
     """The first signal kills what the run started at once (nothing of an interrupted run
     is kept) and unwinds the command. Any later one is only noted: the clean-up that
     follows must not itself be interrupted (a second Ctrl-C used to end in a traceback
     from the middle of it, leaving processes behind)."""
-    if _Guard.signum is not None:
+    if _Guard.signum is not None or _inside_a_handler(frame):
         return
     _Guard.signum = signum
     _Guard.watchdog = threading.Timer(UNWIND_LIMIT_S, _unwound_too_long)
@@ -674,6 +684,18 @@ def _on_signal(signum: int, _frame: Any) -> None:
     _quiet()
     stack.kill_owned()
     raise Interrupted(signum)
+
+
+def _inside_a_handler(frame: FrameType | None) -> bool:
+    """Whether this signal interrupts the handler of an earlier one before it could note
+    it: Python runs handlers with no signal blocked, so a SIGTERM that lands right after
+    a SIGINT runs at the first instruction of the SIGINT's handler, and would otherwise
+    decide in its place."""
+    while frame is not None:
+        if frame.f_code is _on_signal.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _unwound_too_long() -> None:
@@ -733,6 +755,34 @@ def _clean(console: Console) -> int:
     with contextlib.suppress(ImportError):  # the docker package is an extra
         _remove_dead_containers(console)
     return EXIT_VIOLATION if reaped.survivors else EXIT_OK
+
+
+def _compile(console: Console, status: bool) -> int:
+    """`chaos compile`: the checker compiled with mypyc for this source (`chaos.compiled`),
+    built once into the cache; `--status`: whether explorations will load one."""
+    from chaos import compiled
+
+    if status:
+        build = compiled.fresh_build()
+        off = os.environ.get(compiled.SWITCH_ENV) == "0"
+        said = (f"built for this source: {build}" if build else "no build for this source") + (
+            f" ({compiled.SWITCH_ENV}=0: explorations run the source)" if off and build else ""
+        )
+        console.print(f"chaos compile: {said}", markup=False)
+        return EXIT_OK
+    t0 = time.monotonic()
+    try:
+        build = compiled.build()
+    except compiled.CompileError as exc:
+        print(f"chaos compile: {exc}", file=sys.stderr)
+        return EXIT_STACK
+    n = len(compiled.modules())
+    console.print(
+        f"chaos compile: {n} modules in {build} ({time.monotonic() - t0:.0f} s); "
+        "explorations load them until the source changes",
+        markup=False,
+    )
+    return EXIT_OK
 
 
 def _bad_mutant(name: str) -> bool:

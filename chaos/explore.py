@@ -399,13 +399,20 @@ def _marked_spawns() -> Iterator[None]:
     """Processes spawned inside carry the stack's marker and owner variables, so that an
     interrupt, the next `chaos run` or `chaos clean` finds them even if this process was
     SIGKILLed; SIGINT is blocked meanwhile, so a terminal's Ctrl-C (it reaches the whole
-    process group) finds them ignoring it (`_pool_worker`): the parent alone handles it."""
+    process group) finds them ignoring it (`_pool_worker`): the parent alone handles it.
+    They load the compiled checker when a build of this source exists (`chaos.compiled`)."""
     # imported here: the pool's processes, which import this module, never need it
+    from chaos.compiled import BUILD_ENV, wanted
     from chaos.stack import MARKER_ENV, OWNER_ENV, owner_token
 
-    saved = {k: os.environ.get(k) for k in (MARKER_ENV, OWNER_ENV)}
+    saved = {k: os.environ.get(k) for k in (MARKER_ENV, OWNER_ENV, BUILD_ENV)}
     os.environ[MARKER_ENV] = f"pool-{uuid.uuid4().hex}"
     os.environ[OWNER_ENV] = owner_token()
+    build = wanted()
+    if build is None:
+        os.environ.pop(BUILD_ENV, None)
+    else:
+        os.environ[BUILD_ENV] = str(build)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield

@@ -25,7 +25,7 @@ import orjson
 
 import engine.worker
 from chaos.checker import INVARIANTS
-from engine.agent import FakeAgent
+from engine.agent import AgentError, FakeAgent
 from engine.config import EngineConfig
 from engine.core import (
     AckRetry,
@@ -47,6 +47,7 @@ from engine.shell import controller, heartbeat, orchestrator
 from engine.shell import sweeper as shell_sweeper
 from engine.shell.controller import EvaluationController
 from engine.shell.effects import (
+    CallAgent,
     Failpoint,
     PublishEvent,
     Record,
@@ -444,6 +445,45 @@ def hold_due_retry() -> None:
         yield from run_rule(self, action, execution)
 
     orchestrator.PassExecutionOrchestrator._run_rule = held_back
+
+
+def try_made_twice() -> None:
+    """retry_budget: the shell makes a failed call again itself before the core hears of
+    it: an attempt's first immediate retry (try 2), failed and retryable, is made once more
+    (its `rule_started` recorded again: the same try number, the same execution), so the
+    attempt makes one call more than `immediate_retries + 1`, with no fault between."""
+    run_rule = orchestrator.PassExecutionOrchestrator._run_rule
+
+    def once_more(
+        self: orchestrator.PassExecutionOrchestrator, action: Any, execution: int
+    ) -> Step:
+        inner = run_rule(self, action, execution)
+        started: Record | None = None
+        again = action.try_no == 2
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                effect = inner.send(reply) if error is None else inner.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(effect, Record) and effect.event == "rule_started":
+                started = effect
+            while True:  # the effect, and once the failed call made again
+                try:
+                    reply, error = (yield effect), None
+                except GeneratorExit:
+                    inner.close()
+                    raise
+                except BaseException as exc:
+                    reply, error = None, exc
+                redo = again and started is not None and isinstance(effect, CallAgent)
+                if not (redo and isinstance(error, AgentError) and error.retryable):
+                    break
+                again = False
+                yield started
+
+    orchestrator.PassExecutionOrchestrator._run_rule = once_more
 
 
 # --- the history ---------------------------------------------------------------------------
@@ -1420,6 +1460,11 @@ MUTANTS: dict[str, Mutant] = {
             give_up_early,
             "retry_budget",
             "a rule is permanently_failed one attempt before max_attempts",
+        ),
+        _mutant(
+            try_made_twice,
+            "retry_budget",
+            "the shell makes an attempt's failed try 2 again, under the same try number",
         ),
         _mutant(
             slow_tier,

@@ -283,14 +283,14 @@ def duplicated_cost(history: list[dict[str, Any]], mutant: str | None = None) ->
                 cost.executions.append(x)
         elif ev in ("rule_finished", "rule_failed"):
             n = as_int(e.get("attempt"), 1)
-            x = current.get((a, r, n, src))
+            ran = current.get((a, r, n, src))
             tokens = as_int(e.get("tokens"))
             cost.tokens_total += tokens
-            cost.calls.append(Call((a, r, n, as_int(e.get("try_no"), 1)), tokens, x))
-            if x is not None:
-                x.tokens += tokens
-                x.end = t
-                x.finished = x.finished or ev == "rule_finished"
+            cost.calls.append(Call((a, r, n, as_int(e.get("try_no"), 1)), tokens, ran))
+            if ran is not None:
+                ran.tokens += tokens
+                ran.end = t
+                ran.finished = ran.finished or ev == "rule_finished"
         elif ev == "result_persisted":
             written.setdefault((a, r), t)
         elif ev == "resume_written":
@@ -326,7 +326,9 @@ def _cause(
         return "write_window"
     # the latest way back in, from the end: a broken engine redelivered without end has
     # thousands, and the one wanted is nearly always the last
-    for t, how in reversed(comebacks.get((x.attempt_id, x.src), ())):
+    back = comebacks.get((x.attempt_id, x.src), [])
+    for i in range(len(back) - 1, -1, -1):  # (not `reversed`: mypyc cannot compile it here)
+        t, how = back[i]
         if before.start <= t <= x.start:
             return how
     return "in_flight"

@@ -72,7 +72,7 @@ def fault_windows(events: list[dict], end_of_run: float | None = None) -> list[F
     if end_of_run is None:
         end_of_run = max(map(event_time, events), default=0.0)
     healed: dict[Any, float] = {}
-    crashes: dict[Any, float] = {}
+    crashes: dict[Any, Mapping[str, Any]] = {}  # by pid: its crash not yet seen exit
     for e in events:
         if e.get("ev") == "fault_healed" and e.get("fault_id") is not None:
             healed.setdefault(e["fault_id"], event_time(e))

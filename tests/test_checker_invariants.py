@@ -477,6 +477,34 @@ def test_an_attempt_with_more_calls_than_level_1_allows() -> None:
     assert "made 4 calls in one execution; level 1 allows 3" in message
 
 
+def _try_made_again(fault: bool) -> Run:
+    """Tries 1 and 2 failed, try 2 started again (a Temporal server killed before the first
+    one's answer reached it), then try 3: with `fault`, the server's kill between the two."""
+    run = Run()
+    run.submit()
+    for try_no in (1, 2):
+        run.start(A, "a", 1, try_no)
+        run.ev("rule_failed", attempt_id=A, rule_id="a", attempt=1, try_no=try_no, kind="quota")
+    if fault:
+        run.ev("fault_fired", "runner", 1, action="kill_service", service="temporal", fault_id=1)
+        run.ev("fault_healed", "runner", 1, fault_id=1, dt=0.3)
+    for try_no in (2, 3):
+        run.start(A, "a", 1, try_no)
+        run.ev("rule_failed", attempt_id=A, rule_id="a", attempt=1, try_no=try_no, kind="quota")
+    run.status(A, "a", "failed_attempt_1")
+    return run
+
+
+def test_a_try_made_again_is_one_call_only_when_a_fault_came_between() -> None:
+    """The repeat is the same call redone when the history shows a fault that touched the
+    process in between; without one it is a fourth call."""
+    clean(judged(_try_made_again(fault=True), "retry_budget", **SPEC))
+    [message, *_] = fails(
+        judged(_try_made_again(fault=False), "retry_budget", **SPEC), "retry_budget"
+    )
+    assert "made 4 calls in one execution; level 1 allows 3" in message
+
+
 def test_a_delayed_retry_before_level_1_was_spent() -> None:
     run = Run()
     run.submit()

@@ -238,6 +238,32 @@ def test_no_immediate_retries() -> None:
     assert after["calls"] == [[1, 1], [2, 1]] and after["statuses"] == ["failed_attempt_1"]
 
 
+def _tries(history: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[int]]:
+    """Each attempt's calls, by their try numbers, in the order they started."""
+    out: dict[tuple[str, str, int], list[int]] = {}
+    for e in history:
+        if e["ev"] == "rule_started":
+            out.setdefault((e["attempt_id"], e["rule_id"], e["attempt"]), []).append(e["try_no"])
+    return out
+
+
+def test_try_made_twice() -> None:
+    # Caught by retry_budget on transient_llm_errors, live and in sim: the call made again
+    # has no fault before it, so it counts (tests/test_chaos_runs.py, tests/test_explore.py).
+    from chaos.insim import run_scenario
+    from chaos.scenario import load_scenario
+
+    loaded = load_scenario(ROOT / "scenarios" / "transient_llm_errors.yaml")
+    before = _tries(run_scenario(loaded).history)
+    after = _tries(run_scenario(loaded, mutant="try_made_twice").history)
+    assert before.keys() == after.keys()
+    redone = {k for k, tries in before.items() if 2 in tries and tries != after[k]}
+    assert redone and all(before[k] == [1, 2, 3] for k in redone)
+    # try 2, failed, made once more: four calls where level 1 allows three
+    assert all(after[k] == [1, 2, 2, 3] for k in redone)
+    assert all(after[k] == before[k] for k in before.keys() - redone)
+
+
 def probe_always_failing() -> dict[str, Any]:
     """tiny, unit_tests failing every call transiently: three attempts of three calls (the
     default policy), and under a policy of one attempt."""

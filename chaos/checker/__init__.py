@@ -25,11 +25,12 @@ is judged on two processes, `shared`, with the same result). The one clock it re
 each check (`CheckResult.durations_s`, for JUnit); no verdict depends on it.
 
 Layout: `records` (the data in and out), `context` (the history indexed once, fault
-windows from the runner's `fault_fired` / `fault_healed`, evidence helpers), `oracle` (the
-checker's own expectations), `rounds` (executions of a rule), one module per invariant,
-`invariants` (the registry: one line per invariant) and `shared` (running them, on two
-processes for a long history). This module re-exports the public names and runs the
-checks.
+windows from the runner's `fault_fired` / `fault_healed`, evidence helpers), `events` (the
+history's list, answering by kind), `oracle` (the checker's own expectations), `rounds`
+(executions of a rule), one module per invariant, `invariants` (the registry: one line per
+invariant) and `shared` (running them, on two processes for a long history). This module
+re-exports the public names and runs the checks. Explorations run the package compiled
+with mypyc once it is built (`chaos.compiled`): the same source.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ written, and statuses are only ever replaced by higher ones, so Redis must still
 
 from __future__ import annotations
 
+from typing import Any
+
 from chaos.checker.context import (
     Context,
     Outcome,
@@ -41,8 +43,8 @@ def check_attempts_monotonic(cx: Context) -> Outcome:
     refused = 0
     judged = 0
     pairs = set(cx.by_pair)
-    for a, fin in cx.final.evaluations.items():
-        pairs |= {(a, r) for r in fin.statuses}
+    for a, kept in cx.final.evaluations.items():
+        pairs |= {(a, r) for r in kept.statuses}
     for a, r in sorted(pairs):
         evs = cx.by_pair.get((a, r), [])
         starts: list[dict] = []
@@ -61,7 +63,7 @@ def check_attempts_monotonic(cx: Context) -> Outcome:
         def flag(message: str, key: list[dict], a: str = a, r: str = r) -> None:
             out.append(Violation("attempts_monotonic", a, r, message, timeline(key)))
 
-        top: dict | None = None
+        top: Any = None  # the highest attempt started so far (a dict once one is)
         for e in starts:
             n = as_int(e.get("attempt"), 1)
             if top is not None and n < as_int(top.get("attempt"), 1):

@@ -25,6 +25,8 @@ recorded (a status write's landing: the store ordered it before the cancel or re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from chaos.checker.context import (
     Context,
     Outcome,
@@ -71,7 +73,7 @@ def check_cancel_respected(cx: Context) -> Outcome:
             continue
         cases += 1
 
-        def flag(message: str, key: list[dict], context: list[dict] = (), a: str = a) -> None:
+        def flag(message: str, key: list[dict], context: Sequence[dict] = (), a: str = a) -> None:
             out.append(Violation("cancel_respected", a, None, message, timeline(key, context)))
 
         if a not in cx.cancelled:
@@ -108,13 +110,15 @@ def check_cancel_respected(cx: Context) -> Outcome:
                 )
         held = cx.sessions(a)
         revived: list[Session] = [s for s in held if s.begun_after > tc]
-        for s in revived:
-            acts = [e for e in s.events if _is_act(e)]
+        for revival in revived:
+            acts = [e for e in revival.events if _is_act(e)]
             flag(
-                f"{s.proc[0]} resumed the evaluation after the cancel was durable "
-                f"(delivery {s.begun_after - tc:.3f} s after it)"
+                f"{revival.proc[0]} resumed the evaluation after the cancel was durable "
+                f"(delivery {revival.begun_after - tc:.3f} s after it)"
                 + (f" and started {len(acts)} rule(s) or retries" if acts else ""),
-                cancel_evs + [x for x in (s.delivered, s.started) if x is not None] + acts[:4],
+                cancel_evs
+                + [x for x in (revival.delivered, revival.started) if x is not None]
+                + acts[:4],
             )
         silent: dict[int, tuple[Session, list[dict]]] = {}
         for e in evs:

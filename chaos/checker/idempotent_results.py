@@ -155,8 +155,8 @@ def check_idempotent_results(cx: Context) -> Outcome:
         verdicts = {v[0] for v in values} | {str(e["kept_verdict"]) for e in kept}
         if len(values) > 1 or len(verdicts) > 1:
             counts: dict[tuple[str, float | None], int] = defaultdict(int)
-            for v, e in seen:
-                if e is not None:
+            for v, said in seen:
+                if said is not None:
                     counts[v] += 1
             # a missing score (None) sorts before any number
             order = sorted(

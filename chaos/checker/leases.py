@@ -137,7 +137,9 @@ def check_leases_renewed(cx: Context) -> Outcome:
                 )
     for e in renewals:
         expires, sent, asked = e.get("expires_ms"), e.get("sent_ms"), e.get("lease_ms")
-        if e.get("held") == LOST or not all(isinstance(x, int) for x in (expires, sent, asked)):
+        if e.get("held") == LOST or not (
+            isinstance(expires, int) and isinstance(sent, int) and isinstance(asked, int)
+        ):
             continue
         cases += 1
         short = sent + asked - expires  # the renewal landed after it was sent: never > 0
@@ -294,7 +296,7 @@ def check_leases_respected(cx: Context) -> Outcome:
             # before this begin (it would have been refused after it); its begin, only if
             # answered before this one was sent. Either was sent by `t`. Of equal stamps,
             # the first recorded.
-            last = None
+            other: _Mark | None = None
             for i in range(bisect_right(sent_keys, t) - 1, -1, -1):
                 m = by_sent[i][1]
                 if (
@@ -308,17 +310,17 @@ def check_leases_respected(cx: Context) -> Outcome:
                         else m.reply < s.begun_after
                     )
                 ):
-                    last = m
+                    other = m
                     break
-            if last is None:
+            if other is None:
                 continue
-            due = last.sent + last.lease
-            if t + _MS >= due or _redis_fault(windows, last.sent, t, slack) is not None:
+            due = other.sent + other.lease
+            if t + _MS >= due or _redis_fault(windows, other.sent, t, slack) is not None:
                 continue
-            gone = let_go_at.get(last.proc, [])
-            if bisect_right(gone, t) > bisect_left(gone, last.sent):
+            gone = let_go_at.get(other.proc, [])
+            if bisect_right(gone, t) > bisect_left(gone, other.sent):
                 continue
-            if any(asked <= t and _before_resume(last, done) for asked, done in revoked):
+            if any(asked <= t and _before_resume(other, done) for asked, done in revoked):
                 continue  # the resume took the lease: applied after the mark, before t
             out.append(
                 Violation(
@@ -326,9 +328,9 @@ def check_leases_respected(cx: Context) -> Outcome:
                     a,
                     None,
                     f"{begin.get('src')} began {a} {due - t:.3f} s before the lease "
-                    f"{last.proc[0]} took ({last.event.get('ev')}) ran out, "
-                    f"{last.proc[0]} still holding it",
-                    timeline([last.event, begin], evs),
+                    f"{other.proc[0]} took ({other.event.get('ev')}) ran out, "
+                    f"{other.proc[0]} still holding it",
+                    timeline([other.event, begin], evs),
                 )
             )
     return cases, out

@@ -4,7 +4,10 @@ With N = the scenario's `immediate_retries` + 1 (level 1's calls per attempt) an
 rule's `max_attempts` (the plan's, else the scenario's), per (attemptId, ruleId):
 
 - an execution of an attempt (one process, from try 1) makes at most N calls, and retries
-  at once only after a failure the policy retries (not after a permanent one);
+  at once only after a failure the policy retries (not after a permanent one); a try made
+  again in it is the same call redone, not another, only when a fault that touched its
+  process came between the two (a killed server lost the first one's answer, a frozen
+  worker's call was handed to it again), as `touching` proves from the history;
 - attempt k >= 2 (a delayed retry) starts only after an execution of attempt k - 1 spent
   level 1: N calls, each failed with an error worth retrying;
 - `permanently_failed` is written only after attempt M spent level 1, or right after an
@@ -17,10 +20,19 @@ checker's own table, never from the `retryable` flag the engine recorded.
 
 from __future__ import annotations
 
-from chaos.checker.context import Context, Outcome, as_int, sort_key, timeline
+from chaos.checker.context import (
+    Context,
+    Outcome,
+    as_int,
+    event_time,
+    proc_of,
+    sort_key,
+    timeline,
+)
 from chaos.checker.oracle import is_permanent_error
 from chaos.checker.records import Violation
 from chaos.checker.rounds import Round
+from chaos.checker.touching import Touch, touching
 
 NAME = "retry_budget"
 
@@ -37,6 +49,23 @@ def _spent(rnd: Round, calls: int) -> bool:
         and len(failed) >= calls
         and not any(is_permanent_error(e.get("kind")) for e in failed)
     )
+
+
+def _calls(rnd: Round, windows: list[Touch]) -> list[dict]:
+    """The execution's calls: its starts but a try started again after a fault that
+    touched its process since that try's previous start (the same call redone)."""
+    calls: list[dict] = []
+    made: dict[int, dict] = {}  # try -> its latest start
+    for e in rnd.starts:
+        try_no = as_int(e.get("try_no"), 1)
+        before = made.get(try_no)
+        made[try_no] = e
+        if before is not None and touching(
+            windows, proc_of(e)[1], event_time(before), event_time(e)
+        ):
+            continue
+        calls.append(e)
+    return calls
 
 
 def _last(rnd: Round) -> dict:
@@ -68,9 +97,9 @@ def check_retry_budget(cx: Context) -> Outcome:
             out.append(Violation(NAME, a, r, message, timeline(key)))
 
         for rnd in rounds:
-            if len(rnd.starts) > calls:
+            if len(rnd.starts) > calls and len(counted := _calls(rnd, cx.touches())) > calls:
                 flag(
-                    f"{r} attempt {rnd.attempt} made {len(rnd.starts)} calls in one execution; "
+                    f"{r} attempt {rnd.attempt} made {len(counted)} calls in one execution; "
                     f"level 1 allows {calls} (immediate_retries {calls - 1} + 1)",
                     rnd.starts + _failures(rnd),
                 )

@@ -337,7 +337,7 @@ def _due_s(delivery: dict) -> float | None:
     published, delay = delivery.get("published_ms"), delivery.get("delay_ms")
     if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in (published, delay)):
         return None
-    return (float(published) + float(delay)) / 1000.0
+    return (float(published) + float(delay)) / 1000.0  # type: ignore[arg-type]
 
 
 def _due(e: dict) -> float:
@@ -371,7 +371,7 @@ def _held_behind(cx: Context, tol: float) -> list[Violation]:
         key = (e.get("attempt_id"), e.get("rule_id"), e.get("attempt"))
         delay = e.get("delay_ms")
         numeric = isinstance(delay, int | float) and not isinstance(delay, bool)
-        wait_s = float(delay) / 1000.0 if numeric and delay > 0 else 0.0
+        wait_s = float(delay) / 1000.0 if numeric and delay > 0 else 0.0  # type: ignore[arg-type,operator]
         answers.setdefault(key, []).append((event_time(e), event_time(e) + wait_s))
     out: list[Violation] = []
     before: dict | None = None  # the message due last of those delivered before this one
@@ -451,13 +451,13 @@ def check_retry_delays_respected(cx: Context) -> Outcome:
             status = next(
                 (
                     e
-                    for e in reversed(of(before, "status_written"))
+                    for e in of(before, "status_written")[::-1]
                     if e.get("status") == f"failed_attempt_{k - 1}"
                 ),
                 None,
             )
             pub = next(
-                (e for e in reversed(of(before, "retry_published")) if e.get("attempt") == k),
+                (e for e in of(before, "retry_published")[::-1] if e.get("attempt") == k),
                 None,
             )
             base = status or pub

@@ -65,7 +65,7 @@ def each_problem(e: dict) -> list[tuple[str, str]]:
                     f"`{ev}`'s `{key}` is {e[key]!r}, expected {describe(field)}",
                 )
             )
-    agrees = AGREES.get(ev)
+    agrees = AGREES.get(ev)  # type: ignore[arg-type]
     wrong = agrees(e) if agrees is not None and not out else None
     if wrong is not None:
         out.append((f"{ev} disagrees", f"`{ev}` with {wrong}"))
@@ -240,7 +240,8 @@ def _marker_of(evs: list[dict], start: dict) -> str | None:
     key = (start.get("rule_id"), start.get("attempt"))
     region: list[dict] = []
     begun = -1  # where the evaluation was last begun, counted from the region's end
-    for x in reversed(evs):
+    for i in range(len(evs) - 1, -1, -1):  # (not `reversed`: mypyc cannot compile it here)
+        x = evs[i]
         ev = x.get("ev")
         if ev == "rule_started" and (x.get("rule_id"), x.get("attempt")) == key:
             break

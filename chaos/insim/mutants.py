@@ -61,6 +61,7 @@ CORE: tuple[str, ...] = (
     "ignore_dag",
     "no_immediate_retries",
     "give_up_early",
+    "try_made_twice",
     "slow_tier",
     "all_passes_complete",
     "pass_announced_again",

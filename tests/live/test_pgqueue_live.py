@@ -542,6 +542,10 @@ def test_a_run_resumed_from_a_checkpoint_keeps_what_came_before_and_redoes_the_r
     argv = [sys.executable, "-m", "engine.worker", "--system", "pg", "--namespace", ns]
     argv += ["--worker-id", "w1", "--history", str(history), "--max-parallel", "1"]
     argv += ["--agent", '{"latency_ms": 100}']
+    # The fourth rule stalls until its owner is fenced off (the heartbeat then abandons the
+    # evaluation, cancelling the stall): the run is still running when the resume comes,
+    # however long the command takes to start.
+    argv += ["--failpoint", "rule_before_call=stall:600000,hit=4"]
     worker = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
 
     async def checkpoints() -> list[tuple[int, str]]:

@@ -62,6 +62,7 @@ def test_every_shipped_scenario_whose_faults_apply_passes_on_temporal_live(
         settings = doc["extra"]["design_settings"]
         assert settings["activity_heartbeat_timeout_s"] == 1.0
         assert settings["timer_max_time_shift_ms"] == 10
+        assert settings["queue_poll_rps"] == 1000
         for name in ("leases_respected", "writes_fenced", "retries_acked"):
             assert doc["verdicts"].get(name, "n/a") == "n/a"  # unless not checked at all
     judged = [doc for doc in docs if "leases_respected" in doc["verdicts"]]

@@ -16,8 +16,9 @@ activities already scheduled still start), a resume from a checkpoint, poison me
 the engine's settings, `max_parallel` is the workflow's (the core's); the rest (leases,
 heartbeats, the sweeper, the prefetch) name mechanisms Temporal does not have: its own are
 the activity's heartbeat timeout and the sticky queue's schedule-to-start timeout, 1 s
-each (`HEARTBEAT_TIMEOUT`, `worker.serve`), and the server's timer shift, 10 ms
-(`server.DYNAMIC_CONFIG`), said in the run's journal (`extra.design_settings`).
+each (`HEARTBEAT_TIMEOUT`, `worker.serve`), and the server's timer shift, 10 ms, and its
+queues' poll rate, 1000 a second (`server.DYNAMIC_CONFIG`), said in the run's journal
+(`extra.design_settings`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from chaos.scenario import LoadedScenario
 from chaos.systems import workflow_engine
 from chaos.systems.core_workflow import Ended
 from chaos.systems.temporal.mutants import MUTANTS
+from chaos.systems.temporal.server import DYNAMIC_CONFIG
 from chaos.systems.temporal.services import TemporalServices
 from chaos.systems.workflow_engine import WorkflowEngineLive
 from chaos.workers import WorkerProcess
@@ -60,6 +62,8 @@ SETTINGS = {
     "activity_retry": "at once, without end (a worker's death; agent errors are the core's)",
     "level_1_retry": "on the worker of the try it retries, for up to 2 s, then on any",
     "timer_max_time_shift_ms": 10,  # the server's default 1 s: timers up to 1 s late
+    # the server's default 20: a workflow's hops paced to 100 ms each after a burst
+    "queue_poll_rps": int(DYNAMIC_CONFIG["history.transferProcessorMaxPollRPS"]),
 }
 
 

@@ -23,8 +23,15 @@ NAMESPACE = "default"
 #: of 1 s, a timer fired up to about 1 s late here (a 200 ms retry tier was met in 0.8 to
 #: 1.0 s, and retries falling due within a second came out in any order); at 10 ms, 40 to
 #: 60 ms late (measured with `every_rule_fails`). Production tiers (30 s and more) hardly
-#: notice; the scenarios' scaled tiers (tens of ms) do.
-DYNAMIC_CONFIG = {"history.timerProcessorMaxTimeShift": '"10ms"'}
+#: notice; the scenarios' scaled tiers (tens of ms) do. The queues' poll rates (20 a second
+#: by default, after a burst) paced every hop of a workflow past its first dozen: an activity
+#: and the workflow task after it took 100 ms, not 20 (`settings_at_their_most`'s 420 calls
+#: took 53 s, past its deadline on a loaded machine, and 27 s at 1000).
+DYNAMIC_CONFIG = {
+    "history.timerProcessorMaxTimeShift": '"10ms"',
+    "history.transferProcessorMaxPollRPS": "1000",
+    "history.timerProcessorMaxPollRPS": "1000",
+}
 
 
 def find_temporal() -> str | None:
