@@ -148,8 +148,9 @@ def not_ok(name: str, outcome: Outcome) -> str:
 #: found: see the closing note of 2026-12-04), and claims in every run of it since.
 #: `final_retry_disowned` needs Redis paused before the final write's 200 ms stall ends:
 #: in a CI run on a loaded host (2026-12-07), the conductor acted later, and the mutant had
-#: nothing to break (the scenario passes on the correct engine either way); a longer stall
-#: there sends the write into the pause but no longer makes redis-py send it twice.
+#: nothing to break (the scenario passes on the correct engine either way). A longer stall
+#: (400 to 800 ms), or a slower heartbeat, left the mutant uncaught in sim and mostly live:
+#: the final write then queues behind a lease renewal the pause holds, and is sent once.
 #: (`call_after_close` missed once so too, before its rules' stall went from 200 ms to 1 s.)
 LIVE_TRIES = {"sweeper_claims_early": 3, "final_retry_disowned": 3}
 
