@@ -221,7 +221,11 @@ def failpoints_page() -> str:
     lines += [
         "Where a fault can be armed inside a worker (`--failpoint`, `ENGINE_FAILPOINTS`, or a",
         "scenario's `failpoint:` fault), as",
-        "`NAME=crash|raise|stall:MS|freeze:MS[,hit=N][,times=K][,rule=R][,attempt_id=A]`.",
+        "`NAME=crash|raise|stall:MS|freeze:MS[,hit=N][,times=K][,rule=R][,attempt_id=A]"
+        "[,until=EVENT]`.",
+        "A stall with `until` ends once the run's history records EVENT after the firing (MS is",
+        "then its longest), and records its end (`failpoint_released`, `came`): a scenario that",
+        "needs the runner to act inside the stall waits for the act, not for a time.",
         "",
     ]
     rows = ((f"`{n}`", m) for n, m in FAILPOINTS.items())

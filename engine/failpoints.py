@@ -4,20 +4,25 @@ The names are the table below and nowhere else: the runtime, the simulator, the 
 validator and `chaos list` all read `FAILPOINTS`. Unarmed, a hit is one empty-dict lookup.
 
 Spec syntax (env `ENGINE_FAILPOINTS`, flag `--failpoint`), entries separated by `;`:
-    NAME=ACTION[,hit=N][,times=K][,rule=RULE_ID][,attempt_id=ID]
+    NAME=ACTION[,hit=N][,times=K][,rule=RULE_ID][,attempt_id=ID][,until=EVENT]
 ACTION is `crash` (the process SIGKILLs itself), `raise` (an `InjectedFault` surfaces where
 the boundary is), `stall:MS` (this task sleeps MS milliseconds of real time; the rest of
 the worker, its heartbeat included, goes on) or `freeze:MS` (the whole process stops for MS
 milliseconds, as in a long GC pause or a SIGSTOP: its heartbeat stops too, so its leases
 lapse and another worker may take its evaluations over while it still holds an answer).
 It fires on the Nth matching hit (default 1) and then K times in all (default 1; 0 means
-every later hit).
+every later hit). `until=EVENT` ends a stall as soon as the run's history records that
+event after the firing (MS is then its longest): a scenario that needs the runner to act
+inside the stall waits for the act, not for a time the runner may miss on a loaded host.
+Its end is recorded (`failpoint_released`, `came`: whether the event did), so that a
+checker's window of the stall is the stall's own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -61,6 +66,8 @@ RULELESS_FAILPOINTS: frozenset[str] = frozenset(
 ACTIONS = ("crash", "raise", "stall", "freeze")
 #: Actions that take a duration in milliseconds (`stall_ms`).
 TIMED_ACTIONS = ("stall", "freeze")
+#: How often a stall with `until` looks at the history for its event.
+UNTIL_POLL_S = 0.005
 
 
 class FailpointError(ValueError):
@@ -80,6 +87,7 @@ class Failpoint:
     times: int = 1
     rule: str | None = None
     attempt_id: str | None = None
+    until: str | None = None  # a stall's end: this history event, once recorded after it fired
     seen: int = field(default=0, compare=False)
     fired: int = field(default=0, compare=False)
 
@@ -104,18 +112,31 @@ class Failpoint:
             out += f",rule={self.rule}"
         if self.attempt_id:
             out += f",attempt_id={self.attempt_id}"
+        if self.until:
+            out += f",until={self.until}"
         return out
 
 
 def fired_fields(fp: Failpoint, rule: str | None, attempt_id: str | None) -> dict[str, Any]:
     """The fields of the history's `failpoint_fired`, live and simulated alike."""
-    return {
+    fields: dict[str, Any] = {
         "failpoint": fp.name,
         "action": fp.action,
         "stall_ms": fp.stall_ms,
         "rule": rule,
         "attempt_id": attempt_id,
     }
+    if fp.until is not None:
+        fields["until"] = fp.until
+    return fields
+
+
+def released_fields(
+    fp: Failpoint, rule: str | None, attempt_id: str | None, came: bool
+) -> dict[str, Any]:
+    """The fields of the history's `failpoint_released`: a stall with `until` is over (the
+    event came, or its longest elapsed), live and simulated alike."""
+    return {"failpoint": fp.name, "rule": rule, "attempt_id": attempt_id, "came": came}
 
 
 def parse_specs(text: str) -> list[Failpoint]:
@@ -144,10 +165,17 @@ def parse_specs(text: str) -> list[Failpoint]:
                 setattr(fp, key, int(value))
             elif key in ("rule", "attempt_id") and value:
                 setattr(fp, key, value)
+            elif key == "until" and value:
+                if fp.action != "stall":
+                    raise FailpointError(
+                        f"failpoint {name}: until only with stall (a stall ends on the event); "
+                        f"action is {fp.action}"
+                    )
+                fp.until = value
             else:
                 raise FailpointError(
                     f"failpoint {name}: unknown option {opt!r}; expected hit, times, rule, "
-                    "attempt_id"
+                    "attempt_id, until"
                 )
         out.append(fp)
     return out
@@ -186,6 +214,10 @@ class Failpoints:
         self._armed: dict[str, list[Failpoint]] = {}
         self.on_crash = on_crash
         self.on_fire: Callable[[Failpoint, str | None, str | None], None] | None = None
+        # a stall with `until`: the history it watches, and what records its end
+        self.history_path: str | None = None
+        self.on_release: Callable[[Failpoint, str | None, str | None, bool], None] | None = None
+        self._watching = False  # a stall with `until` is armed
         for fp in armed or []:
             self.arm(fp)
 
@@ -195,6 +227,7 @@ class Failpoints:
 
     def arm(self, fp: Failpoint) -> None:
         self._armed.setdefault(fp.name, []).append(fp)
+        self._watching = self._watching or fp.until is not None
 
     @property
     def armed(self) -> bool:
@@ -228,10 +261,45 @@ class Failpoints:
     async def hit(self, name: str, rule: str | None = None, attempt_id: str | None = None) -> None:
         if not self._armed:
             return
+        # where the history stood before the firing: the event must come after it
+        start = self._end_of_history() if self._watching else 0
         fp = self.fired(name, rule, attempt_id)
         if fp is None or not fp.stall_ms:
             return
         if fp.action == "freeze":
             time.sleep(fp.stall_ms / 1000)  # blocks the event loop: the whole worker stops
+        elif fp.until is not None:
+            came = await self._until(fp.until, start, fp.stall_ms / 1000)
+            if self.on_release is not None:
+                self.on_release(fp, rule, attempt_id, came)
         else:
             await asyncio.sleep(fp.stall_ms / 1000)
+
+    def _end_of_history(self) -> int:
+        if self.history_path is None:
+            return 0
+        try:
+            return os.path.getsize(self.history_path)
+        except OSError:
+            return 0
+
+    async def _until(self, event: str, start: int, longest_s: float) -> bool:
+        """Whether the history records `event` past byte `start`, within `longest_s`: its
+        lines read as they are appended (every process writes one whole line at a time)."""
+        deadline = time.monotonic() + longest_s
+        if self.history_path is None:  # nothing to watch: the longest stall
+            await asyncio.sleep(longest_s)
+            return False
+        line = re.compile(rb'"ev":\s*"' + re.escape(event.encode()) + rb'"')
+        with open(self.history_path, "rb") as fh:
+            fh.seek(start)
+            partial = b""
+            while True:
+                lines = (partial + fh.read()).split(b"\n")
+                partial = lines.pop()  # a line not yet whole
+                if any(line.search(text) for text in lines):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                await asyncio.sleep(min(UNTIL_POLL_S, left))

@@ -52,7 +52,13 @@ from engine.config import (
 )
 from engine.core import RuleResult
 from engine.core.messages import decode
-from engine.failpoints import FailpointError, Failpoints, fired_fields, parse_specs
+from engine.failpoints import (
+    FailpointError,
+    Failpoints,
+    fired_fields,
+    parse_specs,
+    released_fields,
+)
 from engine.history import History, open_history
 from engine.metrics import Metrics
 from engine.plan import Rule
@@ -119,6 +125,10 @@ class Worker:
         fps.on_fire = lambda fp, rule, attempt_id: history.record(
             "failpoint_fired", **fired_fields(fp, rule, attempt_id)
         )
+        fps.on_release = lambda fp, rule, attempt_id, came: history.record(
+            "failpoint_released", **released_fields(fp, rule, attempt_id, came)
+        )
+        fps.history_path = history_path
         store = open_store(config)
         self.rt = Runtime(
             worker_id=self.worker_id,

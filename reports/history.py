@@ -4,7 +4,7 @@ judges a run, and the reports, which show what it cost; nothing here judges."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +61,32 @@ def as_int(value: Any, default: int = 0) -> int:
 
 #: The events `fault_windows` reads (every other one is passed over at once).
 _WINDOW_EVENTS = frozenset({"crash", "fault_fired", "failpoint_fired", "worker_exited"})
-#: Every kind `fault_windows` reads, the heals with them.
-WINDOW_KINDS = _WINDOW_EVENTS | {"fault_healed"}
+#: Every kind `fault_windows` reads, the heals and the stalls' ends with them.
+WINDOW_KINDS = _WINDOW_EVENTS | {"fault_healed", "failpoint_released"}
+
+
+def stall_ends(events: Iterable[Mapping[str, Any]]) -> dict[int, float]:
+    """When each stall or freeze ended, by the `id` of its `failpoint_fired` (events in
+    time order): a stall with `until` at its `failpoint_released` (the first of the same
+    process, failpoint, rule and evaluation after it), any other, or one whose process died
+    first, `stall_ms` after it fired."""
+    out: dict[int, float] = {}
+    waiting: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for e in events:
+        ev = e.get("ev")
+        if ev == "failpoint_fired" and e.get("action") in TIMED_ACTIONS:
+            out[id(e)] = event_time(e) + as_int(e.get("stall_ms")) / 1000
+            if e.get("until") is not None:
+                waiting.setdefault(_stall_of(e), []).append(e)
+        elif ev == "failpoint_released":
+            fired = waiting.get(_stall_of(e))
+            if fired:
+                out[id(fired.pop(0))] = event_time(e)
+    return out
+
+
+def _stall_of(e: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (e.get("src"), e.get("pid"), e.get("failpoint"), e.get("rule"), e.get("attempt_id"))
 
 
 def fault_windows(events: list[dict], end_of_run: float | None = None) -> list[FaultWindow]:
@@ -76,6 +100,7 @@ def fault_windows(events: list[dict], end_of_run: float | None = None) -> list[F
     for e in events:
         if e.get("ev") == "fault_healed" and e.get("fault_id") is not None:
             healed.setdefault(e["fault_id"], event_time(e))
+    stalled = stall_ends(events)
     out: list[FaultWindow] = []
     for e in events:
         ev = e.get("ev")
@@ -90,7 +115,7 @@ def fault_windows(events: list[dict], end_of_run: float | None = None) -> list[F
             out.append(FaultWindow(t, max(end, t), label))
         elif ev == "failpoint_fired" and e.get("action") in TIMED_ACTIONS:
             # a freeze stops the whole worker, a stall one task: either delays its steps
-            end = t + float(e.get("stall_ms") or 0) / 1000
+            end = stalled[id(e)]
             out.append(FaultWindow(t, end, f"{e['action']}@{e.get('failpoint')}"))
         elif ev == "worker_exited":
             crash = crashes.pop(e.get("pid"), None)

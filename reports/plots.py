@@ -26,7 +26,13 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, PercentFor
 
 from engine.failpoints import TIMED_ACTIONS
 from reports.cost import CAUSES, Cost
-from reports.history import LINK_ACTIONS, TARGETED_ACTIONS, WORKER_ACTIONS, event_time
+from reports.history import (
+    LINK_ACTIONS,
+    TARGETED_ACTIONS,
+    WORKER_ACTIONS,
+    event_time,
+    stall_ends,
+)
 from reports.latency import RetryLatency, percentiles
 
 if TYPE_CHECKING:
@@ -86,6 +92,7 @@ def fault_marks(history: list[dict[str, Any]]) -> list[FaultMark]:
         if e.get("ev") == "fault_healed" and e.get("fault_id") is not None:
             healed.setdefault(e["fault_id"], event_time(e) - t0)
     crashes: dict[Any, tuple[float, str]] = {}
+    stalled = stall_ends(history)
     out: list[FaultMark] = []
     for e in history:
         ev, t = e.get("ev"), event_time(e) - t0
@@ -107,7 +114,7 @@ def fault_marks(history: list[dict[str, Any]]) -> list[FaultMark]:
             label = f"{label} w{e.get('worker')}" if e.get("worker") is not None else label
             out.append(FaultMark(start, end if end and end > start else None, label, False))
         elif ev == "failpoint_fired" and e.get("action") in TIMED_ACTIONS:
-            end = t + float(e.get("stall_ms") or 0) / 1000
+            end = stalled[id(e)] - t0
             label = f"{e['action']}@{e.get('failpoint')}"
             out.append(FaultMark(t, end if end > t else None, label, False))
     for start, label in crashes.values():  # no supervisor noted the exit

@@ -24,7 +24,7 @@ import simpy
 from engine.agent import FakeAgent
 from engine.config import EngineConfig
 from engine.core.messages import decode
-from engine.failpoints import Failpoint, fired_fields
+from engine.failpoints import Failpoint, fired_fields, released_fields
 from engine.metrics import Metrics
 from engine.shell import heartbeat
 from engine.shell.controller import EvaluationController
@@ -84,7 +84,15 @@ class SimWorker:
         )
         self.broker = self.first_memory()
         self.fp = (
-            SimFailpoints(env, failpoints, self.crash, self.freeze, self._failpoint_fired)
+            SimFailpoints(
+                env,
+                failpoints,
+                self.crash,
+                self.freeze,
+                self._failpoint_fired,
+                history=run.events,
+                on_release=self._failpoint_released,
+            )
             if failpoints
             else None
         )
@@ -236,6 +244,12 @@ class SimWorker:
     def _failpoint_fired(self, fp: Failpoint, rule: str | None, attempt_id: str | None) -> None:
         """What the live worker's `Failpoints.on_fire` records."""
         self.record("failpoint_fired", **fired_fields(fp, rule, attempt_id))
+
+    def _failpoint_released(
+        self, fp: Failpoint, rule: str | None, attempt_id: str | None, came: bool
+    ) -> None:
+        """What the live worker's `Failpoints.on_release` records."""
+        self.record("failpoint_released", **released_fields(fp, rule, attempt_id, came))
 
     def crash(
         self, failpoint: str, rule: str | None = None, attempt_id: str | None = None

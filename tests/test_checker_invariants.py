@@ -24,7 +24,9 @@ from chaos.checker import (
     check,
     fault_windows,
 )
+from chaos.checker.context import stall_ends
 from chaos.checker.oracle import delay_bounds, dependents_of, is_permanent_error
+from chaos.checker.touching import touches
 from chaos.journal import format_violation, summary_line
 from engine.history import UNREADABLE, FileHistory, read_history
 from engine.plan import Plan
@@ -207,6 +209,28 @@ def test_fault_windows_open_and_heal_by_the_runner_records() -> None:
         (4.0, 5.0, "worker 1 exited"),  # from the crash itself
         (6.0, 6.35, "freeze@x"),  # the whole worker stopped for its stall_ms
     ]
+
+
+def test_a_stall_with_until_ends_at_its_release() -> None:
+    """A stall that ended on its event is a window to its `failpoint_released`, not to its
+    longest `stall_ms` (the checker would excuse a process for seconds it was running);
+    one whose process died before its release lasts its `stall_ms`."""
+    stall = {"failpoint": "before_final_write", "action": "stall", "stall_ms": 5000}
+    w1 = {"src": "w1", "pid": 11, "rule": None, "attempt_id": "a0"}
+    w2 = {"src": "w2", "pid": 12, "rule": None, "attempt_id": "a0"}
+    events = [
+        {"t": 1.0, "seq": 1, "ev": "failpoint_fired", **w1, **stall, "until": "service_paused"},
+        {"t": 1.1, "seq": 2, "ev": "failpoint_fired", **w2, **stall, "until": "service_paused"},
+        ev(1.2, "service_paused", 1, service="redis"),
+        {"t": 1.25, "seq": 2, "ev": "failpoint_released", **w1}
+        | {"failpoint": "before_final_write", "came": True},
+        ev(9.0, "run_finished", 2),
+    ]
+    ends = stall_ends(events)
+    assert [ends[id(e)] for e in events[:2]] == [1.25, 6.1]
+    windows = [(w.start, w.end) for w in fault_windows(events)]
+    assert windows == [(1.0, 1.25), (1.1, 6.1)]
+    assert [(w.start, w.end) for w in touches(events) if w.pids == frozenset({11})] == [(1.0, 1.25)]
 
 
 def late_retry_with(*faults: tuple[float, str, dict[str, Any]]) -> Run:

@@ -38,7 +38,7 @@ from chaos.scenario import (
     write_schema,
 )
 from chaos.scenario.schema import EngineSpec
-from engine.failpoints import FAILPOINTS, parse_specs
+from engine.failpoints import FAILPOINTS, FailpointError, parse_specs
 from engine.plan import load_plan
 from engine.policy import ENGINE_BOUNDS, MAX_SEED, RetryPolicy, check_engine_settings
 from tests.helpers import containers
@@ -584,6 +584,16 @@ BROKEN: list[tuple[str, Mutation, str]] = [
     ),
     ("stall_ms_with_crash", _fault(0, stall_ms=5), "faults[0].stall_ms: only with action stall"),
     (
+        "until_with_freeze",
+        _fault(0, action="freeze", stall_ms=5, until="service_paused"),
+        "faults[0].until: only with action stall (a stall ends on it); action is freeze",
+    ),
+    (
+        "until_not_an_event",
+        _fault(0, action="stall", stall_ms=5, until="Service Paused"),
+        "faults[0].until: expected",
+    ),
+    (
         "stall_ms_zero",
         _fault(0, action="stall", stall_ms=0),
         "faults[0].stall_ms: expected a value >= 1",
@@ -1089,6 +1099,11 @@ def _fp(**values: Any) -> FailpointFault:
         ({"action": "stall", "stall_ms": 250}, None, "rule_after_write=stall:250,hit=1,times=1"),
         ({"rule": "compiles"}, None, "rule_after_write=crash,hit=1,times=1,rule=compiles"),
         (
+            {"action": "stall", "stall_ms": 5000, "until": "service_paused"},
+            None,
+            "rule_after_write=stall:5000,hit=1,times=1,until=service_paused",
+        ),
+        (
             {"rule": "compiles", "evaluation": 0, "hit": 2},
             "cand-42",
             "rule_after_write=crash,hit=2,times=1,rule=compiles,attempt_id=cand-42",
@@ -1111,7 +1126,14 @@ def test_failpoint_spec_rendering(
         fault.rule,
     )
     assert parsed.stall_ms == (fault.stall_ms or 0)
+    assert parsed.until == fault.until
     assert parsed.attempt_id == attempt_id
+
+
+def test_until_is_a_stall_s_alone_in_a_spec() -> None:
+    for action in ("crash", "raise", "freeze:5"):
+        with pytest.raises(FailpointError, match="until only with stall"):
+            parse_specs(f"after_ack={action},until=service_paused")
 
 
 def test_failpoint_spec_needs_a_writable_attempt_id() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import simpy
+import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -476,3 +477,23 @@ def test_options_reach_the_models() -> None:
     assert lossy.extra["dead_letters_lost"] > 0
     assert of(lossy.history, "sweeper_retried")  # every retry was lost; the sweeper's came
     assert lossy.result.ok, lossy.result.verdicts
+
+
+def test_a_stall_with_until_ends_on_its_event_and_else_lasts_its_longest() -> None:
+    """`final-write-retried-completed-delivered-s1`'s stall ends at the runner's
+    `service_paused` (polled as the live worker polls its file); with no pause at all it
+    lasts its `stall_ms`, and says that its event never came."""
+    path = ROOT / "scenarios" / "regressions" / "final-write-retried-completed-delivered-s1.yaml"
+    data = yaml.safe_load(path.read_text())
+    for faults, came in ((data["faults"], True), (data["faults"][:2], False)):
+        loaded = scenario_from_dict({**data, "faults": faults}, str(path))
+        history = run_scenario(loaded).history
+        (fired,) = of(history, "failpoint_fired")
+        (released,) = of(history, "failpoint_released")
+        assert fired["until"] == "service_paused" and released["came"] is came
+        waited = released["t"] - fired["t"]
+        if came:
+            (paused,) = of(history, "service_paused")
+            assert 0 <= released["t"] - paused["t"] <= 0.005 + 1e-9
+        else:
+            assert waited == pytest.approx(fired["stall_ms"] / 1000)

@@ -21,6 +21,7 @@ from reports.history import as_int as as_int
 from reports.history import event_time as event_time
 from reports.history import fault_windows as fault_windows
 from reports.history import sort_key as sort_key
+from reports.history import stall_ends as stall_ends
 
 if TYPE_CHECKING:
     from chaos.checker.holding import Session

@@ -50,10 +50,10 @@ from typing import Any
 from chaos.checker.context import (
     Context,
     Outcome,
-    as_int,
     event_time,
     of,
     proc_of,
+    stall_ends,
     timeline,
 )
 from chaos.checker.holding import Proc, death_of, stop_starts
@@ -75,9 +75,12 @@ _AROUND = (
 
 def _stalls(cx: Context) -> dict[Proc, list[tuple[float, float, dict]]]:
     out: dict[Proc, list[tuple[float, float, dict]]] = defaultdict(list)
-    for e in of(cx.events, "failpoint_fired"):
-        t = event_time(e)
-        out[proc_of(e)].append((t, t + as_int(e.get("stall_ms")) / 1000.0, e))
+    fired = of(cx.events, "failpoint_fired", "failpoint_released")
+    ended = stall_ends(fired)
+    for e in fired:
+        if e.get("ev") == "failpoint_fired":
+            t = event_time(e)
+            out[proc_of(e)].append((t, ended.get(id(e), t), e))
     return out
 
 

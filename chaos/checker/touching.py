@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from chaos.checker.context import event_time, proc_of
+from chaos.checker.context import event_time, proc_of, stall_ends
 from engine.failpoints import TIMED_ACTIONS
 
 #: What a service is to the engine, whatever the design names it: its store (Redis,
@@ -77,6 +77,7 @@ def touches(events: list[dict]) -> list[Touch]:
     for e in events:
         if e.get("ev") == "fault_healed" and e.get("fault_id") is not None:
             healed.setdefault(e["fault_id"], event_time(e))
+    stalled = stall_ends(events)
     out: list[Touch] = []
     down: dict[str, float] = {}
     # faults waiting for the runner's record of where they acted, in firing order
@@ -115,9 +116,8 @@ def touches(events: list[dict]) -> list[Touch]:
             service = str(e.get("service"))
             out.append(Touch(down.pop(service, t), t, None, role(service), f"{service} down"))
         elif ev == "failpoint_fired" and e.get("action") in TIMED_ACTIONS:
-            stalled = t + float(e.get("stall_ms") or 0) / 1000
             pid = proc_of(e)[1]
-            out.append(Touch(t, stalled, frozenset({pid}), None, f"{e['action']}@fp"))
+            out.append(Touch(t, stalled[id(e)], frozenset({pid}), None, f"{e['action']}@fp"))
         elif ev in ("consumer_timeout", "channel_closed"):
             pid = proc_of(e)[1] if proc_of(e)[0] != "runner" else None
             scope = None if pid is None else frozenset({pid})

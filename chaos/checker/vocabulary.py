@@ -191,6 +191,14 @@ EVENTS: dict[str, dict[str, Spec]] = {
         "stall_ms": INT,
         "rule": OPT_STR,
         "attempt_id": OPT_STR,
+        "until?": STR,
+    },
+    # a stall with `until` is over: its event came, or its longest elapsed
+    "failpoint_released": {
+        "failpoint": frozenset(FAILPOINTS),
+        "rule": OPT_STR,
+        "attempt_id": OPT_STR,
+        "came": BOOL,
     },
     "crash": {"failpoint": frozenset(FAILPOINTS), "rule": OPT_STR, "attempt_id": OPT_STR},
     "engine_error": {"error": STR, "during": STR, "traceback": STR, "attempt_id?": STR},

@@ -549,6 +549,12 @@ class FailpointFault(_Model):
         le=MAX_STALL_MS,
         description="required iff action is stall or freeze (the whole worker stops)",
     )
+    until: str | None = Field(
+        default=None,
+        pattern=EVENT_PATTERN,
+        description="stall only: the stall ends once the history records this event after "
+        "the firing (e.g. service_paused: the runner's fault it waits for), stall_ms at most",
+    )
     hit: int = Field(default=1, ge=1, le=MAX_HITS, description="fire on the Nth matching hit")
     times: int = Field(
         default=1,
@@ -573,6 +579,8 @@ class FailpointFault(_Model):
             _fail("stall_ms", f"required field is missing (action is {self.action})")
         if not timed and self.stall_ms is not None:
             _fail("stall_ms", f"only with action stall or freeze; action is {self.action}")
+        if self.until is not None and self.action != "stall":
+            _fail("until", f"only with action stall (a stall ends on it); action is {self.action}")
         if self.rule is not None and self.failpoint in RULELESS_FAILPOINTS:
             _fail(
                 "rule",
@@ -594,6 +602,8 @@ class FailpointFault(_Model):
         spec = f"{self.failpoint}={action},hit={self.hit},times={self.times}"
         if self.rule is not None:
             spec += f",rule={self.rule}"
+        if self.until is not None:
+            spec += f",until={self.until}"
         if attempt_id is not None:
             if not attempt_id or re.search(r"[\s,;=]", attempt_id):
                 raise ValueError(f"attempt id {attempt_id!r} cannot be written in a failpoint spec")

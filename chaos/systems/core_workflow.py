@@ -30,7 +30,7 @@ from engine.core.actions import (
     ScheduleRetry,
     SkipRules,
 )
-from engine.failpoints import Failpoints, fired_fields
+from engine.failpoints import Failpoints, fired_fields, released_fields
 from engine.history import History, open_history
 from engine.plan import Plan, plan_from_dict
 from engine.policy import RetryPolicy
@@ -131,6 +131,11 @@ def failpoints() -> Failpoints:
         armed.on_fire = lambda fp, rule, attempt_id: record(
             "failpoint_fired", **fired_fields(fp, rule, attempt_id)
         )
+        armed.on_release = lambda fp, rule, attempt_id, came: record(
+            "failpoint_released", **released_fields(fp, rule, attempt_id, came)
+        )
+        path = getattr(_history[0], "path", None)
+        armed.history_path = None if path is None else str(path)
         _failpoints.append(armed)
     return _failpoints[0]
 
